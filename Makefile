@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:  make demo   (set up, build the sample, inspect, ask)
+#                                   make test   (set up, run the test suite)
+VENV ?= .venv
+BIN := $(VENV)/bin
+SAMPLE := samples/lgpl-3.0.txt
+CART := out/lgpl-3.0.cart
+QUESTION := Who publishes revised versions of the GNU Lesser General Public License?
+
+.PHONY: setup demo test test-fast bench clean
+
+$(BIN)/cartridge: pyproject.toml scripts/setup.sh
+	scripts/setup.sh
+	@touch $@
+
+setup: $(BIN)/cartridge
+
+demo: setup
+	@mkdir -p out
+	$(BIN)/cartridge build $(SAMPLE) -o $(CART) --force
+	$(BIN)/cartridge inspect $(CART)
+	$(BIN)/cartridge ask $(CART) "$(QUESTION)" --max-tokens 60
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/ttft.py --json out/ttft.json
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,22 @@
+"""cartridge: persistent, memory-mappable KV caches for MLX language models.
+
+    cartridge.build(text, "doc.cart")                 # prefill once, write pages
+    cart = cartridge.load("doc.cart")                 # verify, map pages
+    mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("..."),
+                    prompt_cache=cart.prompt_cache())
+"""
+
+import os
+
+from ._blas import OPENBLAS  # noqa: F401  (must run before mlx is imported)
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences "PyTorch was not found" on import
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from .build import BuildResult, build  # noqa: E402
+from .errors import CartridgeError  # noqa: E402
+from .load import Cartridge, load, open_cartridge  # noqa: E402
+from .model import load_model  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["build", "load", "load_model", "open_cartridge", "Cartridge", "BuildResult", "CartridgeError"]

@@ -1,0 +1,215 @@
+"""Prefill a document through a model once and write its K/V as a cartridge.
+
+    text -> chat-template prefix tokens -> chunked prefill (mlx-lm model, mlx-lm KVCache)
+         -> per (layer, side) tier codec -> pages -> container (atomic)
+"""
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from . import keys as K
+from .container import FORMAT_MAJOR, FORMAT_MINOR, CartridgeWriter, check_output_path
+from .errors import InputError
+from .model import LoadedModel, architecture_config, load_model
+from .prompt import SEPARATOR, prefix_tokens, prompt_mode
+from .tiers import DEFAULT_TIER, get_tier
+
+DEFAULT_PAGE_SIZE = 256
+DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass
+class BuildResult:
+    """What `build` wrote.
+
+    Attributes:
+        path (str): the cartridge directory. tokens (int): prefix tokens.
+        prefill_seconds (float), seconds (float): prefill time and total time (prefill + encode + write).
+        bytes (int): total bytes on disk. bytes_per_token (int): K+V payload bytes per token.
+    """
+
+    path: str
+    tokens: int
+    prefill_seconds: float
+    seconds: float
+    bytes: int
+    bytes_per_token: int
+
+    @property
+    def tokens_per_second(self):
+        """Prefill throughput in tokens per second."""
+        return self.tokens / self.prefill_seconds if self.prefill_seconds else float("inf")
+
+
+def tier_schema(n_layers, tier=DEFAULT_TIER):
+    """One tier for every (layer, side): [{"layer": i, "k": tier, "v": tier}, ...]."""
+    get_tier(tier)
+    return [{"layer": i, "k": tier, "v": tier} for i in range(n_layers)]
+
+
+def _geometry(model):
+    attn = model.layers[0].self_attn
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads")
+    head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
+    return len(model.layers), int(n_kv), int(head_dim)
+
+
+def context_length(model):
+    """The model's context length in tokens (max_position_embeddings), or None if it does not say."""
+    return getattr(getattr(model, "args", None), "max_position_embeddings", None)
+
+
+def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
+    """Run `tokens` through the model in chunks and return the filled mlx-lm caches.
+
+    Args:
+        model (nn.Module): mlx-lm model. tokens (list[int]): prompt tokens.
+        step (int): tokens per forward pass. Default: 512.
+        progress (callable | None): called as progress(done_tokens, total_tokens) after each chunk.
+
+    Returns:
+        list[KVCache]: one per layer, keys/values (1, n_kv_heads, >= len(tokens), head_dim).
+
+    Raises:
+        InputError: if the model needs a cache kind other than mlx-lm's full-attention KVCache.
+    """
+    caches = make_prompt_cache(model)
+    if not all(type(c) is KVCache for c in caches):
+        kinds = sorted({type(c).__name__ for c in caches})
+        raise InputError(f"model uses {', '.join(kinds)}; cartridge stores full-attention KVCache models only")
+    body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
+    ids = mx.array(tokens, dtype=mx.uint32)
+    for start in range(0, len(tokens), step):
+        body(ids[None, start:start + step], cache=caches)
+        mx.eval([c.state for c in caches])
+        if progress:
+            progress(min(start + step, len(tokens)), len(tokens))
+    return caches
+
+
+def _pages(x, n_tokens, page_size):
+    """(1, n_kv_heads, >=T, D) cache array -> (n_kv_heads, n_pages * page_size, D), zero-padded."""
+    x = x[0, :, :n_tokens, :]
+    pad = -n_tokens % page_size
+    return mx.pad(x, [(0, 0), (0, pad), (0, 0)]) if pad else x
+
+
+def _to_numpy(part, n_pages, page_size):
+    """(n_kv_heads, n_pages * P, W) -> numpy (n_pages, n_kv_heads, P, W), page-major as stored."""
+    n_kv, _, width = part.shape
+    part = part.reshape(n_kv, n_pages, page_size, width).transpose(1, 0, 2, 3)  # (n_pages, n_kv, P, W)
+    if part.dtype == mx.bfloat16:  # numpy has no bfloat16; store the raw 16 bits
+        part = part.view(mx.uint16)
+    return np.array(part)
+
+
+def _header(lm, tokens, schema, geometry, page_size, mode, source_dtype):
+    n_layers, n_kv, head_dim = geometry
+    header = {
+        K.FORMAT_MAJOR: FORMAT_MAJOR,
+        K.FORMAT_MINOR: FORMAT_MINOR,
+        K.WRITER: "cartridge 0.1.0",
+        K.MODEL_REF: lm.ref,
+        K.MODEL_FINGERPRINT: lm.fingerprint,
+        K.MODEL_CONFIG: architecture_config(lm.model),
+        K.PROMPT_MODE: mode,
+        K.PROMPT_SEPARATOR: SEPARATOR,
+        K.TOKENS_COUNT: len(tokens),
+        K.N_LAYERS: n_layers,
+        K.N_KV_HEADS: n_kv,
+        K.HEAD_DIM: head_dim,
+        K.PAGE_SIZE: page_size,
+        K.N_PAGES: -(-len(tokens) // page_size),
+        K.SOURCE_DTYPE: source_dtype,
+        K.ROPE: "post",
+    }
+    for row in schema:
+        for side in ("k", "v"):
+            codec = get_tier(row[side])
+            header[K.layer_tier(row["layer"], side)] = codec.name
+            header[K.layer_codec_version(row["layer"], side)] = codec.codec_version
+            header[K.layer_params(row["layer"], side)] = codec.header()
+            header[K.layer_components(row["layer"], side)] = [
+                {"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)
+            ]
+    return header
+
+
+def _check_options(lm, schema, geometry, page_size, prefill_step):
+    n_layers, n_kv, head_dim = geometry
+    if not 1 <= page_size <= 1 << 16:
+        raise InputError(f"page size {page_size} tokens is out of range 1..65536")
+    if prefill_step < 1:
+        raise InputError(f"prefill step {prefill_step} must be at least 1 token")
+    if len(schema) != n_layers:
+        raise InputError(f"schema has {len(schema)} layers; the model has {n_layers}")
+    for row in schema:
+        for side in ("k", "v"):
+            get_tier(row[side]).check(n_kv, head_dim)
+
+
+def build(document, output, model=None, tier=DEFAULT_TIER, schema=None, page_size=DEFAULT_PAGE_SIZE,
+          prefill_step=DEFAULT_PREFILL_STEP, force=False, progress=None):
+    """Prefill `document` and write a cartridge to `output`.
+
+    Args:
+        document (str): the corpus text.
+        output (str | Path): cartridge directory to create.
+        model (str | LoadedModel | None): model reference ("default", GGUF path, mlx-lm directory) or
+            a model from `cartridge.load_model`. Default: None ("default").
+        tier (str): tier of every (layer, side) when `schema` is None. Default: "fp16".
+        schema (list[dict] | None): per layer {"layer": i, "k": tier, "v": tier}. Default: None.
+        page_size (int): tokens per page. Default: 256.
+        prefill_step (int): tokens per forward pass. Default: 512.
+        force (bool): replace an existing cartridge at `output`. Default: False.
+        progress (callable | None): progress(done_tokens, total_tokens) during prefill.
+
+    Returns:
+        BuildResult
+
+    Raises:
+        InputError: empty corpus, unknown tier, corpus longer than the model's context, bad options.
+        OutputExistsError: `output` exists and `force` is False.
+        ModelLoadError: the model cannot be loaded.
+
+    Example:
+        >>> import cartridge
+        >>> r = cartridge.build(open("samples/gpl-2.0.txt").read(), "gpl.cart")  # doctest: +SKIP
+    """
+    check_output_path(output, force)  # before any expensive work
+    if not document.strip():
+        raise InputError("the corpus is empty (or only whitespace)")
+    get_tier(tier)
+    lm = model if isinstance(model, LoadedModel) else load_model(model)
+    geometry = _geometry(lm.model)
+    schema = schema or tier_schema(geometry[0], tier)
+    _check_options(lm, schema, geometry, page_size, prefill_step)
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    limit = context_length(lm.model)
+    if limit and len(tokens) >= limit:
+        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
+
+    t0 = time.perf_counter()
+    caches = prefill(lm.model, tokens, prefill_step, progress)
+    t1 = time.perf_counter()
+    n_pages = -(-len(tokens) // page_size)
+    with CartridgeWriter(output, force) as writer:
+        for layer, cache in enumerate(caches):
+            for side, x in (("k", cache.keys), ("v", cache.values)):
+                codec = get_tier(schema[layer][side])
+                parts = codec.encode(_pages(x, len(tokens), page_size))
+                for comp in codec.components(geometry[2]):
+                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name], n_pages, page_size))
+            caches[layer] = None  # free this layer's dense K/V before encoding the next
+        source_dtype = str(x.dtype).replace("mlx.core.", "")
+        header = _header(lm, tokens, schema, geometry, page_size, mode, source_dtype)
+        path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
+    seconds = time.perf_counter() - t0
+    total = sum(f.stat().st_size for f in path.iterdir())
+    bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
+    return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt)

@@ -1,0 +1,66 @@
+"""Portable attention with MLX ops (CPU, Metal, CUDA): batched over pages, merged by log-sum-exp.
+
+Reference: flash-decoding (Dao et al., 2023) split-K with the online-softmax merge; see
+shared/reference/kv-quant-algorithms.md section 5.1. Scores and p.V come from the tier codec, which
+reads its stored page layout (`TierCodec.scores` / `weighted_values`).
+"""
+
+import mlx.core as mx
+
+
+def prefix_partial(q, k_codec, k_parts, v_codec, v_parts, n_tokens):
+    """Attention partial of queries over the prefix pages.
+
+    Args:
+        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled; R = GQA group * query length.
+        k_codec, v_codec (TierCodec): tiers of K and V pages.
+        k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, P, width).
+        n_tokens (int): valid prefix tokens; the last page's padding beyond it is masked out.
+
+    Returns:
+        tuple: o (n_kv_heads, R, head_dim), m (n_kv_heads, R), l (n_kv_heads, R), all float32.
+    """
+    s = k_codec.scores(q, k_parts)  # (n_pages, n_kv, R, P)
+    n_pages, _, _, page = s.shape
+    if n_pages * page != n_tokens:
+        pos = mx.arange(n_pages * page).reshape(n_pages, 1, 1, page)
+        s = mx.where(pos < n_tokens, s, -mx.inf)
+    m = s.max(axis=(0, 3))  # (n_kv, R)
+    p = mx.exp(s - m[None, :, :, None])
+    return v_codec.weighted_values(p, v_parts), m, p.sum(axis=(0, 3))
+
+
+def tail_partial(q, k, v, keep):
+    """Attention partial of queries over dense tail keys/values.
+
+    Args:
+        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled.
+        k, v (mx.array): (n_kv_heads, T, head_dim) tail keys and values, any float dtype.
+        keep (mx.array): bool, broadcastable to (n_kv_heads, R, T); False masks a key out. Every
+            query row must keep at least one key (its own position).
+
+    Returns:
+        tuple: (o, m, l) as in `prefix_partial`.
+    """
+    s = q @ k.astype(mx.float32).swapaxes(-1, -2)  # (n_kv, R, T)
+    s = mx.where(keep, s, -mx.inf)
+    m = s.max(axis=-1)
+    p = mx.exp(s - m[..., None])
+    return p @ v.astype(mx.float32), m, p.sum(axis=-1)
+
+
+def merge(parts):
+    """Combine partials (o, m, l) of disjoint key sets into the normalized attention output.
+
+    Returns:
+        mx.array: (n_kv_heads, R, head_dim) float32.
+    """
+    m = parts[0][1]
+    for _, mi, _ in parts[1:]:
+        m = mx.maximum(m, mi)
+    num = den = 0
+    for o, mi, li in parts:
+        a = mx.exp(mi - m)
+        num = num + o * a[..., None]
+        den = den + li * a
+    return num / den[..., None]

@@ -1,0 +1,152 @@
+"""Open a cartridge for generation: verify, check the model's fingerprint, map the pages.
+
+    cart = cartridge.load("doc.cart")
+    mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("..."),
+                    prompt_cache=cart.prompt_cache(), max_tokens=100)
+"""
+
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import attention
+from .cache import CartridgeCache, LayerPrefix
+from .container import PageData, read_index, read_manifest
+from .errors import InputError, ModelMismatchError
+from .header import SIDES, parse_header
+from .model import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .prompt import question_tokens
+from .tiers import DTYPES, TIERS
+
+VERIFY_MODES = ("pages", "header")
+
+
+def open_cartridge(path, verify="pages"):
+    """Read and check a cartridge's manifest, index and (optionally) every page checksum.
+
+    Args:
+        path (str | Path): the cartridge directory.
+        verify (str): "pages" (all checks, default) or "header" (skip the page checksums).
+
+    Returns:
+        tuple: (CartridgeInfo, PageData).
+
+    Raises:
+        InputError: for an unknown verify mode. NotACartridgeError, UnsupportedVersionError,
+        CorruptCartridgeError, ChecksumError: when a check fails.
+    """
+    if verify not in VERIFY_MODES:
+        raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    path = Path(path)
+    manifest = read_manifest(path)
+    info = parse_header(read_index(path, manifest), manifest)
+    data = PageData(path)
+    if verify == "pages":
+        for extents in info.extents.values():
+            for extent in extents:
+                data.verify(extent)
+    return info, data
+
+
+def check_fingerprint(info, fp):
+    """Refuse a model whose fingerprint differs from the cartridge's.
+
+    Raises:
+        ModelMismatchError: naming the differing parts and both fingerprints.
+    """
+    if fp["id"] == info.fingerprint.get("id"):
+        return
+    differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
+    raise ModelMismatchError(
+        f"model fingerprint {fp['id'][:16]} differs from the cartridge's {str(info.fingerprint.get('id'))[:16]} "
+        f"(built with {info.model_ref}); differing: {', '.join(differ) or 'id'}"
+    )
+
+
+def _layer_prefix(info, data, layer):
+    parts = {}
+    for side in SIDES:
+        arrays = {}
+        for extent in info.extents[(layer, side)]:
+            view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
+            arr = mx.asarray(view)  # zero-copy where MLX can wrap host memory, one copy otherwise
+            arrays[extent.component] = arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
+        parts[side] = arrays
+    tier = info.tiers[layer]
+    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], len(info.tokens))
+
+
+class Cartridge:
+    """A loaded cartridge: model, tokenizer and the shared, read-only prefix pages.
+
+    Attributes:
+        model (nn.Module), tokenizer (TokenizerWrapper): what to generate with.
+        info (CartridgeInfo): header contents. path (Path): the cartridge directory.
+        load_seconds (float): seconds spent in `load`, model loading included.
+    """
+
+    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds):
+        self.path, self.info, self.model, self.tokenizer = path, info, model, tokenizer
+        self._prefixes = prefixes
+        self.load_seconds = load_seconds
+
+    @property
+    def tokens(self):
+        """Prefix token ids, list[int]."""
+        return self.info.tokens.tolist()
+
+    def question_prompt(self, question):
+        """Tokens to feed after the prefix: separator, question, end of turn, assistant header.
+
+        Returns:
+            list[int]: pass as `prompt` to `mlx_lm.generate` together with `prompt_cache()`.
+
+        Raises:
+            InputError: if the question is empty.
+        """
+        return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
+
+    def prompt_cache(self):
+        """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer."""
+        attention.install()
+        return [CartridgeCache(p) for p in self._prefixes]
+
+
+def load(path, model=None, tokenizer=None, verify="pages"):
+    """Load a cartridge.
+
+    Args:
+        path (str | Path): cartridge directory.
+        model (nn.Module | LoadedModel | None): the model to answer with; None loads the one the
+            cartridge records ("default" or its path). Default: None.
+        tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
+        verify (str): "pages" checks every page checksum (default); "header" skips them.
+
+    Returns:
+        Cartridge
+
+    Raises:
+        CartridgeError subclasses: a failed check, a model whose fingerprint differs
+        (ModelMismatchError), a model that cannot be loaded (ModelLoadError).
+
+    Example:
+        >>> cart = cartridge.load("gpl.cart")  # doctest: +SKIP
+        >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
+        ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    info, data = open_cartridge(path, verify)
+    if isinstance(model, LoadedModel):
+        model, tokenizer = model.model, model.tokenizer
+    if model is None:
+        lm = load_model(info.model_ref if info.model_ref != DEFAULT_MODEL else None)
+        model, tokenizer = lm.model, lm.tokenizer
+    elif tokenizer is None:
+        raise InputError("pass the model's tokenizer together with the model")
+    check_fingerprint(info, fingerprint(model, tokenizer))
+    prefixes = [_layer_prefix(info, data, i) for i in range(info.n_layers)]
+    mx.eval([list(p.k_parts.values()) + list(p.v_parts.values()) for p in prefixes])
+    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0)
+    cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
+    return cart

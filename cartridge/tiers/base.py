@@ -1,0 +1,106 @@
+"""What every tier codec offers (spec/FORMAT.md section 6, "Tiers").
+
+A codec turns one (layer, side) of K or V, shaped (n_kv_heads, T, head_dim), into named component
+arrays shaped (n_kv_heads, T, width) of fixed dtypes (e.g. fp16 "values"; or uint32 "codes" plus
+fp16 "scales" and "biases"). The container stores each component as its own extent of pages.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Component:
+    """One stored array of a tier.
+
+    Attributes:
+        name (str): component name, lower_snake_case ("values", "codes", "scales", ...).
+        dtype (str): storage dtype name: "float16", "bfloat16", "uint8", "uint32", ...
+        width (int): elements per token per KV head (the last axis of the stored array).
+    """
+
+    name: str
+    dtype: str
+    width: int
+
+    @property
+    def itemsize(self):
+        """Bytes per element of `dtype`."""
+        return DTYPES[self.dtype].size
+
+
+DTYPES = {
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "uint8": mx.uint8,
+    "uint16": mx.uint16,
+    "uint32": mx.uint32,
+}
+
+
+class TierCodec:
+    """Base class: one subclass per tier, registered by name in `cartridge.tiers.TIERS`."""
+
+    name = ""
+    codec_version = 1
+
+    def components(self, head_dim):
+        """The stored components for one KV head of `head_dim` elements.
+
+        Returns:
+            list[Component]
+        """
+        raise NotImplementedError
+
+    def check(self, n_kv_heads, head_dim):
+        """Raise `InputError` if the tier cannot store this shape (e.g. head_dim % group size)."""
+
+    def encode(self, x):
+        """Encode K or V of one layer.
+
+        Args:
+            x (mx.array): (n_kv_heads, T, head_dim), any float dtype.
+
+        Returns:
+            dict[str, mx.array]: component name -> (n_kv_heads, T, width) in the component's dtype.
+        """
+        raise NotImplementedError
+
+    def decode(self, parts):
+        """Reference decode of `encode`'s output (leading axes free) to float32 (..., head_dim)."""
+        raise NotImplementedError
+
+    def bytes_per_token(self, n_kv_heads, head_dim):
+        """Stored bytes per token for one (layer, side): the tier's formula in spec/FORMAT.md."""
+        return n_kv_heads * sum(c.width * c.itemsize for c in self.components(head_dim))
+
+    def scores(self, q, parts):
+        """q . K^T over every page, for the portable attention path.
+
+        Args:
+            q (mx.array): (n_kv_heads, R, head_dim) float32, already multiplied by the softmax scale.
+            parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
+
+        Returns:
+            mx.array: (n_pages, n_kv_heads, R, page_size) float32.
+        """
+        k = self.decode(parts)  # (n_pages, n_kv_heads, P, D): the plain fallback dequantizes
+        return q @ k.swapaxes(-1, -2)
+
+    def weighted_values(self, p, parts):
+        """Sum over every page of p . V, for the portable attention path.
+
+        Args:
+            p (mx.array): (n_pages, n_kv_heads, R, page_size) float32 softmax numerators.
+            parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
+
+        Returns:
+            mx.array: (n_kv_heads, R, head_dim) float32.
+        """
+        return (p @ self.decode(parts)).sum(axis=0)
+
+    def header(self):
+        """Extra tier parameters a reader needs (stored under `layer.{i}.{side}.params`)."""
+        return {}

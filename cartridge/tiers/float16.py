@@ -1,0 +1,34 @@
+"""The unquantized tiers: fp16 and bf16 (2 * kv_dim bytes per token per layer-side)."""
+
+import mlx.core as mx
+
+from .base import Component, TierCodec
+
+
+class Float16Codec(TierCodec):
+    """IEEE half precision, round to nearest even from the model's K/V dtype."""
+
+    name = "fp16"
+    dtype = "float16"
+
+    def components(self, head_dim):
+        return [Component("values", self.dtype, head_dim)]
+
+    def encode(self, x):
+        return {"values": x.astype(getattr(mx, self.dtype))}
+
+    def decode(self, parts):
+        return parts["values"].astype(mx.float32)
+
+    def scores(self, q, parts):
+        return q @ parts["values"].swapaxes(-1, -2)  # (n_pages, n_kv, R, P), promoted to float32
+
+    def weighted_values(self, p, parts):
+        return (p @ parts["values"]).sum(axis=0)  # (n_kv, R, D)
+
+
+class BFloat16Codec(Float16Codec):
+    """bfloat16 (8 exponent bits, 7 mantissa bits), round to nearest even."""
+
+    name = "bf16"
+    dtype = "bfloat16"

@@ -1,0 +1,1 @@
+"""The `cartridge` command line (click): parse, call the library, print."""

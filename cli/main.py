@@ -1,0 +1,143 @@
+"""`cartridge` command: build, inspect, ask. Thin: parse options, call the library, print.
+
+Every error the library raises on purpose (CartridgeError) and every usage error becomes one line on
+stderr and exit status 1 (2 for usage errors).
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+import cartridge
+from cartridge.errors import CartridgeError, InputError
+
+from .report import inspect_dict, inspect_table
+
+
+def _read_corpus(corpus):
+    """Read CORPUS (a path or "-" for stdin) as strict UTF-8 text."""
+    if corpus == "-":
+        raw = sys.stdin.buffer.read()
+        name = "stdin"
+    else:
+        path = Path(corpus)
+        if not path.is_file():
+            raise InputError(f"corpus {corpus} does not exist or is not a file")
+        raw, name = path.read_bytes(), corpus
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"corpus {name} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
+    if not text.strip():
+        raise InputError(f"corpus {name} is empty")
+    return text
+
+
+@click.group()
+@click.version_option(cartridge.__version__, prog_name="cartridge")
+def cli():
+    """Persistent, memory-mappable KV caches for MLX language models."""
+
+
+@cli.command()
+@click.argument("corpus")
+@click.option("-o", "--output", required=True, help="Cartridge directory to create.")
+@click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
+@click.option("--tier", default="fp16", show_default=True, help="Storage tier of every layer's K and V.")
+@click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
+@click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
+@click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
+def build(corpus, output, model, tier, prefill_step, page_size, force):
+    """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
+    from cartridge.container import check_output_path
+    from cartridge.tiers import get_tier
+    from tqdm import tqdm
+
+    get_tier(tier)
+    check_output_path(output, force)
+    text = _read_corpus(corpus)
+    bars = []  # made at the first progress call, so errors before prefill print nothing else
+
+    def progress(done, total):
+        if not bars:
+            bars.append(tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, dynamic_ncols=True))
+        bars[0].update(done - bars[0].n)
+
+    try:
+        r = cartridge.build(text, output, model=model, tier=tier, page_size=page_size,
+                            prefill_step=prefill_step, force=force, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s ({r.tokens_per_second:.0f} tokens/s prefill), "
+               f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token, tier {tier})")
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def inspect(path, as_json):
+    """Show what is inside the cartridge at PATH."""
+    info, _ = cartridge.open_cartridge(path, verify="header")
+    d = inspect_dict(info, path)
+    click.echo(json.dumps(d, indent=2) if as_json else inspect_table(d))
+
+
+@cli.command()
+@click.argument("path")
+@click.argument("question")
+@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate.")
+@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
+def ask(path, question, max_tokens, model):
+    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout)."""
+    import mlx_lm
+
+    if not question.strip():
+        raise InputError("the question is empty")
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
+    t0 = time.perf_counter()
+    lm = cartridge.load_model(model) if model else None
+    cart = cartridge.load(path, model=lm)
+    load_s = time.perf_counter() - t0
+    prompt = cart.question_prompt(question)
+    t1 = time.perf_counter()
+    ttft, n = None, 0
+    for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens,
+                                    prompt_cache=cart.prompt_cache()):
+        if ttft is None:
+            ttft = time.perf_counter() - t1
+        n = r.generation_tokens
+        click.echo(r.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    sys.stdout.flush()
+    decode_s = time.perf_counter() - t1 - (ttft or 0)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    click.echo(f"load {load_s:.2f} s, TTFT {ttft or 0:.3f} s ({len(prompt)} question tokens over "
+               f"{len(cart.tokens)} cached), decode {rate:.1f} tokens/s ({n} tokens)", err=True)
+
+
+def main(argv=None):
+    """Entry point: run the CLI, turning every expected error into one stderr line."""
+    try:
+        cli.main(args=argv, prog_name="cartridge", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except CartridgeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except OSError as e:
+        click.echo(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random-weight llama models with the default model's tokenizer, and the real
+default model (SmolLM2-135M-Instruct) loaded once per session for the slow tests."""
+
+import json
+from pathlib import Path
+
+import cartridge  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from cartridge.gguf import tokenizer_from_metadata
+from cartridge.model import LoadedModel, default_gguf_path, fingerprint
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "samples" / "lgpl-3.0.txt"
+QUESTIONS = ROOT / "samples" / "lgpl-3.0.questions.jsonl"
+
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The default model's tokenizer (byte-level BPE + chat template) built from its GGUF metadata."""
+    _, meta = mx.load(str(default_gguf_path()), return_metadata=True)
+    return tokenizer_from_metadata(meta)
+
+
+def make_tiny(tokenizer, seed=0, **overrides):
+    """A random-weight float32 llama of TINY_CONFIG (plus overrides), as a LoadedModel."""
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict({**TINY_CONFIG, **overrides}))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return LoadedModel(model, tokenizer, f"tiny-seed{seed}", fingerprint(model, tokenizer))
+
+
+@pytest.fixture(scope="session")
+def tiny(smol_tokenizer):
+    return make_tiny(smol_tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny, tmp_path_factory):
+    """The tiny model saved as an mlx-lm model directory (config.json, safetensors, tokenizer files)."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(tiny.model.parameters())))
+    tiny.tokenizer._tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The default model, loaded once for the slow tests."""
+    return cartridge.load_model()
+
+
+def sample_questions(n=None):
+    rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    return rows[:n] if n else rows

@@ -1,0 +1,104 @@
+"""CartridgeCache speaks mlx-lm's cache protocol: same logits and tokens as a fresh prefill.
+
+Two comparisons, kept apart as mlx's test_qmm keeps kernel error apart from quantization error:
+- against a dense mlx-lm KVCache holding the *decoded* prefix (isolates the attention path: tight);
+- against a fresh full prefill of document + question (includes fp16 storage rounding: looser).
+"""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import cartridge
+from cartridge.cache import CartridgeCache
+from cartridge.errors import CartridgeError
+from cartridge.prompt import full_prompt_tokens
+
+DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. "
+       "Claims are sent to Kettle Co, 12 Harbour Road. ") * 12
+
+
+@pytest.fixture(scope="module")
+def cart(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("c") / "doc.cart"
+    cartridge.build(DOC, path, model=tiny, page_size=64, prefill_step=100)
+    return cartridge.load(path, model=tiny)
+
+
+def _decoded_kv_cache(cart):
+    """Dense mlx-lm caches holding exactly what the cartridge pages decode to."""
+    caches = []
+    for prefix in cart._prefixes:
+        c = KVCache()
+        for side, codec, parts in (("k", prefix.k_codec, prefix.k_parts), ("v", prefix.v_codec, prefix.v_parts)):
+            x = codec.decode(parts)  # (n_pages, n_kv, P, D)
+            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[None, :, : prefix.n_tokens]
+            setattr(c, "keys" if side == "k" else "values", x)
+        c.offset = prefix.n_tokens
+        caches.append(c)
+    return caches
+
+
+def _logits(model, tokens, cache):
+    return model(mx.array(tokens)[None], cache=cache)[0]
+
+
+def test_attention_matches_dense_cache_of_decoded_pages(cart):
+    q = cart.question_prompt("How long does the warranty last?")
+    got = _logits(cart.model, q, cart.prompt_cache())
+    want = _logits(cart.model, q, _decoded_kv_cache(cart))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_logits_close_to_fresh_prefill(cart, tiny):
+    q = "Where are claims sent?"
+    got = _logits(cart.model, cart.question_prompt(q), cart.prompt_cache())[-1]
+    full = full_prompt_tokens(tiny.tokenizer, DOC, q)
+    want = _logits(tiny.model, full, None)[-1]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2)
+
+
+def test_generate_same_tokens_as_decoded_dense_cache(cart):
+    prompt = cart.question_prompt("Where are claims sent?")
+    args = dict(max_tokens=12, prefill_step_size=3)  # prefill in steps of 3: multi-token queries + tail chunks
+    a = [r.token for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, prompt_cache=cart.prompt_cache(), **args)]
+    b = [r.token for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, prompt_cache=_decoded_kv_cache(cart), **args)]
+    assert a == b
+    assert len(a) == 12
+
+
+def test_prompt_caches_are_independent_and_prefix_is_not_mutated(cart):
+    before = [np.array(p.k_parts["values"]).copy() for p in cart._prefixes]
+    c1, c2 = cart.prompt_cache(), cart.prompt_cache()
+    _logits(cart.model, cart.question_prompt("First question?"), c1)
+    assert c1[0].offset == cart._prefixes[0].n_tokens + len(cart.question_prompt("First question?"))
+    assert c2[0].offset == cart._prefixes[0].n_tokens
+    for p, b in zip(cart._prefixes, before):
+        np.testing.assert_array_equal(np.array(p.k_parts["values"]), b)
+
+
+def test_tail_grows_in_fixed_chunks_and_trims():
+    from cartridge.cache import LayerPrefix
+    from cartridge.tiers import get_tier
+
+    fp16 = get_tier("fp16")
+    parts = {"values": mx.zeros((1, 2, 4, 8), dtype=mx.float16)}
+    c = CartridgeCache(LayerPrefix(fp16, parts, fp16, parts, 3), chunk_size=5)
+    for n in (3, 4, 1):
+        c.update_and_fetch(mx.ones((1, 2, n, 8)), mx.ones((1, 2, n, 8)))
+    assert [k.shape for k in c.state[0]] == [(1, 2, 5, 8), (1, 2, 5, 8)]
+    assert c.offset == 3 + 8
+    assert c.trim(20) == 8
+    assert c.offset == 3
+    assert c.make_mask(1) is None
+    assert c.make_mask(4) == "causal"
+
+
+def test_batch_and_state_restore_are_refused(cart):
+    c = cart.prompt_cache()[0]
+    with pytest.raises(CartridgeError, match="batch size 2"):
+        c.update_and_fetch(mx.zeros((2, 2, 1, 16)), mx.zeros((2, 2, 1, 16)))
+    with pytest.raises(CartridgeError):
+        c.state = ([], [])

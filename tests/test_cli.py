@@ -1,0 +1,102 @@
+"""The command line: build/inspect/ask on an mlx-lm model directory, and one clear line per bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
+
+
+def run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], input=stdin,
+                          capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def built(tiny_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    corpus = folder / "doc.txt"
+    corpus.write_text(DOC * 3)
+    out = folder / "doc.cart"
+    r = run("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")
+    assert r.returncode == 0, r.stderr.decode()
+    return out, r
+
+
+def test_build_summary_and_inspect_json(built, tiny_dir):
+    out, r = built
+    assert r.stdout.decode().startswith(f"built {out}: ")
+    assert "tokens/s prefill" in r.stdout.decode()
+    info = json.loads(run("inspect", out, "--json").stdout)
+    for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
+                "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
+        assert key in info, key
+    assert info["format_version"] == "1.0"
+    assert (info["n_layers"], info["n_kv_heads"], info["head_dim"], info["kv_dim"]) == (2, 2, 16, 32)
+    assert info["tiers"][1] == {"layer": 1, "k": "fp16", "v": "fp16"}
+    assert info["bytes_per_token"] == info["fp16_bytes_per_token"] == 2 * 2 * 32 * 2
+    assert info["model"]["ref"] == str(tiny_dir.resolve())
+    assert info["total_bytes"] == sum(f.stat().st_size for f in out.iterdir())
+    table = run("inspect", out).stdout.decode()
+    assert "0-1     fp16     fp16" in table
+
+
+def test_ask_streams_answer_and_reports_timing(built):
+    out, _ = built
+    r = run("ask", out, "How much is the rent?", "--max-tokens", "5")
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    assert "TTFT" in err and "load" in err and "tokens/s" in err
+
+
+def test_build_from_stdin(tiny_dir, tmp_path):
+    r = run("build", "-", "-o", tmp_path / "s.cart", "--model", tiny_dir, stdin=DOC.encode())
+    assert r.returncode == 0, r.stderr.decode()
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing corpus", "does not exist"),
+    ("empty corpus", "is empty"),
+    ("not utf-8", "is not UTF-8: byte 0xff at offset 4"),
+    ("too long", "the model's context is 512 tokens"),
+    ("unknown tier", "unknown tier 'int3'"),
+    ("output exists", "exists; pass --force"),
+    ("not a cartridge", "is not a cartridge"),
+    ("missing model", "model path does not exist"),
+    ("empty question", "question is empty"),
+])
+def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
+    out, _ = built
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(DOC)
+    target = tmp_path / "new.cart"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    if case == "missing corpus":
+        r = run("build", tmp_path / "nope.txt", "-o", target, "--model", tiny_dir)
+    elif case == "empty corpus":
+        corpus.write_text(" \n")
+        r = run("build", corpus, "-o", target, "--model", tiny_dir)
+    elif case == "not utf-8":
+        corpus.write_bytes(b"abcd\xff\xfe")
+        r = run("build", corpus, "-o", target, "--model", tiny_dir)
+    elif case == "too long":
+        corpus.write_text(DOC * 40)
+        r = run("build", corpus, "-o", target, "--model", tiny_dir)
+    elif case == "unknown tier":
+        r = run("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int3")
+    elif case == "output exists":
+        r = run("build", corpus, "-o", out, "--model", tiny_dir)
+    elif case == "not a cartridge":
+        r = run("inspect", corpus)
+    elif case == "missing model":
+        r = run("build", corpus, "-o", target, "--model", tmp_path / "no-model")
+    elif case == "empty question":
+        r = run("ask", out, "  ")
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode != 0
+    assert len(err) == 1, err
+    assert err[0].startswith("error: ") and expect in err[0], err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing partial left behind
+    assert (out / "MANIFEST").is_file()  # the existing cartridge is untouched
