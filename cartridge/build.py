@@ -107,7 +107,7 @@ def _to_numpy(part, n_pages, page_size):
     return np.array(part)
 
 
-def _header(lm, tokens, schema, geometry, page_size, mode, source_dtype):
+def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype):
     n_layers, n_kv, head_dim = geometry
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
@@ -132,7 +132,7 @@ def _header(lm, tokens, schema, geometry, page_size, mode, source_dtype):
             codec = get_tier(row[side])
             header[K.layer_tier(row["layer"], side)] = codec.name
             header[K.layer_codec_version(row["layer"], side)] = codec.codec_version
-            header[K.layer_params(row["layer"], side)] = codec.header()
+            header[K.layer_params(row["layer"], side)] = params[(row["layer"], side)]
             header[K.layer_components(row["layer"], side)] = [
                 {"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)
             ]
@@ -198,16 +198,19 @@ def build(document, output, model=None, tier=DEFAULT_TIER, schema=None, page_siz
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
     n_pages = -(-len(tokens) // page_size)
+    source_dtype = str(caches[0].keys.dtype).replace("mlx.core.", "")
+    params = {}
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
             for side, x in (("k", cache.keys), ("v", cache.values)):
                 codec = get_tier(schema[layer][side])
-                parts = codec.encode(_pages(x, len(tokens), page_size))
+                x = _pages(x, len(tokens), page_size)
+                params[(layer, side)] = codec.make_params(x[:, : len(tokens)], layer, side)
+                parts = codec.encode(x, params[(layer, side)])
                 for comp in codec.components(geometry[2]):
                     writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name], n_pages, page_size))
             caches[layer] = None  # free this layer's dense K/V before encoding the next
-        source_dtype = str(x.dtype).replace("mlx.core.", "")
-        header = _header(lm, tokens, schema, geometry, page_size, mode, source_dtype)
+        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
         path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
     seconds = time.perf_counter() - t0
     total = sum(f.stat().st_size for f in path.iterdir())

@@ -6,7 +6,7 @@ preallocated in fixed chunks, so nothing grows by concatenation. Attention is co
 prefix part (+) tail part, merged exactly by log-sum-exp (`cartridge.kernels`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
@@ -23,6 +23,7 @@ class LayerPrefix:
         k_codec, v_codec (TierCodec): tiers of the K and V pages.
         k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
         n_tokens (int): valid tokens (the last page may be padded).
+        k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
     """
 
     k_codec: object
@@ -30,6 +31,8 @@ class LayerPrefix:
     v_codec: object
     v_parts: dict
     n_tokens: int
+    k_params: dict = field(default_factory=dict)
+    v_params: dict = field(default_factory=dict)
 
     @property
     def n_kv_heads(self):
@@ -120,7 +123,7 @@ class CartridgeCache(_BaseCache):
         q = (queries.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
         keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
         p = self.prefix
-        parts = [prefix_partial(q, p.k_codec, p.k_parts, p.v_codec, p.v_parts, p.n_tokens)]
+        parts = [prefix_partial(q, p, p.n_tokens)]
         start = 0
         for k, v in self._tail_parts():
             end = start + k.shape[1]

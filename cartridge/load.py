@@ -74,7 +74,8 @@ def _layer_prefix(info, data, layer):
             arrays[extent.component] = arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
         parts[side] = arrays
     tier = info.tiers[layer]
-    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], len(info.tokens))
+    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], len(info.tokens),
+                       info.params[(layer, "k")], info.params[(layer, "v")])
 
 
 class Cartridge:

@@ -32,8 +32,9 @@ def _decoded_kv_cache(cart):
     caches = []
     for prefix in cart._prefixes:
         c = KVCache()
-        for side, codec, parts in (("k", prefix.k_codec, prefix.k_parts), ("v", prefix.v_codec, prefix.v_parts)):
-            x = codec.decode(parts)  # (n_pages, n_kv, P, D)
+        for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
+                                           ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
+            x = codec.decode(parts, params)  # (n_pages, n_kv, P, D)
             x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[None, :, : prefix.n_tokens]
             setattr(c, "keys" if side == "k" else "values", x)
         c.offset = prefix.n_tokens

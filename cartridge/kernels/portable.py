@@ -8,26 +8,25 @@ reads its stored page layout (`TierCodec.scores` / `weighted_values`).
 import mlx.core as mx
 
 
-def prefix_partial(q, k_codec, k_parts, v_codec, v_parts, n_tokens):
-    """Attention partial of queries over the prefix pages.
+def prefix_partial(q, prefix, n_tokens):
+    """Attention partial of queries over the first `n_tokens` tokens of the prefix pages.
 
     Args:
         q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled; R = GQA group * query length.
-        k_codec, v_codec (TierCodec): tiers of K and V pages.
-        k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, P, width).
+        prefix (LayerPrefix): codecs, page components and parameters of K and V.
         n_tokens (int): valid prefix tokens; the last page's padding beyond it is masked out.
 
     Returns:
         tuple: o (n_kv_heads, R, head_dim), m (n_kv_heads, R), l (n_kv_heads, R), all float32.
     """
-    s = k_codec.scores(q, k_parts)  # (n_pages, n_kv, R, P)
+    s = prefix.k_codec.scores(q, prefix.k_parts, prefix.k_params)  # (n_pages, n_kv, R, P)
     n_pages, _, _, page = s.shape
     if n_pages * page != n_tokens:
         pos = mx.arange(n_pages * page).reshape(n_pages, 1, 1, page)
         s = mx.where(pos < n_tokens, s, -mx.inf)
     m = s.max(axis=(0, 3))  # (n_kv, R)
     p = mx.exp(s - m[None, :, :, None])
-    return v_codec.weighted_values(p, v_parts), m, p.sum(axis=(0, 3))
+    return prefix.v_codec.weighted_values(p, prefix.v_parts, prefix.v_params), m, p.sum(axis=(0, 3))
 
 
 def tail_partial(q, k, v, keep):

@@ -57,18 +57,32 @@ class TierCodec:
     def check(self, n_kv_heads, head_dim):
         """Raise `InputError` if the tier cannot store this shape (e.g. head_dim % group size)."""
 
-    def encode(self, x):
+    def make_params(self, x, layer, side):
+        """Per-(layer, side) parameters chosen at build time from the data (seed, global scale ...).
+
+        Args:
+            x (mx.array): (n_kv_heads, T, head_dim), the K or V about to be encoded.
+            layer (int), side (str): where it goes.
+
+        Returns:
+            dict: JSON-serializable; stored under `layer.{i}.{side}.params` and passed back to
+            `encode`, `decode`, `scores` and `weighted_values`.
+        """
+        return {}
+
+    def encode(self, x, params):
         """Encode K or V of one layer.
 
         Args:
             x (mx.array): (n_kv_heads, T, head_dim), any float dtype.
+            params (dict): from `make_params`.
 
         Returns:
             dict[str, mx.array]: component name -> (n_kv_heads, T, width) in the component's dtype.
         """
         raise NotImplementedError
 
-    def decode(self, parts):
+    def decode(self, parts, params):
         """Reference decode of `encode`'s output (leading axes free) to float32 (..., head_dim)."""
         raise NotImplementedError
 
@@ -76,31 +90,30 @@ class TierCodec:
         """Stored bytes per token for one (layer, side): the tier's formula in spec/FORMAT.md."""
         return n_kv_heads * sum(c.width * c.itemsize for c in self.components(head_dim))
 
-    def scores(self, q, parts):
+    def scores(self, q, parts, params):
         """q . K^T over every page, for the portable attention path.
 
         Args:
             q (mx.array): (n_kv_heads, R, head_dim) float32, already multiplied by the softmax scale.
             parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
+            params (dict): the (layer, side) parameters.
 
         Returns:
             mx.array: (n_pages, n_kv_heads, R, page_size) float32.
         """
-        k = self.decode(parts)  # (n_pages, n_kv_heads, P, D): the plain fallback dequantizes
+        k = self.decode(parts, params)  # (n_pages, n_kv_heads, P, D): the plain fallback dequantizes
         return q @ k.swapaxes(-1, -2)
 
-    def weighted_values(self, p, parts):
+    def weighted_values(self, p, parts, params):
         """Sum over every page of p . V, for the portable attention path.
 
         Args:
             p (mx.array): (n_pages, n_kv_heads, R, page_size) float32 softmax numerators.
             parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
+            params (dict): the (layer, side) parameters.
 
         Returns:
-            mx.array: (n_kv_heads, R, head_dim) float32.
+            mx.array: (n_kv_heads, R, head_dim) float32, in the original (un-rotated) basis.
         """
-        return (p @ self.decode(parts)).sum(axis=0)
+        return (p @ self.decode(parts, params)).sum(axis=0)
 
-    def header(self):
-        """Extra tier parameters a reader needs (stored under `layer.{i}.{side}.params`)."""
-        return {}

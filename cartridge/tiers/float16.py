@@ -14,16 +14,16 @@ class Float16Codec(TierCodec):
     def components(self, head_dim):
         return [Component("values", self.dtype, head_dim)]
 
-    def encode(self, x):
+    def encode(self, x, params):
         return {"values": x.astype(getattr(mx, self.dtype))}
 
-    def decode(self, parts):
+    def decode(self, parts, params):
         return parts["values"].astype(mx.float32)
 
-    def scores(self, q, parts):
+    def scores(self, q, parts, params):
         return q @ parts["values"].swapaxes(-1, -2)  # (n_pages, n_kv, R, P), promoted to float32
 
-    def weighted_values(self, p, parts):
+    def weighted_values(self, p, parts, params):
         return (p @ parts["values"]).sum(axis=0)  # (n_kv, R, D)
 
 
