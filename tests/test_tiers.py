@@ -248,7 +248,7 @@ def test_codebook_distortion_matches_reference():
     np.testing.assert_allclose(got, [0.3609, 0.1160, 0.0340, 0.0093], atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 12])
 def test_bitpack_is_an_lsb_first_stream(bits):
     c = np.random.default_rng(bits).integers(0, 1 << bits, size=(2, 5, 64)).astype(np.uint32)
     words = np.array(bitpack.pack(mx.array(c), bits))
@@ -256,6 +256,15 @@ def test_bitpack_is_an_lsb_first_stream(bits):
     want = (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
     assert np.array_equal(words, want)
     assert np.array_equal(np.array(bitpack.unpack(mx.array(words), bits, 64)), c)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_grouped_codebook_lookup_equals_per_code_lookup(bits):
+    c = np.random.default_rng(bits).integers(0, 1 << bits, size=(2, 3, 5, 64)).astype(np.uint32)
+    codebook = np.random.default_rng(0).standard_normal(1 << bits).astype(np.float32)
+    words = bitpack.pack(mx.array(c), bits)
+    got = np.array(bitpack.lookup(words, bits, 64, codebook))
+    assert got.shape == c.shape and np.array_equal(got, codebook[c])
 
 
 @pytest.mark.parametrize("name, n_kv, head_dim, match", [
