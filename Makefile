@@ -6,7 +6,7 @@ SAMPLE := samples/lgpl-3.0.txt
 CART := out/lgpl-3.0.cart
 QUESTION := Who publishes revised versions of the GNU Lesser General Public License?
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench bench-tiers clean
 
 $(BIN)/cartridge: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -28,6 +28,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python benchmarks/ttft.py --json out/ttft.json
+
+bench-tiers: setup
+	$(BIN)/python benchmarks/tiers.py --json out/tiers.json
 
 clean:
 	rm -rf out .pytest_cache

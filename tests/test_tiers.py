@@ -310,3 +310,17 @@ def test_check_params_refuses_unusable_params(name, change, match):
 def test_check_params_accepts_what_make_params_writes(name):
     codec = TIERS[name]
     codec.check_params(codec.make_params(gaussian((3, 4, 64)), 2, "v"), 3, 64)
+
+
+@pytest.mark.parametrize("name", list(FORMULAS))
+def test_formula_string_is_the_spec_row_and_evaluates_exactly(name):
+    """`inspect` prints codec.formula: it must be spec/FORMAT.md's and give bytes_per_token."""
+    from conftest import ROOT
+
+    codec = TIERS[name]
+    row = next(line for line in (ROOT / "spec" / "FORMAT.md").read_text().splitlines()
+               if line.startswith(f"| `{name}` |"))
+    assert f"| {codec.formula} |" in row
+    for H, D in BYTES:
+        # our own constant strings, evaluated on numbers only
+        assert eval(codec.formula, {"__builtins__": {}}, {"kv_dim": H * D, "H": H}) == codec.bytes_per_token(H, D)

@@ -68,6 +68,7 @@ class Int8Codec(AffineCodec):
 
     name = "int8"
     bits = 8
+    formula = "kv_dim + kv_dim/8"
 
 
 class Mlx4G32Codec(AffineCodec):
@@ -75,3 +76,4 @@ class Mlx4G32Codec(AffineCodec):
 
     name = "mlx4g32"
     bits = 4
+    formula = "kv_dim/2 + kv_dim/8"

@@ -33,6 +33,7 @@ class Fp8Codec(MxCodec):
     """fp8: MX FP8 (E4M3 elements, E8M0 scale per 32): kv_dim + kv_dim/32 bytes."""
 
     name = "fp8"
+    formula = "kv_dim + kv_dim/32"
     mode = "mxfp8"
     bits = 8
     group_size = 32
@@ -42,6 +43,7 @@ class Mxfp4Codec(MxCodec):
     """mxfp4: MX FP4 (E2M1 elements, E8M0 scale per 32): kv_dim/2 + kv_dim/32 bytes."""
 
     name = "mxfp4"
+    formula = "kv_dim/2 + kv_dim/32"
     mode = "mxfp4"
     bits = 4
     group_size = 32
@@ -51,6 +53,7 @@ class Nvfp4Codec(MxCodec):
     """nvfp4: NV FP4 (E2M1 elements, E4M3 scale per 16, float32 global scale): kv_dim/2 + kv_dim/16 bytes."""
 
     name = "nvfp4"
+    formula = "kv_dim/2 + kv_dim/16"
     mode = "nvfp4"
     bits = 4
     group_size = 16

@@ -151,6 +151,7 @@ class Turbo4Codec(TurboCodec):
 
     name = "turbo4"
     bits = 4
+    formula = "kv_dim/2 + 2 * H"
 
 
 class Turbo3Codec(TurboCodec):
@@ -158,6 +159,7 @@ class Turbo3Codec(TurboCodec):
 
     name = "turbo3"
     bits = 3
+    formula = "3 * kv_dim/8 + 2 * H"
 
 
 class Turbo2Codec(TurboCodec):
@@ -165,3 +167,4 @@ class Turbo2Codec(TurboCodec):
 
     name = "turbo2"
     bits = 2
+    formula = "kv_dim/4 + 2 * H"
