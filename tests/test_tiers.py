@@ -290,6 +290,8 @@ def test_check_accepts_the_default_model_shape(name):
 @pytest.mark.parametrize("name, change, match", [
     ("mlx4g32", {"bits": 8}, "params.bits is 8; expected 4"),
     ("fp8", {"mode": "affine"}, "params.mode is 'affine'; expected 'mxfp8'"),
+    ("int8", {"scale_rule": "mlx"}, "params.scale_rule is 'mlx'; expected 'fp16_bias_down_scale_up'"),
+    ("mxfp4", {"packing": None}, "params.packing is None; expected 'lsb_first'"),
     ("nvfp4", {"global_scale": None}, "global_scale is None"),
     ("nvfp4", {"global_scale": -1.0}, "positive finite"),
     ("turbo4", {"norm": "rms"}, "params.norm is 'rms'"),

@@ -58,6 +58,7 @@ class AffineCodec(GroupQuantCodec):
     group_size = 32
     scale_dtype = "float16"
     has_biases = True
+    scale_rule = "fp16_bias_down_scale_up"
 
     def encode(self, x, params):
         return affine_encode(x, self.bits, self.group_size)

@@ -20,6 +20,7 @@ class MxCodec(GroupQuantCodec):
 
     scale_dtype = "uint8"
     has_biases = False
+    scale_rule = "e8m0_ceil"
 
     def encode(self, x, params):
         codes, scales = mx.quantize(x.astype(mx.float32), mode=self.mode, **self._global(params))
@@ -57,6 +58,7 @@ class Nvfp4Codec(MxCodec):
     mode = "nvfp4"
     bits = 4
     group_size = 16
+    scale_rule = "e4m3_nearest_global_amax"
 
     def make_params(self, x, layer, side):
         amax = float(mx.abs(x.astype(mx.float32)).max())
