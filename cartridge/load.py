@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from . import attention
 from .cache import CartridgeCache, LayerPrefix
@@ -16,6 +17,7 @@ from .container import PageData, read_index, read_manifest
 from .errors import InputError, ModelMismatchError
 from .header import SIDES, parse_header
 from .model import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .policy import prepare, resolve
 from .prompt import question_tokens
 from .tiers import DTYPES, TIERS
 
@@ -85,12 +87,15 @@ class Cartridge:
         model (nn.Module), tokenizer (TokenizerWrapper): what to generate with.
         info (CartridgeInfo): header contents. path (Path): the cartridge directory.
         load_seconds (float): seconds spent in `load`, model loading included.
+        attention (str): the concrete attention policy in use ("fused", "portable",
+            "dequantize-once"; see `cartridge.policy`).
     """
 
-    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds):
+    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds, attention="portable"):
         self.path, self.info, self.model, self.tokenizer = path, info, model, tokenizer
         self._prefixes = prefixes
         self.load_seconds = load_seconds
+        self.attention = attention
 
     @property
     def tokens(self):
@@ -114,7 +119,15 @@ class Cartridge:
         return [CartridgeCache(p) for p in self._prefixes]
 
 
-def load(path, model=None, tokenizer=None, verify="pages"):
+def _model_dtype(model):
+    """Activation dtype of an mlx-lm model: the dtype of its first norm weight (float32 if none)."""
+    for _, w in tree_flatten(model.parameters()):
+        if w.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            return w.dtype
+    return mx.float32
+
+
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
     """Load a cartridge.
 
     Args:
@@ -123,6 +136,8 @@ def load(path, model=None, tokenizer=None, verify="pages"):
             cartridge records ("default" or its path). Default: None.
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
+        attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
+            (`cartridge.policy`).
 
     Returns:
         Cartridge
@@ -137,6 +152,7 @@ def load(path, model=None, tokenizer=None, verify="pages"):
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    policy = resolve(attention)
     info, data = open_cartridge(path, verify)
     if isinstance(model, LoadedModel):
         model, tokenizer = model.model, model.tokenizer
@@ -147,7 +163,7 @@ def load(path, model=None, tokenizer=None, verify="pages"):
         raise InputError("pass the model's tokenizer together with the model")
     check_fingerprint(info, fingerprint(model, tokenizer))
     prefixes = [_layer_prefix(info, data, i) for i in range(info.n_layers)]
-    mx.eval([list(p.k_parts.values()) + list(p.v_parts.values()) for p in prefixes])
-    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0)
+    prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
+    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart
