@@ -5,7 +5,7 @@
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +16,7 @@ from .container import FORMAT_MAJOR, FORMAT_MINOR, CartridgeWriter, check_output
 from .errors import InputError
 from .model import LoadedModel, architecture_config, load_model
 from .prompt import SEPARATOR, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, get_tier
+from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
@@ -30,6 +30,7 @@ class BuildResult:
         path (str): the cartridge directory. tokens (int): prefix tokens.
         prefill_seconds (float), seconds (float): prefill time and total time (prefill + encode + write).
         bytes (int): total bytes on disk. bytes_per_token (int): K+V payload bytes per token.
+        schema (list[dict]): the tier of every (layer, side): [{"layer": i, "k": tier, "v": tier}].
     """
 
     path: str
@@ -38,17 +39,12 @@ class BuildResult:
     seconds: float
     bytes: int
     bytes_per_token: int
+    schema: list = field(default_factory=list)
 
     @property
     def tokens_per_second(self):
         """Prefill throughput in tokens per second."""
         return self.tokens / self.prefill_seconds if self.prefill_seconds else float("inf")
-
-
-def tier_schema(n_layers, tier=DEFAULT_TIER):
-    """One tier for every (layer, side): [{"layer": i, "k": tier, "v": tier}, ...]."""
-    get_tier(tier)
-    return [{"layer": i, "k": tier, "v": tier} for i in range(n_layers)]
 
 
 def _geometry(model):
@@ -139,21 +135,29 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
     return header
 
 
-def _check_options(lm, schema, geometry, page_size, prefill_step):
-    n_layers, n_kv, head_dim = geometry
+def _check_options(page_size, prefill_step):
     if not 1 <= page_size <= 1 << 16:
         raise InputError(f"page size {page_size} tokens is out of range 1..65536")
     if prefill_step < 1:
         raise InputError(f"prefill step {prefill_step} must be at least 1 token")
-    if len(schema) != n_layers:
-        raise InputError(f"schema has {len(schema)} layers; the model has {n_layers}")
-    for row in schema:
-        for side in ("k", "v"):
-            get_tier(row[side]).check(n_kv, head_dim)
 
 
-def build(document, output, model=None, tier=DEFAULT_TIER, schema=None, page_size=DEFAULT_PAGE_SIZE,
-          prefill_step=DEFAULT_PREFILL_STEP, force=False, progress=None):
+def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
+    """Check what needs no model (tier names, schema file and form); return the read schema or None."""
+    check_tier_options(tier, k_tier, v_tier, boundary_protect)
+    if schema is None:
+        return None
+    others = {"tier": tier if tier != DEFAULT_TIER else None, "k_tier": k_tier, "v_tier": v_tier,
+              "boundary_protect": boundary_protect or None}
+    given = [k for k, v in others.items() if v is not None]
+    if given:
+        raise InputError(f"schema sets every (layer, side); it excludes {', '.join(given)}")
+    return read_schema(schema)
+
+
+def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
+          schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
+          progress=None):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -162,7 +166,11 @@ def build(document, output, model=None, tier=DEFAULT_TIER, schema=None, page_siz
         model (str | LoadedModel | None): model reference ("default", GGUF path, mlx-lm directory) or
             a model from `cartridge.load_model`. Default: None ("default").
         tier (str): tier of every (layer, side) when `schema` is None. Default: "fp16".
-        schema (list[dict] | None): per layer {"layer": i, "k": tier, "v": tier}. Default: None.
+        k_tier, v_tier (str | None): the tier of one side, overriding `tier`. Default: None.
+        boundary_protect (int): N > 0 keeps K fp16 on every layer and V fp16 on the first N and last
+            N layers (the chosen tier elsewhere). Default: 0.
+        schema (list[dict] | str | Path | None): per layer {"layer": i, "k": tier, "v": tier}, or a
+            JSON file of that list; excludes the four options above. Default: None.
         page_size (int): tokens per page. Default: 256.
         prefill_step (int): tokens per forward pass. Default: 512.
         force (bool): replace an existing cartridge at `output`. Default: False.
@@ -172,22 +180,25 @@ def build(document, output, model=None, tier=DEFAULT_TIER, schema=None, page_siz
         BuildResult
 
     Raises:
-        InputError: empty corpus, unknown tier, corpus longer than the model's context, bad options.
+        InputError: empty corpus, unknown tier, a tier that cannot store the model's K/V shape, a bad
+            schema, corpus longer than the model's context, bad options; all before any prefill.
         OutputExistsError: `output` exists and `force` is False.
         ModelLoadError: the model cannot be loaded.
 
     Example:
         >>> import cartridge
         >>> r = cartridge.build(open("samples/gpl-2.0.txt").read(), "gpl.cart")  # doctest: +SKIP
+        >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
     if not document.strip():
         raise InputError("the corpus is empty (or only whitespace)")
-    get_tier(tier)
+    _check_options(page_size, prefill_step)
+    schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     geometry = _geometry(lm.model)
-    schema = schema or tier_schema(geometry[0], tier)
-    _check_options(lm, schema, geometry, page_size, prefill_step)
+    schema = schema or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
+    check_schema(schema, *geometry)
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, document, mode)
     limit = context_length(lm.model)
@@ -215,4 +226,4 @@ def build(document, output, model=None, tier=DEFAULT_TIER, schema=None, page_siz
     seconds = time.perf_counter() - t0
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
-    return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt)
+    return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt, schema)

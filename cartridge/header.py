@@ -186,5 +186,19 @@ def parse_header(records, manifest):
         separator=_typed(records, K.PROMPT_SEPARATOR, str),
         source_dtype=_typed(records, K.SOURCE_DTYPE, str),
         data_size=manifest["data_size"],
-        params={(t["layer"], s): _json(records, K.layer_params(t["layer"], s)) for t in tiers for s in SIDES},
+        params=_params(records, tiers, geometry[1], geometry[2]),
     )
+
+
+def _params(records, tiers, n_kv, head_dim):
+    """Every (layer, side)'s params object, checked by its tier (spec/FORMAT.md section 6)."""
+    out = {}
+    for t in tiers:
+        for side in SIDES:
+            params = _typed(records, K.layer_params(t["layer"], side), dict)
+            try:
+                TIERS[t[side]].check_params(params, n_kv, head_dim)
+            except CorruptCartridgeError as e:
+                raise CorruptCartridgeError(f"layer {t['layer']} {side}: {e}") from None
+            out[(t["layer"], side)] = params
+    return out

@@ -48,16 +48,24 @@ def cli():
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
 @click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
 @click.option("--tier", default="fp16", show_default=True, help="Storage tier of every layer's K and V.")
+@click.option("--k-tier", default=None, help="Tier of K (overrides --tier for keys).")
+@click.option("--v-tier", default=None, help="Tier of V (overrides --tier for values).")
+@click.option("--boundary-protect", default=0, show_default=True, metavar="N",
+              help="Keep K fp16 on every layer and V fp16 on the first N and last N layers.")
+@click.option("--schema", "schema", default=None, metavar="FILE.json",
+              help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
-def build(corpus, output, model, tier, prefill_step, page_size, force):
+def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, force):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from cartridge.container import check_output_path
-    from cartridge.tiers import get_tier
+    from cartridge.tiers import check_tier_options
     from tqdm import tqdm
 
-    get_tier(tier)
+    from .report import fold_tiers
+
+    check_tier_options(tier, k_tier, v_tier, boundary_protect)
     check_output_path(output, force)
     text = _read_corpus(corpus)
     bars = []  # made at the first progress call, so errors before prefill print nothing else
@@ -68,13 +76,15 @@ def build(corpus, output, model, tier, prefill_step, page_size, force):
         bars[0].update(done - bars[0].n)
 
     try:
-        r = cartridge.build(text, output, model=model, tier=tier, page_size=page_size,
+        r = cartridge.build(text, output, model=model, tier=tier, k_tier=k_tier, v_tier=v_tier,
+                            boundary_protect=boundary_protect, schema=schema, page_size=page_size,
                             prefill_step=prefill_step, force=force, progress=progress)
     finally:
         for bar in bars:
             bar.close()
+    tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
     click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s ({r.tokens_per_second:.0f} tokens/s prefill), "
-               f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token, tier {tier})")
+               f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
 
 
 @cli.command()

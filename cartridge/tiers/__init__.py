@@ -1,10 +1,19 @@
 """Tier registry: tier name -> codec instance. Unknown names are refused (never looked up by reflection)."""
 
 from ..errors import InputError
+from .affine import Int8Codec, Mlx4G32Codec
 from .base import DTYPES, Component, TierCodec
 from .float16 import BFloat16Codec, Float16Codec
+from .mxfp import Fp8Codec, Mxfp4Codec, Nvfp4Codec
+from .turbo import Turbo2Codec, Turbo3Codec, Turbo4Codec
 
-TIERS = {codec.name: codec for codec in (Float16Codec(), BFloat16Codec())}
+TIERS = {
+    codec.name: codec
+    for codec in (
+        Float16Codec(), BFloat16Codec(), Int8Codec(), Mlx4G32Codec(), Fp8Codec(), Mxfp4Codec(), Nvfp4Codec(),
+        Turbo4Codec(), Turbo3Codec(), Turbo2Codec(),
+    )
+}
 DEFAULT_TIER = "fp16"
 
 
@@ -20,4 +29,7 @@ def get_tier(name):
     return codec
 
 
-__all__ = ["TIERS", "DEFAULT_TIER", "DTYPES", "Component", "TierCodec", "get_tier"]
+from .schema import check_schema, check_tier_options, read_schema, schema_for  # noqa: E402  (uses get_tier above)
+
+__all__ = ["TIERS", "DEFAULT_TIER", "DTYPES", "Component", "TierCodec", "get_tier", "schema_for", "read_schema",
+           "check_schema", "check_tier_options"]

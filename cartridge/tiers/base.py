@@ -70,6 +70,13 @@ class TierCodec:
         """
         return {}
 
+    def check_params(self, params, n_kv_heads, head_dim):
+        """Refuse stored params a reader cannot use (a missing field, a wrong length).
+
+        Raises:
+            CorruptCartridgeError: naming the field, the value found and the value allowed.
+        """
+
     def encode(self, x, params):
         """Encode K or V of one layer.
 

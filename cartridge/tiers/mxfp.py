@@ -1,0 +1,73 @@
+"""Block floating-point tiers, encoded by MLX's `mx.quantize` modes (spec/FORMAT.md 6.2).
+
+- fp8: mode "mxfp8", E4M3 elements (one byte each, 4 per uint32), one E8M0 scale per 32.
+- mxfp4: E2M1 elements (nibbles, 8 per uint32), one E8M0 scale per 32.
+- nvfp4: E2M1 elements, one E4M3 scale per 16, and a per-(layer, side) float32 global scale (the
+  tensor's absolute maximum), stored in params; decode multiplies by global_scale / (448 * 6).
+Formats: OCP MX v1.0 and NVIDIA NVFP4; MLX's scale rule in shared/reference/kv-quant-algorithms.md 4.2.
+"""
+
+import mlx.core as mx
+
+from ..errors import CorruptCartridgeError
+from .quantized import GroupQuantCodec
+
+NVFP4_RANGE = 448.0 * 6.0  # E4M3 max * E2M1 max: MLX's nvfp4 global scale divisor
+
+
+class MxCodec(GroupQuantCodec):
+    """A tier encoded with `mx.quantize(mode=self.mode)` from float32."""
+
+    scale_dtype = "uint8"
+    has_biases = False
+
+    def encode(self, x, params):
+        codes, scales = mx.quantize(x.astype(mx.float32), mode=self.mode, **self._global(params))
+        return {"codes": codes, "scales": scales}
+
+    def _global(self, params):
+        return {}
+
+
+class Fp8Codec(MxCodec):
+    """fp8: MX FP8 (E4M3 elements, E8M0 scale per 32): kv_dim + kv_dim/32 bytes."""
+
+    name = "fp8"
+    mode = "mxfp8"
+    bits = 8
+    group_size = 32
+
+
+class Mxfp4Codec(MxCodec):
+    """mxfp4: MX FP4 (E2M1 elements, E8M0 scale per 32): kv_dim/2 + kv_dim/32 bytes."""
+
+    name = "mxfp4"
+    mode = "mxfp4"
+    bits = 4
+    group_size = 32
+
+
+class Nvfp4Codec(MxCodec):
+    """nvfp4: NV FP4 (E2M1 elements, E4M3 scale per 16, float32 global scale): kv_dim/2 + kv_dim/16 bytes."""
+
+    name = "nvfp4"
+    mode = "nvfp4"
+    bits = 4
+    group_size = 16
+
+    def make_params(self, x, layer, side):
+        amax = float(mx.abs(x.astype(mx.float32)).max())
+        # an all-zero tensor has no scale to find; 1.0 keeps every block scale finite (zero codes)
+        return {**super().make_params(x, layer, side), "global_scale": amax if amax > 0 else 1.0}
+
+    def check_params(self, params, n_kv_heads, head_dim):
+        super().check_params(params, n_kv_heads, head_dim)
+        g = params.get("global_scale")
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
+            raise CorruptCartridgeError(f"tier nvfp4: params.global_scale is {g!r}; expected a positive finite number")
+
+    def _global(self, params):
+        return {"global_scale": mx.array(params["global_scale"], dtype=mx.float32)}
+
+    def post_scale(self, params):
+        return mx.array(params["global_scale"], dtype=mx.float32) / NVFP4_RANGE

@@ -1,0 +1,140 @@
+"""Per-layer tier schemas: which tier stores K and V of every layer.
+
+A schema is a list with one row per layer, `{"layer": i, "k": tier, "v": tier}`, in layer order (the
+`tiers` list of `cartridge inspect --json` has this form). `schema_for` makes one from the build
+options; `read_schema` takes a user's list or JSON file; `check_schema` refuses what the model cannot
+store, before any prefill.
+"""
+
+import json
+from pathlib import Path
+
+from ..errors import InputError
+from . import DEFAULT_TIER, get_tier
+
+PROTECTED_TIER = "fp16"  # what boundary_protect keeps
+
+
+def schema_for(n_layers, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0):
+    """The schema of the build options.
+
+    Args:
+        n_layers (int): layers of the model.
+        tier (str): tier of both sides. Default: "fp16".
+        k_tier, v_tier (str | None): override one side. Default: None (use `tier`).
+        boundary_protect (int): N > 0 keeps K fp16 on every layer and V fp16 on the first N and last N
+            layers; V uses `v_tier` (or `tier`) elsewhere. Default: 0.
+
+    Returns:
+        list[dict]: [{"layer": i, "k": ..., "v": ...}, ...].
+
+    Raises:
+        InputError: unknown tier, negative N, 2N > n_layers, or a `k_tier` other than fp16 with N > 0.
+
+    Example:
+        >>> [r["v"] for r in schema_for(6, "mlx4g32", boundary_protect=2)]
+        ['fp16', 'fp16', 'mlx4g32', 'mlx4g32', 'fp16', 'fp16']
+    """
+    k, v, n = check_tier_options(tier, k_tier, v_tier, boundary_protect)
+    if 2 * n > n_layers:
+        raise InputError(f"boundary_protect {n} protects {2 * n} layers; the model has {n_layers}")
+    return [{"layer": i, "k": k, "v": PROTECTED_TIER if i < n or i >= n_layers - n else v} for i in range(n_layers)]
+
+
+def check_tier_options(tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0):
+    """Check the tier options that need no model.
+
+    Returns:
+        tuple: (K tier, V tier away from the protected layers, N).
+
+    Raises:
+        InputError: as `schema_for`, except the layer count.
+    """
+    k, v = get_tier(k_tier or tier).name, get_tier(v_tier or tier).name
+    n = boundary_protect
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InputError(f"boundary_protect is {n!r}; it must be an integer >= 0")
+    if n and k_tier is not None and k_tier != PROTECTED_TIER:
+        raise InputError(
+            f"k_tier {k_tier!r} conflicts with boundary_protect {n}, which keeps K {PROTECTED_TIER} on every layer")
+    return (PROTECTED_TIER if n else k), v, n
+
+
+def read_schema(schema):
+    """A schema from a list of rows or a path to a JSON file of one, checked for form and tier names.
+
+    Args:
+        schema (list[dict] | str | Path): rows {"layer": int, "k": tier, "v": tier}, any order.
+
+    Returns:
+        list[dict]: rows sorted by layer, each exactly {"layer", "k", "v"}.
+
+    Raises:
+        InputError: unreadable file, bad JSON, a row of the wrong form, an unknown tier, layers not
+            exactly 0 .. n-1.
+    """
+    if isinstance(schema, (str, Path)):
+        schema = _load_json(Path(schema))
+    if not isinstance(schema, list) or not schema:
+        raise InputError(f"schema must be a non-empty JSON list of {{\"layer\", \"k\", \"v\"}} rows; got {type(schema).__name__}")
+    rows = [_row(r, i) for i, r in enumerate(schema)]
+    rows.sort(key=lambda r: r["layer"])
+    layers = [r["layer"] for r in rows]
+    if layers != list(range(len(rows))):
+        missing = sorted(set(range(len(rows))) - set(layers))
+        raise InputError(f"schema layers must be 0..{len(rows) - 1}, each once; found {_runs(layers)}"
+                         + (f" (missing {_runs(missing)})" if missing else ""))
+    return rows
+
+
+def check_schema(schema, n_layers, n_kv_heads, head_dim):
+    """Refuse a schema whose layer count differs from the model's or whose tier cannot store its shape.
+
+    Raises:
+        InputError: naming the layer, side and tier.
+    """
+    if len(schema) != n_layers:
+        raise InputError(f"schema has {len(schema)} layers; the model has {n_layers}")
+    checked = set()
+    for row in schema:
+        for side in ("k", "v"):
+            if row[side] not in checked:
+                get_tier(row[side]).check(n_kv_heads, head_dim)
+                checked.add(row[side])
+
+
+def _load_json(path):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"schema file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"schema file {path} is not UTF-8") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InputError(f"schema file {path} is not valid JSON: {e}") from None
+
+
+def _row(row, i):
+    if not isinstance(row, dict) or set(row) != {"layer", "k", "v"}:
+        raise InputError(f"schema row {i} must be an object with exactly the keys layer, k, v; got {row!r}")
+    if isinstance(row["layer"], bool) or not isinstance(row["layer"], int):
+        raise InputError(f"schema row {i}: layer is {row['layer']!r}; expected an integer")
+    for side in ("k", "v"):
+        if not isinstance(row[side], str):
+            raise InputError(f"schema row {i}: {side} is {row[side]!r}; expected a tier name")
+        get_tier(row[side])
+    return {"layer": row["layer"], "k": row["k"], "v": row["v"]}
+
+
+def _runs(values):
+    """Compact '0-3, 5, 7-9' rendering of sorted integers (duplicates shown as given)."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)

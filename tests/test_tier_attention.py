@@ -1,0 +1,108 @@
+"""Portable attention over compressed pages equals float64 attention over the decoded pages, for every tier.
+
+This separates the attention path's error (tight: rel err < 1e-3) from the tier's quantization error
+(tests/test_tiers.py), as mlx's test_qmm separates kernel error from quantization error. Then every
+tier, built by `cartridge.build` on a tiny model, generates like a dense mlx-lm cache of its decoded
+pages.
+"""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import cartridge
+from cartridge.cache import LayerPrefix
+from cartridge.kernels import merge, prefix_partial
+from cartridge.tiers import TIERS
+
+from conftest import make_tiny
+from test_cache import _decoded_kv_cache, _logits
+
+# (tokens, page size): one token; a page - 1, exactly one page, a page + 1; several pages, odd tail
+SHAPES = [(1, 16), (15, 16), (16, 16), (17, 16), (75, 32)]
+GQA = [1, 3, 4]
+QUERY_TOKENS = [1, 5]
+N_KV, HEAD_DIM = 2, 64
+
+
+def pages_of(codec, x, params, page_size):
+    """Encode x (n_kv, T, D), zero-padded to whole pages, into {component: (n_pages, n_kv, P, W)}."""
+    n_kv, t, d = x.shape
+    pad = -t % page_size
+    x = mx.pad(x, [(0, 0), (0, pad), (0, 0)])
+    n_pages = x.shape[1] // page_size
+    parts = codec.encode(x, params)
+    # (n_kv, n_pages * P, W) -> (n_pages, n_kv, P, W)
+    return {k: v.reshape(n_kv, n_pages, page_size, -1).transpose(1, 0, 2, 3) for k, v in parts.items()}
+
+
+def reference(q, k_pages, v_pages, n_tokens):
+    """float64 softmax(q k^T) v over the first n_tokens decoded tokens: (n_kv, R, D)."""
+    def flat(p):  # (n_pages, n_kv, P, D) -> (n_kv, n_pages * P, D)
+        p = np.array(p).astype(np.float64)
+        return p.transpose(1, 0, 2, 3).reshape(p.shape[1], -1, p.shape[-1])[:, :n_tokens]
+    k, v = flat(k_pages), flat(v_pages)
+    s = np.array(q).astype(np.float64) @ k.swapaxes(-1, -2)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def layer(name, n_tokens, page_size, seed):
+    rng = np.random.default_rng(seed)
+    k = mx.array(rng.standard_normal((N_KV, n_tokens, HEAD_DIM)).astype(np.float32) * 1.5)
+    v = mx.array(rng.standard_normal((N_KV, n_tokens, HEAD_DIM)).astype(np.float32))
+    codec = TIERS[name]
+    kp, vp = codec.make_params(k, 1, "k"), codec.make_params(v, 1, "v")
+    kparts, vparts = pages_of(codec, k, kp, page_size), pages_of(codec, v, vp, page_size)
+    return LayerPrefix(codec, kparts, codec, vparts, n_tokens, kp, vp)
+
+
+@pytest.mark.parametrize("name, shape, gqa, L", list(itertools.product(TIERS, SHAPES, GQA, QUERY_TOKENS)))
+def test_portable_attention_over_pages_matches_float64(name, shape, gqa, L):
+    n_tokens, page_size = shape
+    prefix = layer(name, n_tokens, page_size, seed=n_tokens * 10 + gqa)
+    rng = np.random.default_rng(L)
+    q = mx.array(rng.standard_normal((N_KV, gqa * L, HEAD_DIM)).astype(np.float32) * HEAD_DIM ** -0.5)
+    got = np.array(merge([prefix_partial(q, prefix, n_tokens)]))
+    codec = prefix.k_codec
+    want = reference(q, codec.decode(prefix.k_parts, prefix.k_params),
+                     codec.decode(prefix.v_parts, prefix.v_params), n_tokens)
+    assert got.shape == (N_KV, gqa * L, HEAD_DIM)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["turbo3", "turbo4"])
+def test_turbo_pages_are_processed_in_bounded_blocks(name, monkeypatch):
+    """With blocks of one page the result is the same: the block loop covers every page once."""
+    from cartridge.tiers import turbo
+
+    prefix = layer(name, 75, 16, seed=9)
+    q = mx.array(np.random.default_rng(0).standard_normal((N_KV, 3, HEAD_DIM)).astype(np.float32) / 8)
+    whole = np.array(merge([prefix_partial(q, prefix, 75)]))
+    monkeypatch.setattr(turbo, "BLOCK_ELEMENTS", 1)
+    assert len(prefix.k_codec._blocks(prefix.k_parts)) == 5
+    blocked = np.array(merge([prefix_partial(q, prefix, 75)]))
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny64(smol_tokenizer):
+    """A tiny llama with head_dim 64 (GQA 2): every tier can store it."""
+    return make_tiny(smol_tokenizer, seed=0, head_dim=64)
+
+
+DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. "
+       "Claims are sent to Kettle Co, 12 Harbour Road. ") * 8
+
+
+@pytest.mark.parametrize("name", list(TIERS))
+def test_every_tier_generates_like_a_dense_cache_of_its_decoded_pages(name, tiny64, tmp_path):
+    r = cartridge.build(DOC, tmp_path / f"{name}.cart", model=tiny64, tier=name, page_size=64)
+    cart = cartridge.load(r.path, model=tiny64)
+    assert {row["k"] for row in cart.info.tiers} == {name}
+    q = cart.question_prompt("How long does the warranty last?")
+    got = _logits(cart.model, q, cart.prompt_cache())
+    want = _logits(cart.model, q, _decoded_kv_cache(cart))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
