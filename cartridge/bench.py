@@ -54,8 +54,12 @@ def _kv(n_kv, n, head_dim, seed):
             mx.random.normal((n_kv, n, head_dim), key=k2).astype(mx.float16))
 
 
+POLICIES = None  # restrict the policies measured (None: every policy this backend has)
+
+
 def _policies():
-    return ["fused", "portable", "dequantize-once"] if backend() == "cuda" else ["portable", "dequantize-once"]
+    found = ["fused", "portable", "dequantize-once"] if backend() == "cuda" else ["portable", "dequantize-once"]
+    return [p for p in found if POLICIES is None or p in POLICIES]
 
 
 def _layer_cache(prefix, policy, dtype, head_dim):
@@ -300,7 +304,8 @@ def plot(result, path):
     plt.close(fig)
 
 
-def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, repeats=20, progress=None):
+def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, repeats=20, progress=None,
+        e2e_tiers=None):
     """Everything `cartridge bench` measures, in one run.
 
     Args:
@@ -309,6 +314,7 @@ def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, r
         shape (str): a key of SHAPES for the microbenchmark.
         e2e_model (tuple | None): (model, dtype) for end-to-end decode, or None to skip it.
         e2e_contexts (list[int] | None): prefix lengths for end-to-end decode (default: `contexts`).
+        e2e_tiers (list[str] | None): tiers for end-to-end decode (default: `tiers`).
         progress (callable | None): called with a short description before each step.
 
     Returns:
@@ -330,5 +336,5 @@ def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, r
         model, dtype = e2e_model
         for n in e2e_contexts or contexts:
             say(f"end-to-end decode at {n} tokens")
-            result["end_to_end"] += end_to_end(model, n, tiers, dtype)
+            result["end_to_end"] += end_to_end(model, n, e2e_tiers or tiers, dtype)
     return result

@@ -16,6 +16,14 @@ def _ints(text):
         raise InputError(f"--contexts must be comma-separated token counts, got {text!r}") from None
 
 
+def _tiers(text, known):
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for t in names:
+        if t not in known:
+            raise InputError(f"unknown tier {t!r}; known tiers: {', '.join(known)}")
+    return names
+
+
 def _table(result):
     lines = [f"{'context':>8} {'tier':<14} {'policy':<17} {'attention µs':>13} {'vs dense':>9} {'bytes':>14}"]
     dense = {r["context"]: r["us"] for r in result["attention"] if r["policy"] == "mlx-sdpa"}
@@ -45,10 +53,12 @@ def _table(result):
               "(default: llama3-8b on CUDA, smollm2-135m elsewhere).")
 @click.option("--e2e-contexts", default=None, help="Prefix lengths for end-to-end decode (default: --contexts).")
 @click.option("--no-e2e", is_flag=True, help="Skip end-to-end decode.")
+@click.option("--e2e-tiers", default=None, help="Tiers for end-to-end decode (default: --tiers).")
+@click.option("--policies", default=None, help="Attention policies to measure (default: all on this backend).")
 @click.option("--repeats", default=20, show_default=True, help="Timed repeats per measurement (median).")
 @click.option("--json", "json_path", default=None, help="Write all results to this JSON file.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot of attention time vs context.")
-def bench(contexts, tiers, shape, e2e_contexts, no_e2e, repeats, json_path, plot_path):
+def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path):
     """Measure decode-step attention and end-to-end decode for each context, tier and policy.
 
     End to end uses a model: on CUDA a random-weight Llama-3.2-1B-shaped model in float16, elsewhere
@@ -61,10 +71,10 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, repeats, json_path, plot
 
     cuda = B.backend() == "cuda"
     ctx = _ints(contexts) if contexts else ([8192, 32768, 65536, 131072] if cuda else [2048, 8192])
-    names = [t.strip() for t in tiers.split(",")] if tiers else sorted(TIERS)
-    for t in names:
-        if t not in TIERS:
-            raise InputError(f"unknown tier {t!r}; known tiers: {', '.join(TIERS)}")
+    names = _tiers(tiers, TIERS) if tiers else sorted(TIERS)
+    e2e_names = _tiers(e2e_tiers, TIERS) if e2e_tiers else None
+    if policies:
+        B.POLICIES = [p.strip() for p in policies.split(",")]
     shape = shape or ("llama3-8b" if cuda else "smollm2-135m")
     if shape not in B.SHAPES:
         raise InputError(f"unknown shape {shape!r}; known: {', '.join(B.SHAPES)}")
@@ -77,7 +87,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, repeats, json_path, plot
 
             e2e = (cartridge.load_model().model, mx.float32)
     result = B.run(ctx, names, shape, e2e, _ints(e2e_contexts) if e2e_contexts else None, repeats,
-                   progress=lambda msg: click.echo(f"bench: {msg}", err=True))
+                   progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names)
     click.echo(_table(result))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
