@@ -189,8 +189,9 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
                "peak_bytes": None, "prefix_bytes": None, "error": None}
         try:
             mx.clear_cache()
-            mx.reset_peak_memory()
             caches, nbytes = make()
+            mx.clear_cache()
+            mx.reset_peak_memory()  # decode-time peak: the resident prefix plus what decoding allocates
             row["prefix_bytes"] = nbytes
             row["tokens_per_s"] = decode_tokens_per_s(model, caches, n_decode)
             row["peak_bytes"] = mx.get_peak_memory()
