@@ -188,7 +188,48 @@ def _read_manifest(r):
 
 
 def _reader(f):
-    return zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True, closefd=False)
+    return zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+
+
+FRAME_FIELD_BYTES = {"dict_id": (0, 1, 2, 4), "content_size": (0, 2, 4, 8)}  # RFC 8878 3.1.1.1
+
+
+def check_frame(f):
+    """Require `f` to hold exactly one complete zstandard frame with a content checksum (RFC 8878 3.1.1),
+    walking block headers only (a few bytes per 128 KiB block; nothing is decompressed).
+
+    The decompressing reader cannot tell a frame cut inside its last block or checksum from a whole
+    one; this check can, so a truncated .cartz is refused however little is missing.
+
+    Raises:
+        PackError: wrong magic, reserved bits, a block running past the end, a missing checksum, or
+        bytes after the frame.
+    """
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(6)
+    if len(head) < 6 or head[:4] != ZSTD_MAGIC:
+        raise PackError(f"not a packed cartridge: no zstandard frame (first bytes {head[:4].hex()})")
+    fhd = head[4]
+    single_segment, checksum = fhd >> 5 & 1, fhd >> 2 & 1
+    if fhd >> 3 & 1 or not checksum:
+        raise PackError(f"zstandard frame descriptor 0x{fhd:02x}: reserved bit set or no content checksum")
+    fcs = FRAME_FIELD_BYTES["content_size"][fhd >> 6] or single_segment
+    pos = 5 + (not single_segment) + FRAME_FIELD_BYTES["dict_id"][fhd & 3] + fcs
+    last = False
+    while not last:
+        f.seek(pos)
+        raw = f.read(3)
+        if len(raw) < 3:
+            raise PackError(f"packed cartridge truncated: zstandard block header at {pos} of {size} bytes")
+        h = int.from_bytes(raw, "little")
+        last, kind, bsize = h & 1, h >> 1 & 3, h >> 3
+        if kind == 3:
+            raise PackError(f"zstandard block at {pos}: reserved block type")
+        pos += 3 + (1 if kind == 1 else bsize)
+    if pos + 4 != size:
+        raise PackError(f"packed cartridge is {size} bytes; its zstandard frame ends at {pos + 4}"
+                        f"{' (truncated)' if pos + 4 > size else ' (bytes follow it)'}")
+    f.seek(0)
 
 
 def read_pack_manifest(src):
@@ -199,6 +240,7 @@ def read_pack_manifest(src):
     """
     with open(src, "rb") as f, _reader(f) as r:
         try:
+            check_frame(f)
             return _read_manifest(r)[1]
         except zstandard.ZstdError as e:
             raise PackError(f"{src}: not a readable zstandard stream: {e}") from None
@@ -254,8 +296,10 @@ def unpack(src, dest, force=False, progress=None):
         raise PackError(f"{src} is not a file")
     tmp = _temp(dest, directory=True)
     try:
-        with open(src, "rb") as f, _reader(f) as r:
-            _unpack_into(r, tmp.path, progress)
+        with open(src, "rb") as f:
+            check_frame(f)
+            with _reader(f) as r:
+                _unpack_into(r, tmp.path, progress)
         verify_cartridge(tmp.path).raise_for_error()
         return tmp.publish(force)
     except BaseException as e:

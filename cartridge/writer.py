@@ -48,6 +48,7 @@ class CartridgeWriter:
         self.tmp = self._tmp.path
         self._pos = 0
         self._tables = {}
+        self._stage = f"writing {DATA_NAME}"
 
     def __enter__(self):
         return self
@@ -56,7 +57,7 @@ class CartridgeWriter:
         if exc_type is not None:
             self.abort()
             if isinstance(exc, (OSError, lmdb.Error)):
-                raise _write_error(self.dest, exc) from exc
+                raise _write_error(self.dest, exc, self._stage) from exc
         return False
 
     def abort(self):
@@ -103,20 +104,22 @@ class CartridgeWriter:
         os.fsync(self._data.fileno())
         self._data.close()
         crash_point("data-synced")
+        self._stage = f"writing {INDEX_NAME}"
         records = {k: json.dumps(v, sort_keys=True, separators=(",", ":")).encode() for k, v in header.items()}
         records[K.TOKENS_IDS] = np.asarray(token_ids, dtype="<u4").tobytes()
         records.update(self._tables)
         _write_index(self.tmp, records)
         crash_point("index-written")
+        self._stage = f"writing {MANIFEST_NAME}"
         write_manifest(self.tmp, self._pos)
         crash_point("manifest-written")
+        self._stage = "publishing"
         return self._tmp.publish(self.force)
 
 
-def _write_error(dest, e):
+def _write_error(dest, e, stage="creating a temporary directory"):
     what = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
-    return WriteError(f"could not write cartridge {dest}: {what}{where}; nothing was left behind")
+    return WriteError(f"could not write cartridge {dest} ({stage}): {what}; nothing was left behind")
 
 
 def write_manifest(folder, data_size):
