@@ -11,7 +11,7 @@ import numpy as np
 
 from . import keys as K
 from .container import ALIGN, FORMAT_MAJOR, Extent, align_up, parse_page_table
-from .errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
+from .errors import FieldError, LayoutError, UnsupportedVersionError
 from .tiers import TIERS
 
 LIMITS = {  # key -> (min, max), inclusive
@@ -186,7 +186,7 @@ def parse_header(records, manifest):
         manifest (dict): from `container.read_manifest`.
 
     Raises:
-        CorruptCartridgeError, UnsupportedVersionError: on any failed check.
+        FieldError, LayoutError (CorruptCartridgeError), UnsupportedVersionError: on any failed check.
     """
     major = _typed(records, K.FORMAT_MAJOR, int)
     if major != FORMAT_MAJOR or major != manifest["major"]:

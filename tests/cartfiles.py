@@ -14,12 +14,17 @@ from cartridge.writer import _write_index
 FP = {k: "ab" * 32 for k in ("id", "config", "weights", "tokenizer", "chat_template")}
 
 
-def header(n_layers=2, n_kv=2, head_dim=8, page=4, n_tokens=7, tier="fp16"):
-    """JSON-valued header records of a synthetic cartridge (spec 4.2)."""
+def header(n_layers=2, n_kv=2, head_dim=8, page=4, n_tokens=7, tier="fp16", **fields):
+    """JSON-valued header records of a synthetic cartridge (spec 4.2).
+
+    Args:
+        fields: overrides by name: writer, ref, fingerprint, config, mode.
+    """
     h = {
-        K.FORMAT_MAJOR: 1, K.FORMAT_MINOR: 0, K.WRITER: "test", K.MODEL_REF: "tiny",
-        K.MODEL_FINGERPRINT: FP, K.MODEL_CONFIG: {"model_type": "llama", "vocab_size": 100},
-        K.PROMPT_MODE: "plain", K.PROMPT_SEPARATOR: "\n\n", K.TOKENS_COUNT: n_tokens,
+        K.FORMAT_MAJOR: 1, K.FORMAT_MINOR: 0, K.WRITER: fields.get("writer", "test"),
+        K.MODEL_REF: fields.get("ref", "tiny"), K.MODEL_FINGERPRINT: fields.get("fingerprint", FP),
+        K.MODEL_CONFIG: fields.get("config", {"model_type": "llama", "vocab_size": 100}),
+        K.PROMPT_MODE: fields.get("mode", "plain"), K.PROMPT_SEPARATOR: "\n\n", K.TOKENS_COUNT: n_tokens,
         K.N_LAYERS: n_layers, K.N_KV_HEADS: n_kv, K.HEAD_DIM: head_dim, K.PAGE_SIZE: page,
         K.N_PAGES: -(-n_tokens // page), K.SOURCE_DTYPE: "float32", K.ROPE: "post",
     }

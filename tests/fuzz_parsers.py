@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zstandard  # noqa: E402
 
 from cartridge.container import (  # noqa: E402
-    DATA_NAME, INDEX_NAME, MANIFEST_NAME, check_index, parse_manifest, read_index, read_manifest,
+    DATA_NAME, INDEX_NAME, MANIFEST_NAME, parse_manifest, read_index, read_manifest,
 )
 from cartridge.errors import CartridgeError  # noqa: E402
 from cartridge.header import parse_header  # noqa: E402

@@ -9,7 +9,7 @@ import lmdb
 import pytest
 
 from cartridge.errors import IndexFormatError
-from cartridge.lmdbfile import DB, META_DBS_AT, META_TAIL, META_TAIL_AT, NODE, PAGE_HEADER, read_records
+from cartridge.lmdbfile import DB, META_DBS_AT, META_TAIL_AT, NODE, PAGE_HEADER, read_records
 from cartridge.writer import _write_index
 
 

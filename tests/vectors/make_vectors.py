@@ -12,8 +12,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
+sys.path.insert(0, str(HERE.parent))
 
-from cartridge import keys as K  # noqa: E402
+from cartfiles import header  # noqa: E402
+
 from cartridge.container import CartridgeWriter  # noqa: E402
 
 # 1 layer, 1 KV head, head_dim 4, pages of 2 tokens, 3 tokens -> 2 pages of 16 bytes per (layer, side)
@@ -25,19 +27,9 @@ FINGERPRINT = {"id": "1" * 64, "config": "2" * 64, "weights": "3" * 64, "tokeniz
 
 def vector_header():
     """The JSON header records of the vector (spec 4.2)."""
-    h = {
-        K.FORMAT_MAJOR: 1, K.FORMAT_MINOR: 0, K.WRITER: "cartridge test vector", K.MODEL_REF: "vector",
-        K.MODEL_FINGERPRINT: FINGERPRINT, K.MODEL_CONFIG: {"model_type": "llama", "vocab_size": 4243},
-        K.PROMPT_MODE: "plain", K.PROMPT_SEPARATOR: "\n\n", K.TOKENS_COUNT: N_TOKENS, K.N_LAYERS: 1,
-        K.N_KV_HEADS: N_KV, K.HEAD_DIM: HEAD_DIM, K.PAGE_SIZE: PAGE, K.N_PAGES: 2,
-        K.SOURCE_DTYPE: "float32", K.ROPE: "post",
-    }
-    for side in "kv":
-        h[K.layer_tier(0, side)] = "fp16"
-        h[K.layer_codec_version(0, side)] = 1
-        h[K.layer_params(0, side)] = {}
-        h[K.layer_components(0, side)] = [{"name": "values", "dtype": "float16", "width": HEAD_DIM}]
-    return h
+    return header(n_layers=1, n_kv=N_KV, head_dim=HEAD_DIM, page=PAGE, n_tokens=N_TOKENS,
+                  writer="cartridge test vector", ref="vector", fingerprint=FINGERPRINT,
+                  config={"model_type": "llama", "vocab_size": 4243})
 
 
 def vector_pages(side):
