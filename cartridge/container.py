@@ -154,7 +154,8 @@ def _open_member(path, dfd, name, missing):
         return os.open(name, os.O_RDONLY, dir_fd=dfd)
     except FileNotFoundError:
         try:
-            moved = os.stat(path).st_ino != os.fstat(dfd).st_ino
+            now, then = os.stat(path), os.fstat(dfd)
+            moved = (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
         except FileNotFoundError:
             moved = False
         if moved:

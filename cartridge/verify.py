@@ -11,8 +11,10 @@ can skip or does not need.
     7. token ids below the model's vocab_size (when model.config records it)
 """
 
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .container import ALIGN, PageData, check_index, open_snapshot, page_error
 from .errors import CartridgeError, FieldError, LayoutError
@@ -108,7 +110,8 @@ def verify_cartridge(path):
     """Run every check on the cartridge at `path`.
 
     Args:
-        path (str | Path): cartridge directory.
+        path (str | Path): cartridge directory, or a .cartz (checked by unpacking it into a temporary
+            directory: section 9 of the spec, then all of the above).
 
     Returns:
         VerifyReport: `ok` False and `error` set on the first failure (CartridgeError errors are
@@ -117,6 +120,10 @@ def verify_cartridge(path):
     Example:
         >>> cartridge.verify_cartridge("doc.cart").raise_for_error()  # doctest: +SKIP
     """
+    from .pack import is_pack
+
+    if is_pack(path):
+        return _verify_pack(path)
     t0 = time.perf_counter()
     report = VerifyReport(str(path))
     snap = data = None
@@ -147,3 +154,18 @@ def verify_cartridge(path):
     report.ok = report.error is None
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _verify_pack(path):
+    from .pack import unpack
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=".cartridge-verify-") as tmp:
+        try:
+            report = verify_cartridge(unpack(path, Path(tmp) / "unpacked.cart"))
+            report.checks.insert(0, "pack")
+        except CartridgeError as e:
+            report = VerifyReport(str(path), error=e)
+    report.path, report.ok, report.seconds = str(path), report.error is None, time.perf_counter() - t0
+    return report
+

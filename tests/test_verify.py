@@ -2,6 +2,7 @@
 and the checks only verify makes (schema against the tiers' formulas, padding, token ids)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -76,3 +77,16 @@ def test_load_verify_modes(tiny, tmp_path):
         cartridge.load(r.path, model=tiny)  # default verify="pages"
     cart = cartridge.load(r.path, model=tiny, verify="header")  # the caller chose to skip page checksums
     assert cart.info.n_layers == 2
+
+
+def test_verify_a_cartz(tmp_path):
+    from cartridge.pack import pack
+
+    path = write(tmp_path / "a.cart")
+    pack(path, tmp_path / "a.cartz")
+    r = run(tmp_path / "a.cartz")
+    assert r.returncode == 0 and r.stdout.startswith(f"ok: {tmp_path / 'a.cartz'}: pack, manifest, index")
+    os.truncate(tmp_path / "a.cartz", 100)
+    r = run(tmp_path / "a.cartz")
+    assert r.returncode == 1 and r.stderr.splitlines()[0].startswith("error: packed cartridge is 100 bytes")
+    assert sorted(os.listdir(tmp_path)) == ["a.cart", "a.cartz"]
