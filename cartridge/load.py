@@ -13,10 +13,11 @@ from mlx.utils import tree_flatten
 
 from . import attention
 from .cache import CartridgeCache, LayerPrefix
-from .container import PageData, read_index, read_manifest
+from .container import PageData, check_index, open_snapshot
 from .errors import InputError, ModelMismatchError
 from .header import SIDES, parse_header
 from .model import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .pack import is_pack, open_packed
 from .policy import prepare, resolve
 from .prompt import question_tokens
 from .tiers import DTYPES, TIERS
@@ -28,7 +29,8 @@ def open_cartridge(path, verify="pages"):
     """Read and check a cartridge's manifest, index and (optionally) every page checksum.
 
     Args:
-        path (str | Path): the cartridge directory.
+        path (str | Path): the cartridge directory, or a packed .cartz file (unpacked once into
+            $XDG_CACHE_HOME/cartridge/ and checked there on every open).
         verify (str): "pages" (all checks, default) or "header" (skip the page checksums).
 
     Returns:
@@ -36,18 +38,28 @@ def open_cartridge(path, verify="pages"):
 
     Raises:
         InputError: for an unknown verify mode. NotACartridgeError, UnsupportedVersionError,
-        CorruptCartridgeError, ChecksumError: when a check fails.
+        CorruptCartridgeError (and its subclasses, e.g. ChecksumError, DigestError, PackError): when a
+        check fails.
     """
     if verify not in VERIFY_MODES:
         raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    path = Path(path)
-    manifest = read_manifest(path)
-    info = parse_header(read_index(path, manifest), manifest)
-    data = PageData(path)
-    if verify == "pages":
-        for extents in info.extents.values():
-            for extent in extents:
-                data.verify(extent)
+    if is_pack(path):
+        return open_packed(path, lambda folder: _open_dir(folder, verify))
+    return _open_dir(Path(path), verify)
+
+
+def _open_dir(path, verify):
+    snap = open_snapshot(path)
+    data = PageData(snap.data)
+    try:
+        info = parse_header(check_index(snap.index, snap.manifest), snap.manifest)
+        if verify == "pages":
+            for extents in info.extents.values():
+                for extent in extents:
+                    data.verify(extent)
+    except BaseException:
+        data.close()
+        raise
     return info, data
 
 
@@ -55,14 +67,15 @@ def check_fingerprint(info, fp):
     """Refuse a model whose fingerprint differs from the cartridge's.
 
     Raises:
-        ModelMismatchError: naming the differing parts and both fingerprints.
+        ModelMismatchError: naming both full fingerprint ids and, for each differing part, both digests.
     """
     if fp["id"] == info.fingerprint.get("id"):
         return
     differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
+    parts = ", ".join(f"{k} (cartridge {info.fingerprint.get(k)}, model {fp.get(k)})" for k in differ)
     raise ModelMismatchError(
-        f"model fingerprint {fp['id'][:16]} differs from the cartridge's {str(info.fingerprint.get('id'))[:16]} "
-        f"(built with {info.model_ref}); differing: {', '.join(differ) or 'id'}"
+        f"model fingerprint {fp['id']} differs from the cartridge's {info.fingerprint.get('id')} "
+        f"(built with {info.model_ref}); differing: {parts or 'id'}"
     )
 
 

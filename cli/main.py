@@ -15,6 +15,7 @@ import cartridge
 from cartridge.errors import CartridgeError, InputError
 
 from .bench import bench as bench_command
+from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
 
 
@@ -136,6 +137,9 @@ def ask(path, question, max_tokens, model, attention):
 
 
 cli.add_command(bench_command, name="bench")
+cli.add_command(verify)
+cli.add_command(pack)
+cli.add_command(unpack)
 
 
 def main(argv=None):

@@ -77,3 +77,8 @@ def real_model():
 def sample_questions(n=None):
     rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     return rows[:n] if n else rows
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-iterations", type=int, default=200,
+                     help="inputs per target for tests/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")
