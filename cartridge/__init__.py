@@ -17,6 +17,8 @@ from .build import BuildResult, build  # noqa: E402
 from .errors import CartridgeError  # noqa: E402
 from .load import Cartridge, load, open_cartridge  # noqa: E402
 from .model import load_model  # noqa: E402
+from .verify import verify_cartridge  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["build", "load", "load_model", "open_cartridge", "Cartridge", "BuildResult", "CartridgeError"]
+__all__ = ["build", "load", "load_model", "open_cartridge", "verify_cartridge", "Cartridge", "BuildResult",
+           "CartridgeError"]

@@ -24,6 +24,9 @@ class LayerPrefix:
         k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
         n_tokens (int): valid tokens (the last page may be padded).
         k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
+        kernel (callable | None): fused attention of this layer, called as
+            kernel(cache, queries, scale) -> output or None (`cartridge.kernels.cuda.FusedAttention`);
+            None, or a None result, means the portable path (`cartridge.kernels.portable`).
     """
 
     k_codec: object
@@ -33,6 +36,7 @@ class LayerPrefix:
     n_tokens: int
     k_params: dict = field(default_factory=dict)
     v_params: dict = field(default_factory=dict)
+    kernel: object = None
 
     @property
     def n_kv_heads(self):
@@ -116,13 +120,17 @@ class CartridgeCache(_BaseCache):
         Raises:
             CartridgeError: for a mask that hides prefix tokens or is not boolean.
         """
+        p = self.prefix
+        if p.kernel is not None and (mask is None or isinstance(mask, str)):
+            out = p.kernel(self, queries, scale)
+            if out is not None:
+                return out
         _, n_q, L, D = queries.shape
-        n_kv = self.prefix.n_kv_heads
+        n_kv = p.n_kv_heads
         group = n_q // n_kv
         # (1, n_q, L, D) -> (n_kv, group * L, D): the query heads of one KV head side by side
         q = (queries.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
         keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
-        p = self.prefix
         parts = [prefix_partial(q, p, p.n_tokens)]
         start = 0
         for k, v in self._tail_parts():

@@ -30,12 +30,50 @@ class CorruptCartridgeError(CartridgeError):
     """A structural check failed: digest, size, offset, alignment, or a header field out of range."""
 
 
+class DigestError(CorruptCartridgeError):
+    """MANIFEST's own SHA-256, or the SHA-256 of index.lmdb it records, does not match the bytes."""
+
+
+class TruncatedError(CorruptCartridgeError):
+    """A file of the cartridge is missing, or its size differs from the size MANIFEST records."""
+
+
+class IndexFormatError(CorruptCartridgeError):
+    """index.lmdb is not a well-formed LMDB file (a page number, offset, length or flag out of bounds)."""
+
+
+class FieldError(CorruptCartridgeError):
+    """A MANIFEST field or index record is missing, not valid JSON, of the wrong type, or outside its
+    allowed range (absurd sizes and counts are refused here, before anything is allocated from them)."""
+
+
+class LayoutError(CorruptCartridgeError):
+    """A page table breaks the layout of spec section 3.2: misaligned, overlapping, beyond the data file,
+    or non-zero padding."""
+
+
 class ChecksumError(CorruptCartridgeError):
-    """A page's bytes do not match the checksum in the page table."""
+    """A page's bytes do not match the checksum in the page table.
+
+    Attributes:
+        layer (int), side (str), component (str), page (int): the first bad page (None when unknown).
+    """
+
+    def __init__(self, message, layer=None, side=None, component=None, page=None):
+        super().__init__(message)
+        self.layer, self.side, self.component, self.page = layer, side, component, page
+
+
+class PackError(CorruptCartridgeError):
+    """A packed cartridge (.cartz) is malformed: bad magic, truncated stream, member size or checksum."""
 
 
 class ModelMismatchError(CartridgeError):
     """The cartridge was built with a different model (architecture, weights or tokenizer)."""
+
+
+class WriteError(CartridgeError):
+    """Writing a cartridge failed (disk full, file size limit, permissions); nothing was left behind."""
 
 
 class ModelLoadError(CartridgeError):

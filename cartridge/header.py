@@ -11,7 +11,7 @@ import numpy as np
 
 from . import keys as K
 from .container import ALIGN, FORMAT_MAJOR, Extent, align_up, parse_page_table
-from .errors import CorruptCartridgeError, UnsupportedVersionError
+from .errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
 from .tiers import TIERS
 
 LIMITS = {  # key -> (min, max), inclusive
@@ -78,23 +78,37 @@ class CartridgeInfo:
 def _json(records, key):
     raw = records.get(key)
     if raw is None:
-        raise CorruptCartridgeError(f"index lacks required key {key!r}")
+        raise FieldError(f"index lacks required key {key!r}")
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCartridgeError(f"index key {key!r} is not valid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: "[[[[..." nested too deep
+        raise FieldError(f"index key {key!r} is not valid JSON: {str(e)[:80]}") from None
 
 
 def _typed(records, key, kind):
     value = _json(records, key)
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise CorruptCartridgeError(f"index key {key!r} is {value!r}; expected an integer")
+        raise FieldError(f"index key {key!r} is {str(value)[:40]}; expected an integer")
     if not isinstance(value, kind):
-        raise CorruptCartridgeError(f"index key {key!r} has type {type(value).__name__}; expected {kind.__name__}")
+        raise FieldError(f"index key {key!r} has type {type(value).__name__}; expected {kind.__name__}")
     if key in LIMITS:
         lo, hi = LIMITS[key]
         if not lo <= value <= hi:
-            raise CorruptCartridgeError(f"index key {key!r} is {value}; allowed {lo}..{hi}")
+            raise FieldError(f"index key {key!r} is {value}; allowed {lo}..{hi}")
+    return value
+
+
+CHOICES = {  # key -> allowed string values
+    K.PROMPT_MODE: ("chat_template", "plain"),
+    K.SOURCE_DTYPE: ("float32", "float16", "bfloat16"),
+    K.ROPE: ("post",),
+}
+
+
+def _choice(records, key):
+    value = _typed(records, key, str)
+    if value not in CHOICES[key]:
+        raise FieldError(f"index key {key!r} is {value[:40]!r}; allowed {', '.join(CHOICES[key])}")
     return value
 
 
@@ -108,15 +122,15 @@ def _extents(records, geometry, tiers, data_size):
             expected = [{"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)]
             found = _json(records, K.layer_components(layer, side))
             if found != expected:
-                raise CorruptCartridgeError(
-                    f"layer {layer} {side}: components {found} do not match tier {codec.name}: {expected}"
+                raise FieldError(
+                    f"layer {layer} {side}: components {str(found)[:200]} do not match tier {codec.name}: {expected}"
                 )
             out[(layer, side)] = []
             for comp in codec.components(head_dim):
                 page_bytes = n_kv * page_size * comp.width * comp.itemsize
                 start = align_up(pos)
                 if start + n_pages * page_bytes > data_size:
-                    raise CorruptCartridgeError(
+                    raise LayoutError(
                         f"layer {layer} {side} {comp.name}: extent ends at {start + n_pages * page_bytes}, "
                         f"beyond the data file ({data_size} bytes)"
                     )
@@ -124,13 +138,26 @@ def _extents(records, geometry, tiers, data_size):
                 offsets, lengths, sums = parse_page_table(records.get(key), key, n_pages)
                 want = [start + i * page_bytes for i in range(n_pages)]
                 if offsets != want or any(n != page_bytes for n in lengths):
-                    raise CorruptCartridgeError(f"page table {key}: offsets/lengths do not follow the layout (spec 3.2)")
+                    raise LayoutError(f"page table {key}: offsets/lengths do not follow the layout (spec 3.2)")
                 out[(layer, side)].append(Extent(layer, side, comp.name, comp.dtype, (n_pages, n_kv, page_size, comp.width),
                                                  start, page_bytes, sums))
                 pos = start + n_pages * page_bytes
     if align_up(pos, ALIGN) != data_size:
-        raise CorruptCartridgeError(f"data file is {data_size} bytes; the page tables cover {align_up(pos)}")
+        raise LayoutError(f"data file is {data_size} bytes; the page tables cover {align_up(pos)}")
     return out
+
+
+FINGERPRINT_PARTS = ("id", "config", "weights", "tokenizer", "chat_template")
+
+
+def _fingerprint(records):
+    """model.fingerprint: an object of five lowercase hex SHA-256 strings (spec 5.3)."""
+    fp = _typed(records, K.MODEL_FINGERPRINT, dict)
+    for part in FINGERPRINT_PARTS:
+        v = fp.get(part)
+        if not (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)):
+            raise FieldError(f"model.fingerprint.{part} is {str(v)[:70]!r}; expected 64 lowercase hex digits")
+    return fp
 
 
 def _tier_map(records, n_layers):
@@ -140,7 +167,7 @@ def _tier_map(records, n_layers):
         for side in SIDES:
             name = _typed(records, K.layer_tier(layer, side), str)
             if name not in TIERS:
-                raise CorruptCartridgeError(f"layer {layer} {side}: unknown tier {name!r}")
+                raise FieldError(f"layer {layer} {side}: unknown tier {name[:40]!r}; known: {', '.join(TIERS)}")
             version = _typed(records, K.layer_codec_version(layer, side), int)
             if version > TIERS[name].codec_version:
                 raise UnsupportedVersionError(
@@ -159,7 +186,7 @@ def parse_header(records, manifest):
         manifest (dict): from `container.read_manifest`.
 
     Raises:
-        CorruptCartridgeError, UnsupportedVersionError: on any failed check.
+        FieldError, LayoutError (CorruptCartridgeError), UnsupportedVersionError: on any failed check.
     """
     major = _typed(records, K.FORMAT_MAJOR, int)
     if major != FORMAT_MAJOR or major != manifest["major"]:
@@ -167,12 +194,13 @@ def parse_header(records, manifest):
     n_tokens = _typed(records, K.TOKENS_COUNT, int)
     ids = records.get(K.TOKENS_IDS)
     if ids is None or len(ids) != 4 * n_tokens:
-        raise CorruptCartridgeError(f"tokens.ids: {0 if ids is None else len(ids)} bytes, expected {4 * n_tokens}")
+        raise FieldError(f"tokens.ids: {0 if ids is None else len(ids)} bytes, expected {4 * n_tokens}")
     geometry = tuple(_typed(records, k, int) for k in (K.N_LAYERS, K.N_KV_HEADS, K.HEAD_DIM, K.PAGE_SIZE, K.N_PAGES))
     n_layers, _, _, page_size, n_pages = geometry
     if n_pages != -(-n_tokens // page_size):
-        raise CorruptCartridgeError(f"cache.n_pages is {n_pages}; {n_tokens} tokens in pages of {page_size} need {-(-n_tokens // page_size)}")
+        raise FieldError(f"cache.n_pages is {n_pages}; {n_tokens} tokens in pages of {page_size} need {-(-n_tokens // page_size)}")
     tiers = _tier_map(records, n_layers)
+    _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
     return CartridgeInfo(
         format_version=f"{major}.{_typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
@@ -180,11 +208,11 @@ def parse_header(records, manifest):
         tiers=tiers,
         extents=_extents(records, geometry, tiers, manifest["data_size"]),
         model_ref=_typed(records, K.MODEL_REF, str),
-        fingerprint=_typed(records, K.MODEL_FINGERPRINT, dict),
+        fingerprint=_fingerprint(records),
         model_config=_typed(records, K.MODEL_CONFIG, dict),
-        prompt_mode=_typed(records, K.PROMPT_MODE, str),
+        prompt_mode=_choice(records, K.PROMPT_MODE),
         separator=_typed(records, K.PROMPT_SEPARATOR, str),
-        source_dtype=_typed(records, K.SOURCE_DTYPE, str),
+        source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
         params=_params(records, tiers, geometry[1], geometry[2]),
     )
@@ -198,7 +226,7 @@ def _params(records, tiers, n_kv, head_dim):
             params = _typed(records, K.layer_params(t["layer"], side), dict)
             try:
                 TIERS[t[side]].check_params(params, n_kv, head_dim)
-            except CorruptCartridgeError as e:
-                raise CorruptCartridgeError(f"layer {t['layer']} {side}: {e}") from None
+            except CorruptCartridgeError as e:  # the codec names the field; we name the (layer, side)
+                raise FieldError(f"layer {t['layer']} {side}: {e}") from None
             out[(t["layer"], side)] = params
     return out

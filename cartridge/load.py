@@ -9,13 +9,16 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from . import attention
 from .cache import CartridgeCache, LayerPrefix
-from .container import PageData, read_index, read_manifest
+from .container import PageData, check_index, open_snapshot
 from .errors import InputError, ModelMismatchError
 from .header import SIDES, parse_header
 from .model import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .pack import is_pack, open_packed
+from .policy import prepare, resolve
 from .prompt import question_tokens
 from .tiers import DTYPES, TIERS
 
@@ -26,7 +29,8 @@ def open_cartridge(path, verify="pages"):
     """Read and check a cartridge's manifest, index and (optionally) every page checksum.
 
     Args:
-        path (str | Path): the cartridge directory.
+        path (str | Path): the cartridge directory, or a packed .cartz file (unpacked once into
+            $XDG_CACHE_HOME/cartridge/ and checked there on every open).
         verify (str): "pages" (all checks, default) or "header" (skip the page checksums).
 
     Returns:
@@ -34,18 +38,28 @@ def open_cartridge(path, verify="pages"):
 
     Raises:
         InputError: for an unknown verify mode. NotACartridgeError, UnsupportedVersionError,
-        CorruptCartridgeError, ChecksumError: when a check fails.
+        CorruptCartridgeError (and its subclasses, e.g. ChecksumError, DigestError, PackError): when a
+        check fails.
     """
     if verify not in VERIFY_MODES:
         raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    path = Path(path)
-    manifest = read_manifest(path)
-    info = parse_header(read_index(path, manifest), manifest)
-    data = PageData(path)
-    if verify == "pages":
-        for extents in info.extents.values():
-            for extent in extents:
-                data.verify(extent)
+    if is_pack(path):
+        return open_packed(path, lambda folder: _open_dir(folder, verify))
+    return _open_dir(Path(path), verify)
+
+
+def _open_dir(path, verify):
+    snap = open_snapshot(path)
+    data = PageData(snap.data)
+    try:
+        info = parse_header(check_index(snap.index, snap.manifest), snap.manifest)
+        if verify == "pages":
+            for extents in info.extents.values():
+                for extent in extents:
+                    data.verify(extent)
+    except BaseException:
+        data.close()
+        raise
     return info, data
 
 
@@ -53,14 +67,15 @@ def check_fingerprint(info, fp):
     """Refuse a model whose fingerprint differs from the cartridge's.
 
     Raises:
-        ModelMismatchError: naming the differing parts and both fingerprints.
+        ModelMismatchError: naming both full fingerprint ids and, for each differing part, both digests.
     """
     if fp["id"] == info.fingerprint.get("id"):
         return
     differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
+    parts = ", ".join(f"{k} (cartridge {info.fingerprint.get(k)}, model {fp.get(k)})" for k in differ)
     raise ModelMismatchError(
-        f"model fingerprint {fp['id'][:16]} differs from the cartridge's {str(info.fingerprint.get('id'))[:16]} "
-        f"(built with {info.model_ref}); differing: {', '.join(differ) or 'id'}"
+        f"model fingerprint {fp['id']} differs from the cartridge's {info.fingerprint.get('id')} "
+        f"(built with {info.model_ref}); differing: {parts or 'id'}"
     )
 
 
@@ -85,12 +100,15 @@ class Cartridge:
         model (nn.Module), tokenizer (TokenizerWrapper): what to generate with.
         info (CartridgeInfo): header contents. path (Path): the cartridge directory.
         load_seconds (float): seconds spent in `load`, model loading included.
+        attention (str): the concrete attention policy in use ("fused", "portable",
+            "dequantize-once"; see `cartridge.policy`).
     """
 
-    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds):
+    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds, attention="portable"):
         self.path, self.info, self.model, self.tokenizer = path, info, model, tokenizer
         self._prefixes = prefixes
         self.load_seconds = load_seconds
+        self.attention = attention
 
     @property
     def tokens(self):
@@ -114,7 +132,15 @@ class Cartridge:
         return [CartridgeCache(p) for p in self._prefixes]
 
 
-def load(path, model=None, tokenizer=None, verify="pages"):
+def _model_dtype(model):
+    """Activation dtype of an mlx-lm model: the dtype of its first norm weight (float32 if none)."""
+    for _, w in tree_flatten(model.parameters()):
+        if w.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            return w.dtype
+    return mx.float32
+
+
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
     """Load a cartridge.
 
     Args:
@@ -123,6 +149,8 @@ def load(path, model=None, tokenizer=None, verify="pages"):
             cartridge records ("default" or its path). Default: None.
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
+        attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
+            (`cartridge.policy`).
 
     Returns:
         Cartridge
@@ -137,6 +165,7 @@ def load(path, model=None, tokenizer=None, verify="pages"):
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    policy = resolve(attention)
     info, data = open_cartridge(path, verify)
     if isinstance(model, LoadedModel):
         model, tokenizer = model.model, model.tokenizer
@@ -147,7 +176,7 @@ def load(path, model=None, tokenizer=None, verify="pages"):
         raise InputError("pass the model's tokenizer together with the model")
     check_fingerprint(info, fingerprint(model, tokenizer))
     prefixes = [_layer_prefix(info, data, i) for i in range(info.n_layers)]
-    mx.eval([list(p.k_parts.values()) + list(p.v_parts.values()) for p in prefixes])
-    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0)
+    prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
+    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart

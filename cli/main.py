@@ -14,6 +14,8 @@ import click
 import cartridge
 from cartridge.errors import CartridgeError, InputError
 
+from .bench import bench as bench_command
+from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
 
 
@@ -101,7 +103,9 @@ def inspect(path, as_json):
 @click.argument("question")
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
-def ask(path, question, max_tokens, model):
+@click.option("--attention", default="auto", show_default=True,
+              help="Attention path: auto, fused (CUDA), portable or dequantize-once.")
+def ask(path, question, max_tokens, model, attention):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout)."""
     import mlx_lm
 
@@ -111,7 +115,7 @@ def ask(path, question, max_tokens, model):
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     t0 = time.perf_counter()
     lm = cartridge.load_model(model) if model else None
-    cart = cartridge.load(path, model=lm)
+    cart = cartridge.load(path, model=lm, attention=attention)
     load_s = time.perf_counter() - t0
     prompt = cart.question_prompt(question)
     t1 = time.perf_counter()
@@ -128,7 +132,14 @@ def ask(path, question, max_tokens, model):
     decode_s = time.perf_counter() - t1 - (ttft or 0)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     click.echo(f"load {load_s:.2f} s, TTFT {ttft or 0:.3f} s ({len(prompt)} question tokens over "
-               f"{len(cart.tokens)} cached), decode {rate:.1f} tokens/s ({n} tokens)", err=True)
+               f"{len(cart.tokens)} cached), decode {rate:.1f} tokens/s ({n} tokens), "
+               f"attention {cart.attention}", err=True)
+
+
+cli.add_command(bench_command, name="bench")
+cli.add_command(verify)
+cli.add_command(pack)
+cli.add_command(unpack)
 
 
 def main(argv=None):

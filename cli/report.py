@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from cartridge.policy import backend, resolve
 from cartridge.tiers import TIERS
 
 
@@ -46,6 +47,7 @@ def inspect_dict(info, path):
         "source_dtype": info.source_dtype,
         "prompt_mode": info.prompt_mode,
         "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"]},
+        "attention": {"backend": backend(), "auto": resolve("auto")},
     }
 
 
@@ -60,6 +62,7 @@ def inspect_table(d):
         f"bytes/token   {d['bytes_per_token']:,} (fp16 would be {d['fp16_bytes_per_token']:,}; "
         f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)",
         f"on disk       {d['total_bytes']:,} bytes",
+        f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
         "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]
     for run in d["tier_runs"]:

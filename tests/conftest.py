@@ -2,6 +2,7 @@
 default model (SmolLM2-135M-Instruct) loaded once per session for the slow tests."""
 
 import json
+import os
 from pathlib import Path
 
 import cartridge  # noqa: F401  (loads OpenBLAS before mlx)
@@ -12,6 +13,9 @@ from mlx_lm.models import llama
 
 from cartridge.gguf import tokenizer_from_metadata
 from cartridge.model import LoadedModel, default_gguf_path, fingerprint
+
+if os.environ.get("DEVICE") == "gpu":  # run the same suite on the GPU (as MLX's MLXTestCase does)
+    mx.set_default_device(mx.gpu)
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "samples" / "lgpl-3.0.txt"
@@ -73,3 +77,8 @@ def real_model():
 def sample_questions(n=None):
     rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     return rows[:n] if n else rows
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-iterations", type=int, default=200,
+                     help="inputs per target for tests/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")

@@ -24,7 +24,7 @@ def test_build_writes_expected_geometry(tiny, tmp_path):
 
 def test_bf16_tier_round_trips(tiny, tmp_path):
     r = cartridge.build(DOC, tmp_path / "b.cart", model=tiny, tier="bf16")
-    cart = cartridge.load(r.path, model=tiny)
+    cart = cartridge.load(r.path, model=tiny, attention="portable")
     assert cart.info.tiers[0] == {"layer": 0, "k": "bf16", "v": "bf16"}
     assert str(cart._prefixes[0].k_parts["values"].dtype) == "mlx.core.bfloat16"
 
@@ -67,3 +67,33 @@ def test_wrong_model_refused(smol_tokenizer, tiny, tmp_path):
     wider = make_tiny(smol_tokenizer, seed=0, intermediate_size=96)
     with pytest.raises(ModelMismatchError, match="config"):
         cartridge.load(r.path, model=wider)
+
+
+def _fresh_tokenizer():
+    import mlx.core as mx
+
+    from cartridge.gguf import tokenizer_from_metadata
+    from cartridge.model import default_gguf_path
+
+    _, meta = mx.load(str(default_gguf_path()), return_metadata=True)
+    return tokenizer_from_metadata(meta)
+
+
+@pytest.mark.parametrize("change, part", [("tokenizer", "tokenizer"), ("chat template", "chat_template")])
+def test_same_weights_other_tokenizer_or_template_refused(tiny, tmp_path, change, part):
+    from cartridge.errors import ModelMismatchError
+    from cartridge.model import fingerprint
+
+    r = cartridge.build(DOC, tmp_path / "d.cart", model=tiny)
+    tok = _fresh_tokenizer()
+    if change == "tokenizer":
+        tok._tokenizer.add_tokens(["<extra_token_x>"])  # one more vocabulary entry
+    else:
+        tok._tokenizer.chat_template = tok._tokenizer.chat_template.replace("You are a helpful", "You are a terse")
+    fp = fingerprint(tiny.model, tok)
+    with pytest.raises(ModelMismatchError) as e:
+        cartridge.load(r.path, model=tiny.model, tokenizer=tok)
+    msg = str(e.value)
+    assert f"model fingerprint {fp['id']} differs from the cartridge's {tiny.fingerprint['id']}" in msg
+    assert f"differing: {part} (cartridge {tiny.fingerprint[part]}, model {fp[part]})" in msg
+    assert msg.count("(cartridge ") == 1  # only that part differs: weights and config are the same

@@ -17,39 +17,10 @@ from cartridge.errors import (
 from cartridge.header import parse_header
 from cartridge.load import open_cartridge
 
+from cartfiles import pages, write
+
 N_LAYERS, N_KV, HEAD_DIM, PAGE, N_TOKENS = 2, 2, 8, 4, 7
 N_PAGES = 2
-
-
-def _header():
-    h = {
-        K.FORMAT_MAJOR: 1, K.FORMAT_MINOR: 0, K.WRITER: "test", K.MODEL_REF: "tiny",
-        K.MODEL_FINGERPRINT: {k: "ab" * 32 for k in ("id", "config", "weights", "tokenizer", "chat_template")}, K.MODEL_CONFIG: {"model_type": "llama"},
-        K.PROMPT_MODE: "plain", K.PROMPT_SEPARATOR: "\n\n", K.TOKENS_COUNT: N_TOKENS,
-        K.N_LAYERS: N_LAYERS, K.N_KV_HEADS: N_KV, K.HEAD_DIM: HEAD_DIM, K.PAGE_SIZE: PAGE,
-        K.N_PAGES: N_PAGES, K.SOURCE_DTYPE: "float32", K.ROPE: "post",
-    }
-    for layer in range(N_LAYERS):
-        for side in "kv":
-            h[K.layer_tier(layer, side)] = "fp16"
-            h[K.layer_codec_version(layer, side)] = 1
-            h[K.layer_params(layer, side)] = {}
-            h[K.layer_components(layer, side)] = [{"name": "values", "dtype": "float16", "width": HEAD_DIM}]
-    return h
-
-
-def _pages(layer, side):
-    rng = np.random.default_rng(layer * 2 + (side == "v"))
-    return rng.standard_normal((N_PAGES, N_KV, PAGE, HEAD_DIM)).astype(np.float16)
-
-
-def write(path, force=False, order=("k", "v")):
-    with CartridgeWriter(path, force=force) as w:
-        for layer in range(N_LAYERS):
-            for side in order:
-                w.add_extent(layer, side, "values", _pages(layer, side))
-        w.commit(_header(), np.arange(N_TOKENS, dtype=np.uint32))
-    return path
 
 
 def test_round_trip_and_layout(tmp_path):
@@ -65,7 +36,7 @@ def test_round_trip_and_layout(tmp_path):
     assert os.path.getsize(path / DATA_NAME) == 4 * ALIGN
     for (layer, side), (extent,) in info.extents.items():
         assert extent.page_bytes == page_bytes
-        np.testing.assert_array_equal(data.view(extent, "float16"), _pages(layer, side))
+        np.testing.assert_array_equal(data.view(extent, "float16"), pages(layer, side))
     assert info.bytes_per_token() == N_LAYERS * 2 * N_KV * HEAD_DIM * 2
 
 
@@ -102,7 +73,7 @@ def test_existing_output_refused_unless_force(tmp_path):
 def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         with CartridgeWriter(tmp_path / "a.cart") as w:
-            w.add_extent(0, "k", "values", _pages(0, "k"))
+            w.add_extent(0, "k", "values", pages(0, "k"))
             raise RuntimeError("boom")
     assert os.listdir(tmp_path) == []
 

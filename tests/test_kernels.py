@@ -1,0 +1,128 @@
+"""Attention kernels against a float64 reference of attention over the dequantized pages.
+
+Kernel error is tested here, apart from tier fidelity (like mlx's test_qmm): the reference decodes
+the stored pages with the tier's own `decode`, so only the attention arithmetic is compared.
+Every tier in the registry x every shape below x (portable path; fused CUDA kernel where available).
+Outputs of the CUDA kernels are poisoned with NaN before each run, and tail chunk slots beyond the
+tail length hold NaN, so a kernel that skips or over-reads elements fails.
+"""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cartridge.cache import CartridgeCache, LayerPrefix
+from cartridge.pages import make_prefix
+from cartridge.policy import DEQUANTIZED, dequantize
+from cartridge.tiers import TIERS
+
+HAS_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+# (n_q_heads, n_kv_heads, head_dim, prefix tokens, page size, tail tokens, query tokens)
+SHAPES = [
+    (4, 4, 64, 1, 16, 1, 1),        # GQA 1, one prefix token
+    (9, 3, 64, 255, 256, 1, 1),     # GQA 3 (SmolLM2), page boundary - 1
+    (9, 3, 64, 257, 256, 7, 7),     # page boundary + 1, multi-token query = whole tail
+    (8, 2, 128, 256, 256, 3, 1),    # GQA 4, exactly one page
+    (16, 2, 128, 1001, 64, 300, 2), # GQA 8, odd length, tail over two chunks
+    (32, 8, 128, 777, 128, 20, 5),  # GQA 4, Llama-3 shape, multi-token
+    (8, 1, 128, 33, 16, 1, 1),      # GQA 8, one KV head
+]
+TOL = 1e-3  # relative error (max abs error / max abs reference), float32 accumulation
+
+
+def reference(q, k, v, tail_k, tail_v, scale):
+    """float64 attention: q (n_q, L, D) over prefix k/v (n_kv, N, D) then tail (n_kv, T, D), causal tail."""
+    n_q, L, D = q.shape
+    n_kv, N, _ = k.shape
+    T = tail_k.shape[1]
+    g = n_q // n_kv
+    keys = np.concatenate([k, tail_k], axis=1).astype(np.float64)
+    vals = np.concatenate([v, tail_v], axis=1).astype(np.float64)
+    out = np.zeros((n_q, L, D))
+    for h in range(n_q):
+        s = q[h].astype(np.float64) @ keys[h // g].T * scale  # (L, N + T)
+        for i in range(L):
+            s[i, N + T - L + i + 1:] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[h] = (p / p.sum(axis=1, keepdims=True)) @ vals[h // g]
+    return out
+
+
+def _case(tier, shape, seed):
+    n_q, n_kv, D, N, P, T, L = shape
+    rng = np.random.default_rng(seed)
+    k, v = (mx.array(rng.standard_normal((n_kv, N, D)).astype(np.float32)) for _ in range(2))
+    codec = TIERS[tier]
+    codec.check(n_kv, D)
+    prefix = make_prefix(codec, k, codec, v, P)
+    tail_k, tail_v = (rng.standard_normal((1, n_kv, T, D)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, n_q, L, D)).astype(np.float32)
+    return prefix, q, tail_k, tail_v
+
+
+def _run(prefix, q, tail_k, tail_v, dtype=mx.float32):
+    cache = CartridgeCache(prefix, chunk_size=256)
+    T = tail_k.shape[2]
+    cache.update_and_fetch(mx.array(tail_k).astype(dtype), mx.array(tail_v).astype(dtype))
+    for chunks in (cache._k_chunks, cache._v_chunks):  # poison the unused tail slots
+        last = len(chunks) - 1
+        used = T - last * cache.chunk_size
+        chunks[last][..., used:, :] = mx.nan
+    scale = q.shape[-1] ** -0.5
+    out = cache.attention(mx.array(q).astype(dtype), scale, "causal" if q.shape[2] > 1 else None)
+    return np.array(out.astype(mx.float32))[0]
+
+
+def _check(prefix, q, tail_k, tail_v, got, label):
+    k = np.array(prefix.k_codec.decode(prefix.k_parts, prefix.k_params))  # (n_pages, n_kv, P, D)
+    v = np.array(prefix.v_codec.decode(prefix.v_parts, prefix.v_params))
+    n_pages, n_kv, P, D = k.shape
+    # (n_pages, n_kv, P, D) -> (n_kv, N, D)
+    k = k.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, D)[:, : prefix.n_tokens]
+    v = v.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, D)[:, : prefix.n_tokens]
+    want = reference(q[0], k, v, tail_k[0], tail_v[0], D ** -0.5)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.isfinite(got).all(), label
+    assert err < TOL, f"{label}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("tier, shape", list(itertools.product(sorted(TIERS), SHAPES)))
+def test_portable_matches_float64(tier, shape):
+    try:
+        prefix, q, tk, tv = _case(tier, shape, seed=hash((tier, shape)) % 2**32)
+    except Exception as e:  # a tier that cannot store this shape says so before encoding
+        pytest.skip(f"{tier} cannot store {shape}: {e}")
+    _check(prefix, q, tk, tv, _run(prefix, q, tk, tv), f"portable {tier} {shape}")
+
+
+def test_dequantize_once_matches_float64():
+    prefix, q, tk, tv = _case("fp16", SHAPES[4], seed=7)
+    dense = dequantize(prefix, mx.float32)
+    assert dense.k_codec is DEQUANTIZED and dense.k_parts["values"].dtype == mx.float32
+    _check(prefix, q, tk, tv, _run(dense, q, tk, tv), "dequantize-once")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier, shape", list(itertools.product(sorted(TIERS), SHAPES)))
+def test_fused_cuda_matches_float64(tier, shape, monkeypatch):
+    from cartridge.kernels import cuda
+
+    if tier not in cuda.FUSED_TIERS:
+        pytest.skip(f"no fused kernel for {tier}")
+    try:
+        prefix, q, tk, tv = _case(tier, shape, seed=hash((tier, shape, 1)) % 2**32)
+    except Exception as e:
+        pytest.skip(f"{tier} cannot store {shape}: {e}")
+    monkeypatch.setattr(cuda, "POISON", float("nan"))
+    fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
+                        prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
+    for dtype in (mx.float32, mx.float16):
+        got = _run(fused, q, tk, tv, dtype)
+        if dtype == mx.float16:  # inputs rounded to fp16: compare against the same rounded inputs
+            q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
+            _check(prefix, q16, tk16, tv16, got, f"fused {tier} {shape} fp16")
+        else:
+            _check(prefix, q, tk, tv, got, f"fused {tier} {shape}")

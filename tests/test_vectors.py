@@ -1,0 +1,178 @@
+"""Golden vectors (STYLE.md 9-10): the committed tests/vectors/tiny.cart pins the writer's exact bytes,
+parses to known values, and is the base of a table of handcrafted corruptions, each expecting exactly
+one exception class."""
+
+import os
+import random
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cartridge import keys as K
+from cartridge.container import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, PAGE_RECORD, PageData, read_index, read_manifest
+from cartridge.errors import (
+    CartridgeError, ChecksumError, DigestError, FieldError, IndexFormatError, LayoutError,
+    ModelMismatchError, NotACartridgeError, TruncatedError, UnsupportedVersionError,
+)
+from cartridge.load import check_fingerprint, open_cartridge
+from cartridge.verify import verify_cartridge
+
+from cartfiles import files, flip, forge_index_bytes, forge_records, redigest_manifest
+
+VECTORS = Path(__file__).resolve().parent / "vectors"
+sys.path.insert(0, str(VECTORS))
+from make_vectors import FINGERPRINT, TOKENS, vector_header, vector_pages, write_vector  # noqa: E402
+
+TINY = VECTORS / "tiny.cart"
+PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the OS page: bytes pinned at 4 KiB
+
+
+@pytest.mark.skipif(not PAGE_4K, reason="index.lmdb bytes depend on the OS page size (vector made at 4 KiB)")
+def test_writer_produces_the_committed_bytes(tmp_path):
+    out = write_vector(tmp_path / "v.cart")
+    assert files(out) == files(TINY)
+
+
+def test_serialization_order_invariant(tmp_path):
+    base = files(write_vector(tmp_path / "a.cart"))
+    for seed in range(3):
+        items = list(vector_header().items())
+        random.Random(seed).shuffle(items)
+        assert files(write_vector(tmp_path / f"s{seed}.cart", header=dict(items))) == base
+
+
+def test_vector_parses_to_known_values():
+    info, data = open_cartridge(TINY)
+    assert info.tokens.tolist() == TOKENS
+    assert (info.n_layers, info.n_kv_heads, info.head_dim, info.page_size, info.n_pages) == (1, 1, 4, 2, 2)
+    assert info.fingerprint == FINGERPRINT and info.format_version == "1.0"
+    assert [e.offset for side in "kv" for e in info.extents[(0, side)]] == [0, ALIGN]
+    for side in "kv":
+        (extent,) = info.extents[(0, side)]
+        np.testing.assert_array_equal(data.view(extent, "float16"), vector_pages(side))
+    assert os.path.getsize(TINY / DATA_NAME) == 2 * ALIGN
+    assert verify_cartridge(TINY).ok
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_seeded_round_trip_through_every_read_path(tmp_path, seed):
+    """Random geometry -> write -> read back through the mmap view, copied bytes, and a .cartz trip."""
+    from cartridge.pack import pack, unpack
+
+    from cartfiles import pages, write
+
+    rng = random.Random(seed)
+    geo = dict(n_layers=rng.randint(1, 3), n_kv=rng.randint(1, 3), head_dim=rng.randint(1, 9),
+               page=rng.randint(1, 5), n_tokens=rng.randint(1, 20))
+    path = write(tmp_path / "r.cart", seed=seed, **geo)
+    pack(path, tmp_path / "r.cartz")
+    moved = unpack(tmp_path / "r.cartz", tmp_path / "u.cart")
+    raw = (path / DATA_NAME).read_bytes()
+    n_pages = -(-geo["n_tokens"] // geo["page"])
+    for folder in (path, moved):
+        info, data = open_cartridge(folder)
+        for (layer, side), (extent,) in info.extents.items():
+            want = pages(layer, side, n_pages, geo["n_kv"], geo["page"], geo["head_dim"], seed)
+            np.testing.assert_array_equal(data.view(extent, "float16"), want)  # mmap
+            copied = np.frombuffer(raw, "<f2", want.size, extent.offset).reshape(want.shape)  # copied bytes
+            np.testing.assert_array_equal(copied, want)
+        data.close()
+    assert files(moved) == files(path)
+
+
+# ---------------------------------------------------------------------------------------- corruptions
+
+
+def _table(records, layer, side, edit):
+    """Rewrite one page table's records with edit(list of [offset, length, sha])."""
+    key = K.page_table(layer, side, "values")
+    rows = [list(r) for r in PAGE_RECORD.iter_unpack(records[key])]
+    edit(rows)
+    return {**records, key: b"".join(PAGE_RECORD.pack(*r) for r in rows)}
+
+
+def _set(key, value):
+    return lambda r: {**r, key: value}
+
+
+def _manifest_field(offset, fmt, value):
+    return lambda p: redigest_manifest(p, lambda raw: struct.pack_into(fmt, raw, offset, value))
+
+
+CORRUPTIONS = {  # name -> (damage(path), exact exception class)
+    "missing manifest": (lambda p: os.unlink(p / MANIFEST_NAME), NotACartridgeError),
+    "bad magic": (lambda p: flip(p / MANIFEST_NAME, 0), NotACartridgeError),
+    "future major version": (_manifest_field(8, "<H", 2), UnsupportedVersionError),
+    "flipped manifest byte": (lambda p: flip(p / MANIFEST_NAME, 20), DigestError),
+    "flipped manifest digest byte": (lambda p: flip(p / MANIFEST_NAME, 90), DigestError),
+    "truncated manifest": (lambda p: os.truncate(p / MANIFEST_NAME, 50), TruncatedError),
+    "oversized header (index_size 2^40)": (_manifest_field(16, "<Q", 1 << 40), FieldError),
+    "data_size not aligned": (_manifest_field(24, "<Q", 3 * ALIGN + 1), FieldError),
+    "data_size claims 2^60": (_manifest_field(24, "<Q", 1 << 60), TruncatedError),
+    "truncated index": (lambda p: os.truncate(p / INDEX_NAME, 4096), TruncatedError),
+    "truncated data file": (lambda p: os.truncate(p / DATA_NAME, ALIGN), TruncatedError),
+    "extended data file": (lambda p: open(p / DATA_NAME, "ab").write(b"\0" * ALIGN), TruncatedError),
+    "missing data file": (lambda p: os.unlink(p / DATA_NAME), TruncatedError),
+    "flipped index byte": (lambda p: flip(p / INDEX_NAME, 8200), DigestError),
+    "index not LMDB (forged digest)": (lambda p: forge_index_bytes(p, bytes(range(256)) * 48), IndexFormatError),
+    "index future major": (lambda p: forge_records(p, _set(K.FORMAT_MAJOR, b"2")), UnsupportedVersionError),
+    "required key missing": (lambda p: forge_records(p, lambda r: {k: v for k, v in r.items() if k != K.ROPE}), FieldError),
+    "key not JSON": (lambda p: forge_records(p, _set(K.N_LAYERS, b"{1")), FieldError),
+    "JSON nested 100000 deep": (lambda p: forge_records(p, _set(K.MODEL_CONFIG, b"[" * 100000)), FieldError),
+    "oversized header (tokens.count 2^31-1)": (lambda p: forge_records(p, _set(K.TOKENS_COUNT, b"2147483647")), FieldError),
+    "n_kv_heads out of range": (lambda p: forge_records(p, _set(K.N_KV_HEADS, b"100000")), FieldError),
+    "n_pages inconsistent": (lambda p: forge_records(p, _set(K.N_PAGES, b"3")), FieldError),
+    "unknown tier": (lambda p: forge_records(p, _set(K.layer_tier(0, "v"), b'"int3"')), FieldError),
+    "future codec version": (lambda p: forge_records(p, _set(K.layer_codec_version(0, "k"), b"2")), UnsupportedVersionError),
+    "rope not post": (lambda p: forge_records(p, _set(K.ROPE, b'"pre"')), FieldError),
+    "fingerprint not hex": (lambda p: forge_records(p, _set(K.MODEL_FINGERPRINT, b'{"id":"x"}')), FieldError),
+    "components differ from tier": (lambda p: forge_records(p, _set(K.layer_components(0, "k"), b'[{"name":"values","dtype":"float16","width":5}]')), FieldError),
+    "misaligned page": (lambda p: forge_records(p, lambda r: _table(r, 0, "v", lambda t: t[0].__setitem__(0, ALIGN + 1))), LayoutError),
+    "overlapping offsets": (lambda p: forge_records(p, lambda r: _table(r, 0, "v", lambda t: [row.__setitem__(0, i * 16) for i, row in enumerate(t)])), LayoutError),
+    "page length wrong": (lambda p: forge_records(p, lambda r: _table(r, 0, "k", lambda t: t[1].__setitem__(1, 17))), LayoutError),
+    "page table truncated": (lambda p: forge_records(p, lambda r: _table(r, 0, "k", lambda t: t.pop())), LayoutError),
+    "extent beyond data file": (lambda p: forge_records(p, _set(K.N_KV_HEADS, b"1024")), LayoutError),
+    "flipped page byte": (lambda p: flip(p / DATA_NAME, ALIGN + 16 + 3), ChecksumError),
+    "flipped checksum byte (forged)": (lambda p: forge_records(p, lambda r: _table(r, 0, "k", lambda t: t[1].__setitem__(2, bytes(32)))), ChecksumError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_handcrafted_corruption_raises_one_exact_class(tmp_path, case):
+    path = Path(shutil.copytree(TINY, tmp_path / "v.cart"))
+    damage, expected = CORRUPTIONS[case]
+    damage(path)
+    with pytest.raises(CartridgeError) as e:
+        open_cartridge(path)
+    assert type(e.value) is expected, (case, repr(e.value))
+    report = verify_cartridge(path)
+    assert not report.ok and type(report.error) is expected
+
+
+def test_nonzero_padding_found_by_verify(tmp_path):
+    path = Path(shutil.copytree(TINY, tmp_path / "v.cart"))
+    flip(path / DATA_NAME, 2 * 16 + 5)  # after the k extent's two 16-byte pages: alignment padding
+    open_cartridge(path)  # padding is never read, so loading is unaffected
+    report = verify_cartridge(path)
+    assert type(report.error) is LayoutError and "byte 37 is padding but not zero" in str(report.error)
+
+
+def test_wrong_model_fingerprint_raises_model_mismatch():
+    info, _ = open_cartridge(TINY)
+    other = dict(FINGERPRINT, weights="6" * 64, id="7" * 64)
+    with pytest.raises(ModelMismatchError) as e:
+        check_fingerprint(info, other)
+    assert type(e.value) is ModelMismatchError
+    assert "1" * 64 in str(e.value) and "7" * 64 in str(e.value)  # both ids in full
+    assert f"weights (cartridge {'3' * 64}, model {'6' * 64})" in str(e.value)
+
+
+def test_vector_page_data_path_reads_committed_file():
+    data = PageData(TINY)
+    assert data.size == 2 * ALIGN
+    data.close()
+    assert read_index(TINY, read_manifest(TINY))[K.TOKENS_IDS] == np.asarray(TOKENS, "<u4").tobytes()
