@@ -5,7 +5,10 @@ bytes/token and compression against fp16, K and V mean absolute error and relati
 decoded pages against the model's float32 K/V, and how many of the first N greedy tokens agree with
 the fp16 cartridge's for the sample questions. Also compares turbo's raw and corrected norms.
 
-    python benchmarks/tiers.py [--questions 5] [--tokens 20] [--json out/tiers.json]
+    python benchmarks/tiers.py [--questions 5] [--tokens 20] [--attention portable] [--json out/tiers.json]
+
+`--attention` is the load policy (cartridge.policy); the default, "portable", attends over the stored
+pages with MLX ops, so the agreement column measures the tier and not a dequantized copy.
 """
 
 import argparse
@@ -117,11 +120,11 @@ def softmax(s):
     return e / e.sum(-1, keepdims=True)
 
 
-def measure(lm, doc, ref, questions, n_tokens, rows, tmp):
+def measure(lm, doc, ref, questions, n_tokens, rows, tmp, attention):
     results, baseline = [], None
     for label, kwargs in rows:
         built = cartridge.build(doc, Path(tmp) / "t.cart", model=lm, force=True, **kwargs)
-        cart = cartridge.load(built.path, model=lm)
+        cart = cartridge.load(built.path, model=lm, attention=attention)
         answers, s_per_token = greedy(cart, questions, n_tokens)
         baseline = baseline or answers
         prefix, identical = agreement(answers, baseline)
@@ -155,6 +158,7 @@ def main():
     ap.add_argument("--questions", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--attention", default="portable", help="load policy: portable, dequantize-once, fused, auto")
     ap.add_argument("--no-norm-study", action="store_true")
     args = ap.parse_args()
     doc = (ROOT / "samples" / "lgpl-3.0.txt").read_text()
@@ -164,14 +168,14 @@ def main():
     ref = reference_kv(lm, doc)
     print(HEADER.format(n=args.tokens))
     with tempfile.TemporaryDirectory() as tmp:
-        results = measure(lm, doc, ref, questions, args.tokens, ROWS, tmp)
+        results = measure(lm, doc, ref, questions, args.tokens, ROWS, tmp, args.attention)
     study = {} if args.no_norm_study else norm_study(ref)
     for key, m in study.items():
         print(f"{key:18s} " + "  ".join(f"{k} {v:.5f}" for k, v in m.items()))
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
            "device": str(mx.default_device()), "mlx": mx.__version__, "model": "default (SmolLM2-135M-Instruct)",
            "document": "samples/lgpl-3.0.txt", "tokens": len(ref[0][0][0]), "questions": questions,
-           "greedy_tokens": args.tokens, "rows": results, "turbo_norm_study": study}
+           "greedy_tokens": args.tokens, "attention": args.attention, "rows": results, "turbo_norm_study": study}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=float))
