@@ -11,7 +11,7 @@ import numpy as np
 
 from . import keys as K
 from .container import ALIGN, FORMAT_MAJOR, Extent, align_up, parse_page_table
-from .errors import FieldError, LayoutError, UnsupportedVersionError
+from .errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
 from .tiers import TIERS
 
 LIMITS = {  # key -> (min, max), inclusive
@@ -227,6 +227,6 @@ def _params(records, tiers, n_kv, head_dim):
             try:
                 TIERS[t[side]].check_params(params, n_kv, head_dim)
             except CorruptCartridgeError as e:
-                raise CorruptCartridgeError(f"layer {t['layer']} {side}: {e}") from None
+                raise FieldError(f"layer {t['layer']} {side}: {e}") from None
             out[(t["layer"], side)] = params
     return out
