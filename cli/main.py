@@ -14,6 +14,7 @@ import click
 import cartridge
 from cartridge.errors import CartridgeError, InputError
 
+from .eval import eval_command
 from .report import inspect_dict, inspect_table
 
 
@@ -119,6 +120,9 @@ def ask(path, question, max_tokens, model):
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     click.echo(f"load {load_s:.2f} s, TTFT {ttft or 0:.3f} s ({len(prompt)} question tokens over "
                f"{len(cart.tokens)} cached), decode {rate:.1f} tokens/s ({n} tokens)", err=True)
+
+
+cli.add_command(eval_command)
 
 
 def main(argv=None):
