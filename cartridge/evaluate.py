@@ -107,11 +107,11 @@ class _Run:
         tok = lm.tokenizer
         self.heldout_tokens = list(tok.encode(SEPARATOR + heldout.strip(), add_special_tokens=False))
         self.probe_prefix = prefix_tokens(tok, self.probe_doc)
-        self._check_lengths(tok)
+        self._check_lengths()
         self.work_dir = config.work_dir or default_work_dir()
         self.progress, self.done, self.total = progress, 0, 0
 
-    def _check_lengths(self, tok):
+    def _check_lengths(self):
         if len(self.heldout_tokens) < 2:
             raise InputError(f"the held-out text is {len(self.heldout_tokens)} token(s); at least 2 are needed")
         limit = context_length(self.lm.model)
@@ -124,10 +124,10 @@ class _Run:
         if self.progress:
             self.progress(self.done, self.total, what)
 
-    def answers(self, model_cache_prompt, rows, what):
+    def answers(self, prompt_and_cache, rows, what):
         out = []
         for row in rows:
-            prompt, cache = model_cache_prompt(row["question"])
+            prompt, cache = prompt_and_cache(row["question"])
             out.append(greedy(self.lm.model, self.lm.tokenizer, prompt, self.config.max_tokens, cache))
             self.step(what)
         return out
@@ -145,6 +145,10 @@ class _Run:
         t0 = time.perf_counter()
         carts = {}
         for role, doc in (("qa", self.qa_doc), ("probe", self.probe_doc)):
+            if role == "probe" and doc == self.qa_doc:  # --heldout and no needles: one cartridge serves both
+                carts[role], row[f"{role}_cartridge"] = carts["qa"], row["qa_cartridge"]
+                self.step(f"{spec.label}: {role} cartridge is the qa one")
+                continue
             self.step(f"{spec.label}: {role} cartridge", 0)
             key = cache_key(doc, self.lm.fingerprint["id"], spec, self.config.page_size)
             path, built = build_or_reuse(doc, spec, self.lm, cartridge_path(self.work_dir, role, spec, key),
@@ -235,6 +239,14 @@ def evaluate(corpus, questions, model=None, specs=(), needles=(), config=None, p
 
     Raises:
         InputError: a question list that is empty, a spec this build cannot do, text too long.
+
+    Example:
+        >>> from cartridge.evalset import load_questions, load_needles
+        >>> from cartridge.evalspec import parse_tiers
+        >>> r = evaluate(open("samples/lgpl-3.0.txt").read(), load_questions("samples/lgpl-3.0.questions.jsonl"),
+        ...              specs=parse_tiers("bf16"), needles=load_needles("samples/needles.jsonl"))  # doctest: +SKIP
+        >>> r["rows"][1]["vs_fp16"]["exact"]  # fresh prefill answers identical to the fp16 cartridge's  # doctest: +SKIP
+        20
     """
     config = config or EvalConfig()
     if not questions:

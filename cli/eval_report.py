@@ -46,7 +46,8 @@ def _caption(report):
         f"document {d['qa_tokens']:,} tokens",
         "compression: fp16 bytes/token / these bytes/token; "
         f"first token / exact answer / BLEU / tokens to divergence: each answer against the fp16 cartridge's; "
-        f"BLEU = {report['bleu']}",
+        f"BLEU = {report['bleu']}; tokens to divergence = leading tokens shared with the fp16 answer "
+        "(its whole length when identical)",
         f"held-out ppl: {d['heldout_tokens_scored']} tokens of the {s['heldout_source']}, teacher-forced after a "
         f"{d['probe_tokens']:,}-token probe document",
         f"needles: {d['needles']} planted facts, exact-match recall, by depth {depths or '-'}",
@@ -95,14 +96,18 @@ def write_plot(report, path):
     ax.scatter(xs, [p[3] for p in pts], marker="^", s=30, label="first-token agreement")
     if all(p[4] is not None for p in pts):
         ax.scatter(xs, [p[4] for p in pts], marker="s", s=20, label="needle recall")
+    spots = {}  # points at the same place share one label: "fp16, bf16"
     for label, x, bleu, *_ in pts:
-        ax.annotate(label, (x, bleu), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        spots.setdefault((x, round(bleu, 3)), []).append(label)
+    for (x, bleu), labels in spots.items():
+        ax.annotate(", ".join(labels), (x, bleu), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlim(0, 1.1 * max(xs))
     ax.set_xlabel("bytes per token (K+V, all layers)")
     ax.set_ylabel("fidelity (0-1)")
     ax.set_ylim(-0.05, 1.08)
     ax.set_title(f"cartridge eval: {report['model']['ref']}, {report['documents']['questions']} questions")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)

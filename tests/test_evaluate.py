@@ -96,3 +96,14 @@ def test_refuses_bad_requests(tiny, tmp_path):
     with pytest.raises(InputError, match="the model's context is 512"):
         evaluate(DOC, QUESTIONS, model=tiny, config=EvalConfig(heldout=DOC * 8, work_dir=tmp_path))
     assert list(tmp_path.iterdir()) == []  # refused before building anything
+
+
+def test_heldout_text_without_needles_uses_one_cartridge_per_spec(tiny, tmp_path):
+    r = evaluate(DOC, QUESTIONS[:1], model=tiny, specs=[parse_entry("bf16")],
+                 config=EvalConfig(max_tokens=2, fresh=False, heldout="The rent rises by 3 euros.",
+                                   work_dir=tmp_path, page_size=16))
+    for row in r["rows"]:
+        assert row["probe_cartridge"] == row["qa_cartridge"]
+    assert len(list(tmp_path.iterdir())) == 2  # fp16 and bf16, one each
+    assert r["settings"]["heldout_source"] == "--heldout text"
+    assert r["documents"]["probe_tokens"] == r["documents"]["qa_tokens"]
