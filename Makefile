@@ -8,7 +8,7 @@ QUESTION := Who publishes revised versions of the GNU Lesser General Public Lice
 
 TIERS ?= fp16,bf16
 
-.PHONY: setup demo test test-fast bench eval clean
+.PHONY: setup demo test test-fast bench bench-tiers eval clean
 
 $(BIN)/cartridge: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -35,6 +35,9 @@ eval: setup
 	@mkdir -p out
 	$(BIN)/cartridge eval $(SAMPLE) --questions samples/lgpl-3.0.questions.jsonl --tiers $(TIERS) \
 		--json out/eval.json --plot out/eval.png --work-dir out/eval-work --markdown
+
+bench-tiers: setup
+	$(BIN)/python benchmarks/tiers.py --json out/tiers.json
 
 clean:
 	rm -rf out .pytest_cache

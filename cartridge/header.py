@@ -226,7 +226,7 @@ def _params(records, tiers, n_kv, head_dim):
             params = _typed(records, K.layer_params(t["layer"], side), dict)
             try:
                 TIERS[t[side]].check_params(params, n_kv, head_dim)
-            except CorruptCartridgeError as e:
+            except CorruptCartridgeError as e:  # the codec names the field; we name the (layer, side)
                 raise FieldError(f"layer {t['layer']} {side}: {e}") from None
             out[(t["layer"], side)] = params
     return out

@@ -18,6 +18,14 @@ def fold_tiers(tiers):
              "k": r["k"], "v": r["v"]} for r in runs]
 
 
+def tier_formulas(tiers, n_kv_heads, head_dim):
+    """{tier: {"formula", "bytes_per_token_per_layer_side"}} for every tier the schema uses, in first-use order."""
+    used = dict.fromkeys(row[side] for row in tiers for side in ("k", "v"))
+    return {name: {"formula": TIERS[name].formula,
+                   "bytes_per_token_per_layer_side": TIERS[name].bytes_per_token(n_kv_heads, head_dim)}
+            for name in used}
+
+
 def inspect_dict(info, path):
     """The `inspect --json` document (see README and spec/FORMAT.md section 7)."""
     total = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
@@ -32,6 +40,7 @@ def inspect_dict(info, path):
         "n_pages": info.n_pages,
         "tiers": info.tiers,
         "tier_runs": fold_tiers(info.tiers),
+        "tier_formulas": tier_formulas(info.tiers, info.n_kv_heads, info.head_dim),
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
         "total_bytes": total,
@@ -60,4 +69,7 @@ def inspect_table(d):
         per = TIERS[run["k"]].bytes_per_token(d["n_kv_heads"], d["head_dim"]) + \
             TIERS[run["v"]].bytes_per_token(d["n_kv_heads"], d["head_dim"])
         lines.append(f"              {run['layers']:<7} {run['k']:<8} {run['v']:<8} {per:,}")
+    lines.append("formulas      bytes/token/layer-side (H = n_kv_heads)")
+    for name, f in d["tier_formulas"].items():
+        lines.append(f"              {name:<8} {f['formula']} = {f['bytes_per_token_per_layer_side']:,}")
     return "\n".join(lines)

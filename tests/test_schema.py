@@ -131,8 +131,16 @@ def test_mixed_schema_builds_and_inspect_folds_runs(tiny64, tmp_path):
     per_layer = [4 * kv, (kv + kv // 32) + (3 * kv // 8 + 4), (kv + kv // 32) + (3 * kv // 8 + 4),
                  (kv + kv // 8) + (kv // 2 + kv // 16)]
     assert d["bytes_per_token"] == r.bytes_per_token == sum(per_layer)
+    assert d["tier_formulas"] == {
+        "fp16": {"formula": "2 * kv_dim", "bytes_per_token_per_layer_side": 256},
+        "fp8": {"formula": "kv_dim + kv_dim/32", "bytes_per_token_per_layer_side": 132},
+        "turbo3": {"formula": "3 * kv_dim/8 + 2 * H", "bytes_per_token_per_layer_side": 52},
+        "int8": {"formula": "kv_dim + kv_dim/8", "bytes_per_token_per_layer_side": 144},
+        "nvfp4": {"formula": "kv_dim/2 + kv_dim/16", "bytes_per_token_per_layer_side": 72},
+    }
     table = inspect_table(d)
     assert "1-2     fp8      turbo3   " + f"{per_layer[1]:,}" in table
+    assert "turbo3   3 * kv_dim/8 + 2 * H = 52" in table
     assert info.params[(1, "v")]["bits"] == 3 and info.params[(3, "v")]["global_scale"] > 0
 
 

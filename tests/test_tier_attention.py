@@ -97,10 +97,12 @@ DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purc
        "Claims are sent to Kettle Co, 12 Harbour Road. ") * 8
 
 
+@pytest.mark.parametrize("policy", ["portable", "dequantize-once"])
 @pytest.mark.parametrize("name", list(TIERS))
-def test_every_tier_generates_like_a_dense_cache_of_its_decoded_pages(name, tiny64, tmp_path):
+def test_every_tier_generates_like_a_dense_cache_of_its_decoded_pages(name, policy, tiny64, tmp_path):
     r = cartridge.build(DOC, tmp_path / f"{name}.cart", model=tiny64, tier=name, page_size=64)
-    cart = cartridge.load(r.path, model=tiny64)
+    cart = cartridge.load(r.path, model=tiny64, attention=policy)
+    assert cart.attention == policy
     assert {row["k"] for row in cart.info.tiers} == {name}
     q = cart.question_prompt("How long does the warranty last?")
     got = _logits(cart.model, q, cart.prompt_cache())

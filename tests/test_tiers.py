@@ -248,7 +248,7 @@ def test_codebook_distortion_matches_reference():
     np.testing.assert_allclose(got, [0.3609, 0.1160, 0.0340, 0.0093], atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 12])
 def test_bitpack_is_an_lsb_first_stream(bits):
     c = np.random.default_rng(bits).integers(0, 1 << bits, size=(2, 5, 64)).astype(np.uint32)
     words = np.array(bitpack.pack(mx.array(c), bits))
@@ -256,6 +256,15 @@ def test_bitpack_is_an_lsb_first_stream(bits):
     want = (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
     assert np.array_equal(words, want)
     assert np.array_equal(np.array(bitpack.unpack(mx.array(words), bits, 64)), c)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_grouped_codebook_lookup_equals_per_code_lookup(bits):
+    c = np.random.default_rng(bits).integers(0, 1 << bits, size=(2, 3, 5, 64)).astype(np.uint32)
+    codebook = np.random.default_rng(0).standard_normal(1 << bits).astype(np.float32)
+    words = bitpack.pack(mx.array(c), bits)
+    got = np.array(bitpack.lookup(words, bits, 64, codebook))
+    assert got.shape == c.shape and np.array_equal(got, codebook[c])
 
 
 @pytest.mark.parametrize("name, n_kv, head_dim, match", [
@@ -281,6 +290,8 @@ def test_check_accepts_the_default_model_shape(name):
 @pytest.mark.parametrize("name, change, match", [
     ("mlx4g32", {"bits": 8}, "params.bits is 8; expected 4"),
     ("fp8", {"mode": "affine"}, "params.mode is 'affine'; expected 'mxfp8'"),
+    ("int8", {"scale_rule": "mlx"}, "params.scale_rule is 'mlx'; expected 'fp16_bias_down_scale_up'"),
+    ("mxfp4", {"packing": None}, "params.packing is None; expected 'lsb_first'"),
     ("nvfp4", {"global_scale": None}, "global_scale is None"),
     ("nvfp4", {"global_scale": -1.0}, "positive finite"),
     ("turbo4", {"norm": "rms"}, "params.norm is 'rms'"),
@@ -301,3 +312,17 @@ def test_check_params_refuses_unusable_params(name, change, match):
 def test_check_params_accepts_what_make_params_writes(name):
     codec = TIERS[name]
     codec.check_params(codec.make_params(gaussian((3, 4, 64)), 2, "v"), 3, 64)
+
+
+@pytest.mark.parametrize("name", list(FORMULAS))
+def test_formula_string_is_the_spec_row_and_evaluates_exactly(name):
+    """`inspect` prints codec.formula: it must be spec/FORMAT.md's and give bytes_per_token."""
+    from conftest import ROOT
+
+    codec = TIERS[name]
+    row = next(line for line in (ROOT / "spec" / "FORMAT.md").read_text().splitlines()
+               if line.startswith(f"| `{name}` |"))
+    assert f"| {codec.formula} |" in row
+    for H, D in BYTES:
+        # our own constant strings, evaluated on numbers only
+        assert eval(codec.formula, {"__builtins__": {}}, {"kv_dim": H * D, "H": H}) == codec.bytes_per_token(H, D)

@@ -58,6 +58,7 @@ class AffineCodec(GroupQuantCodec):
     group_size = 32
     scale_dtype = "float16"
     has_biases = True
+    scale_rule = "fp16_bias_down_scale_up"
 
     def encode(self, x, params):
         return affine_encode(x, self.bits, self.group_size)
@@ -68,6 +69,7 @@ class Int8Codec(AffineCodec):
 
     name = "int8"
     bits = 8
+    formula = "kv_dim + kv_dim/8"
 
 
 class Mlx4G32Codec(AffineCodec):
@@ -75,3 +77,4 @@ class Mlx4G32Codec(AffineCodec):
 
     name = "mlx4g32"
     bits = 4
+    formula = "kv_dim/2 + kv_dim/8"

@@ -45,6 +45,7 @@ class TierCodec:
 
     name = ""
     codec_version = 1
+    formula = ""  # bytes/token/layer-side in kv_dim and H = n_kv_heads (spec/FORMAT.md section 6)
 
     def components(self, head_dim):
         """The stored components for one KV head of `head_dim` elements.

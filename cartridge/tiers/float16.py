@@ -10,6 +10,7 @@ class Float16Codec(TierCodec):
 
     name = "fp16"
     dtype = "float16"
+    formula = "2 * kv_dim"
 
     def components(self, head_dim):
         return [Component("values", self.dtype, head_dim)]

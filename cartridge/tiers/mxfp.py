@@ -20,6 +20,7 @@ class MxCodec(GroupQuantCodec):
 
     scale_dtype = "uint8"
     has_biases = False
+    scale_rule = "e8m0_ceil"
 
     def encode(self, x, params):
         codes, scales = mx.quantize(x.astype(mx.float32), mode=self.mode, **self._global(params))
@@ -33,6 +34,7 @@ class Fp8Codec(MxCodec):
     """fp8: MX FP8 (E4M3 elements, E8M0 scale per 32): kv_dim + kv_dim/32 bytes."""
 
     name = "fp8"
+    formula = "kv_dim + kv_dim/32"
     mode = "mxfp8"
     bits = 8
     group_size = 32
@@ -42,6 +44,7 @@ class Mxfp4Codec(MxCodec):
     """mxfp4: MX FP4 (E2M1 elements, E8M0 scale per 32): kv_dim/2 + kv_dim/32 bytes."""
 
     name = "mxfp4"
+    formula = "kv_dim/2 + kv_dim/32"
     mode = "mxfp4"
     bits = 4
     group_size = 32
@@ -51,9 +54,11 @@ class Nvfp4Codec(MxCodec):
     """nvfp4: NV FP4 (E2M1 elements, E4M3 scale per 16, float32 global scale): kv_dim/2 + kv_dim/16 bytes."""
 
     name = "nvfp4"
+    formula = "kv_dim/2 + kv_dim/16"
     mode = "nvfp4"
     bits = 4
     group_size = 16
+    scale_rule = "e4m3_nearest_global_amax"
 
     def make_params(self, x, layer, side):
         amax = float(mx.abs(x.astype(mx.float32)).max())

@@ -21,6 +21,7 @@ class GroupQuantCodec(TierCodec):
         bits (int): bits per element. group_size (int): elements per scale.
         scale_dtype (str): "float16" (affine) or "uint8" (E8M0 / E4M3 bytes).
         has_biases (bool): affine tiers also store a per-group bias.
+        scale_rule (str): how the writer chose scales (spec/FORMAT.md 6.2), recorded in params.
     """
 
     mode = "affine"
@@ -42,12 +43,17 @@ class GroupQuantCodec(TierCodec):
                 f"tier {self.name}: head_dim {head_dim} is not a multiple of the group size {self.group_size}"
             )
 
+    scale_rule = ""
+
+    def _fixed_params(self):
+        return {"mode": self.mode, "bits": self.bits, "group_size": self.group_size, "scale_rule": self.scale_rule,
+                "packing": "lsb_first"}
+
     def make_params(self, x, layer, side):
-        return {"mode": self.mode, "bits": self.bits, "group_size": self.group_size}
+        return self._fixed_params()
 
     def check_params(self, params, n_kv_heads, head_dim):
-        want = {"mode": self.mode, "bits": self.bits, "group_size": self.group_size}
-        for key, value in want.items():
+        for key, value in self._fixed_params().items():
             if params.get(key) != value:
                 raise CorruptCartridgeError(f"tier {self.name}: params.{key} is {params.get(key)!r}; expected {value!r}")
 

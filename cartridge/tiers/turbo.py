@@ -112,14 +112,13 @@ class TurboCodec(TierCodec):
             norm = norm / mx.linalg.norm(mx.take(codebook, idx), axis=-1, keepdims=True)
         return {"codes": bitpack.pack(idx, self.bits), "norms": norm.astype(mx.float16)}
 
-    def _rotated(self, codes, norms, codebook, head_dim):
-        """norm * C[idx] for (..., P, W) codes and (..., P, 1) norms: (..., P, D) float32, rotated basis."""
-        return mx.take(codebook, bitpack.unpack(codes, self.bits, head_dim)) * norms.astype(mx.float32)
+    def _codewords(self, codes, params):
+        """C[idx] for (..., W) codes: (..., D) float32 unit-scale codewords in the rotated basis."""
+        return bitpack.lookup(codes, self.bits, codes.shape[-1] * 32 // self.bits, params["codebook"])
 
     def decode(self, parts, params):
-        signs, codebook = _prepared(params)
-        head_dim = signs.shape[-1]
-        return unrotate(self._rotated(parts["codes"], parts["norms"], codebook, head_dim), signs)
+        signs, _ = _prepared(params)
+        return unrotate(self._codewords(parts["codes"], params) * parts["norms"].astype(mx.float32), signs)
 
     def _blocks(self, parts):
         """Slices of pages whose decoded size stays under BLOCK_ELEMENTS floats."""
@@ -129,23 +128,21 @@ class TurboCodec(TierCodec):
         return [slice(i, min(i + step, n_pages)) for i in range(0, n_pages, step)]
 
     def scores(self, q, parts, params):
-        signs, codebook = _prepared(params)
+        signs, _ = _prepared(params)
         q_rot = rotate(q, signs)[None]  # (1, n_kv, R, D): (Rq).(Rk) = q.k
         out = []
         for b in self._blocks(parts):
-            idx = bitpack.unpack(parts["codes"][b], self.bits, q.shape[-1])
-            k = mx.take(codebook, idx)  # (nb, n_kv, P, D), unit-scale codewords
+            k = self._codewords(parts["codes"][b], params)  # (nb, n_kv, P, D)
             norms = parts["norms"][b].astype(mx.float32).swapaxes(-1, -2)  # (nb, n_kv, 1, P)
             out.append((q_rot @ k.swapaxes(-1, -2)) * norms)  # (nb, n_kv, R, P)
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
 
     def weighted_values(self, p, parts, params):
-        signs, codebook = _prepared(params)
+        signs, _ = _prepared(params)
         o = 0
         for b in self._blocks(parts):
-            idx = bitpack.unpack(parts["codes"][b], self.bits, signs.shape[-1])
             norms = parts["norms"][b].astype(mx.float32).swapaxes(-1, -2)  # (nb, n_kv, 1, P)
-            o = o + ((p[b] * norms) @ mx.take(codebook, idx)).sum(axis=0)  # (n_kv, R, D), rotated basis
+            o = o + ((p[b] * norms) @ self._codewords(parts["codes"][b], params)).sum(axis=0)  # (n_kv, R, D)
         return unrotate(o, signs)
 
 
@@ -154,6 +151,7 @@ class Turbo4Codec(TurboCodec):
 
     name = "turbo4"
     bits = 4
+    formula = "kv_dim/2 + 2 * H"
 
 
 class Turbo3Codec(TurboCodec):
@@ -161,6 +159,7 @@ class Turbo3Codec(TurboCodec):
 
     name = "turbo3"
     bits = 3
+    formula = "3 * kv_dim/8 + 2 * H"
 
 
 class Turbo2Codec(TurboCodec):
@@ -168,3 +167,4 @@ class Turbo2Codec(TurboCodec):
 
     name = "turbo2"
     bits = 2
+    formula = "kv_dim/4 + 2 * H"
