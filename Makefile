@@ -6,7 +6,9 @@ SAMPLE := samples/lgpl-3.0.txt
 CART := out/lgpl-3.0.cart
 QUESTION := Who publishes revised versions of the GNU Lesser General Public License?
 
-.PHONY: setup demo test test-fast bench bench-tiers clean
+TIERS ?= fp16,bf16
+
+.PHONY: setup demo test test-fast bench bench-tiers eval clean
 
 $(BIN)/cartridge: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -28,6 +30,11 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python benchmarks/ttft.py --json out/ttft.json
+
+eval: setup
+	@mkdir -p out
+	$(BIN)/cartridge eval $(SAMPLE) --questions samples/lgpl-3.0.questions.jsonl --tiers $(TIERS) \
+		--json out/eval.json --plot out/eval.png --work-dir out/eval-work --markdown
 
 bench-tiers: setup
 	$(BIN)/python benchmarks/tiers.py --json out/tiers.json

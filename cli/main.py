@@ -15,6 +15,7 @@ import cartridge
 from cartridge.errors import CartridgeError, InputError
 
 from .bench import bench as bench_command
+from .eval import eval_command
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
 
@@ -140,6 +141,7 @@ cli.add_command(bench_command, name="bench")
 cli.add_command(verify)
 cli.add_command(pack)
 cli.add_command(unpack)
+cli.add_command(eval_command)
 
 
 def main(argv=None):

@@ -1,0 +1,113 @@
+"""What `cartridge eval` prints and draws: one table (text or markdown) and a fidelity/bytes plot."""
+
+COLUMNS = ("tier / schema", "bytes/token", "compression", "first token", "exact answer", "mean BLEU",
+           "tokens to divergence", "held-out ppl", "ppl vs fp16", "needles")
+
+
+def _vs(row, key, fmt):
+    cmp = row.get("vs_fp16")
+    return "ref" if cmp is None else fmt(cmp, key)
+
+
+def _count(cmp, key):
+    return f"{cmp[key]}/{cmp['n']}"
+
+
+def _needles(row):
+    nd = row.get("needles")
+    if not nd:
+        return "-"
+    depths = " ".join(f"{d['found']}/{d['n']}" for d in nd["by_depth"].values())
+    return f"{nd['found']}/{nd['n']} ({depths})"
+
+
+def row_cells(row):
+    """The table cells of one report row, as strings."""
+    cart = row["kind"] == "cartridge"
+    return [
+        row["label"] + (" (no cartridge)" if not cart else ""),
+        f"{row['bytes_per_token']:,}" if cart else "-",
+        f"{row['compression']:.2f}x" if cart else "-",
+        _vs(row, "first_token", _count),
+        _vs(row, "exact", _count),
+        _vs(row, "bleu", lambda c, k: f"{c[k]:.3f}"),
+        _vs(row, "divergence", lambda c, k: f"{c[k]:.1f}"),
+        f"{row['perplexity']:.3f}",
+        "ref" if "perplexity_change" not in row else f"{100 * row['perplexity_change']:+.3f}%",
+        _needles(row),
+    ]
+
+
+def _caption(report):
+    s, d = report["settings"], report["documents"]
+    depths = " ".join(next((r["needles"]["by_depth"] for r in report["rows"] if r.get("needles")), {}))
+    return [
+        f"model {report['model']['ref']}; {d['questions']} questions x {s['max_tokens']} greedy tokens; "
+        f"document {d['qa_tokens']:,} tokens",
+        "compression: fp16 bytes/token / these bytes/token; "
+        f"first token / exact answer / BLEU / tokens to divergence: each answer against the fp16 cartridge's; "
+        f"BLEU = {report['bleu']}; tokens to divergence = leading tokens shared with the fp16 answer "
+        "(its whole length when identical)",
+        f"held-out ppl: {d['heldout_tokens_scored']} tokens of the {s['heldout_source']}, teacher-forced after a "
+        f"{d['probe_tokens']:,}-token probe document",
+        f"needles: {d['needles']} planted facts, exact-match recall, by depth {depths or '-'}",
+    ]
+
+
+def text_table(report):
+    """Fixed-width table with a caption, for the terminal."""
+    rows = [list(COLUMNS)] + [row_cells(r) for r in report["rows"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [""] + _caption(report))
+
+
+def markdown_table(report):
+    """GitHub markdown table with the caption as a list below it (for the README)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in report["rows"]]
+    return "\n".join(lines + [""] + [f"- {c}" for c in _caption(report)])
+
+
+def _series(report):
+    """[(label, bytes/token, BLEU, first-token fraction, needle recall or None)] for cartridge rows."""
+    out = []
+    for r in report["rows"]:
+        if r["kind"] != "cartridge":
+            continue
+        cmp = r["vs_fp16"] or {"bleu": 1.0, "first_token_fraction": 1.0}
+        out.append((r["label"], r["bytes_per_token"], cmp["bleu"], cmp["first_token_fraction"],
+                    r["needles"]["recall"] if r.get("needles") else None))
+    return out
+
+
+def write_plot(report, path):
+    """PNG: fidelity against bytes/token, one point per cartridge (BLEU, first-token, needle recall)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    pts = _series(report)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    xs = [p[1] for p in pts]
+    ax.scatter(xs, [p[2] for p in pts], marker="o", s=40, label="mean BLEU vs fp16 answers")
+    ax.scatter(xs, [p[3] for p in pts], marker="^", s=30, label="first-token agreement")
+    if all(p[4] is not None for p in pts):
+        ax.scatter(xs, [p[4] for p in pts], marker="s", s=20, label="needle recall")
+    spots = {}  # points at the same place share one label: "fp16, bf16"
+    for label, x, bleu, *_ in pts:
+        spots.setdefault((x, round(bleu, 3)), []).append(label)
+    for (x, bleu), labels in spots.items():
+        ax.annotate(", ".join(labels), (x, bleu), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlim(0, 1.1 * max(xs))
+    ax.set_xlabel("bytes per token (K+V, all layers)")
+    ax.set_ylabel("fidelity (0-1)")
+    ax.set_ylim(-0.05, 1.08)
+    ax.set_title(f"cartridge eval: {report['model']['ref']}, {report['documents']['questions']} questions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
