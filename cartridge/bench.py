@@ -278,28 +278,34 @@ def speedups(rows):
 
 
 def plot(result, path):
-    """Attention microseconds vs context, one line per (tier, policy) and baseline; PNG at `path`."""
+    """Attention microseconds vs context: one colour per tier, one line style per policy; PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"fused": "-", "portable": "--", "dequantize-once": ":", "mlx-sdpa": "-", "mlx-lm-quantized": "-."}
     lines = {}
     for r in result["attention"]:
         if r["us"]:
-            lines.setdefault(f"{r['tier']} {r['policy']}", []).append((r["context"], r["us"]))
-    for label, pts in sorted(lines.items()):
+            lines.setdefault((r["tier"], r["policy"]), []).append((r["context"], r["us"]))
+    tiers = sorted({t for t, _ in lines})
+    colors = {t: plt.get_cmap("tab20")(i % 20) for i, t in enumerate(tiers)}
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for (tier, policy), pts in sorted(lines.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        baseline = policy in ("mlx-sdpa", "mlx-lm-quantized")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(policy, "-"), marker="o",
+                color="black" if baseline else colors[tier], linewidth=2.5 if baseline else 1.2,
+                label=f"{tier} · {policy}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prefix tokens")
     ax.set_ylabel("decode-step attention, one layer (µs)")
-    env = result["environment"]
-    ax.set_title(f"{env.get('device') or env.get('processor') or env['machine']} · MLX {env['mlx']} · "
-                 f"{result['shape']}")
-    ax.legend(fontsize=7, ncol=2)
+    env, shape = result["environment"], result["shape"]
+    ax.set_title(f"{env.get('device') or env['machine']} ({env['backend']}), MLX {env['mlx']}: {shape['name']} "
+                 f"({shape['n_q_heads']} q / {shape['n_kv_heads']} kv heads, head_dim {shape['head_dim']})", fontsize=9)
+    ax.legend(fontsize=6, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
