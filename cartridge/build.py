@@ -15,6 +15,7 @@ from . import keys as K
 from .container import FORMAT_MAJOR, FORMAT_MINOR, CartridgeWriter, check_output_path
 from .errors import InputError
 from .model import LoadedModel, architecture_config, load_model
+from .pages import encode_pages
 from .prompt import SEPARATOR, prefix_tokens, prompt_mode
 from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
 
@@ -87,20 +88,11 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
     return caches
 
 
-def _pages(x, n_tokens, page_size):
-    """(1, n_kv_heads, >=T, D) cache array -> (n_kv_heads, n_pages * page_size, D), zero-padded."""
-    x = x[0, :, :n_tokens, :]
-    pad = -n_tokens % page_size
-    return mx.pad(x, [(0, 0), (0, pad), (0, 0)]) if pad else x
-
-
-def _to_numpy(part, n_pages, page_size):
-    """(n_kv_heads, n_pages * P, W) -> numpy (n_pages, n_kv_heads, P, W), page-major as stored."""
-    n_kv, _, width = part.shape
-    part = part.reshape(n_kv, n_pages, page_size, width).transpose(1, 0, 2, 3)  # (n_pages, n_kv, P, W)
-    if part.dtype == mx.bfloat16:  # numpy has no bfloat16; store the raw 16 bits
-        part = part.view(mx.uint16)
-    return np.array(part)
+def _to_numpy(paged):
+    """A page-major mx array as the numpy array the writer stores (bfloat16 as its raw 16 bits)."""
+    if paged.dtype == mx.bfloat16:  # numpy has no bfloat16
+        paged = paged.view(mx.uint16)
+    return np.array(paged)
 
 
 def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype):
@@ -208,18 +200,17 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    n_pages = -(-len(tokens) // page_size)
     source_dtype = str(caches[0].keys.dtype).replace("mlx.core.", "")
     params = {}
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
             for side, x in (("k", cache.keys), ("v", cache.values)):
                 codec = get_tier(schema[layer][side])
-                x = _pages(x, len(tokens), page_size)
-                params[(layer, side)] = codec.make_params(x[:, : len(tokens)], layer, side)
-                parts = codec.encode(x, params[(layer, side)])
+                x = x[0, :, : len(tokens), :]  # (n_kv_heads, T, head_dim)
+                params[(layer, side)] = codec.make_params(x, layer, side)
+                parts = encode_pages(codec, x, params[(layer, side)], page_size)
                 for comp in codec.components(geometry[2]):
-                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name], n_pages, page_size))
+                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
             caches[layer] = None  # free this layer's dense K/V before encoding the next
         header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
         path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
