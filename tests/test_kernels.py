@@ -106,12 +106,14 @@ def test_dequantize_once_matches_float64():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
-@pytest.mark.parametrize("tier, shape", list(itertools.product(sorted(TIERS), SHAPES)))
-def test_fused_cuda_matches_float64(tier, shape, monkeypatch):
+@pytest.mark.parametrize("tier, shape, tensor_cores", [(t, s, tc) for t, s in itertools.product(sorted(TIERS), SHAPES)
+                                                       for tc in ((True, False) if t == "mlx4g32" else (True,))])
+def test_fused_cuda_matches_float64(tier, shape, tensor_cores, monkeypatch):
     from cartridge.kernels import cuda
 
     if tier not in cuda.FUSED_TIERS:
         pytest.skip(f"no fused kernel for {tier}")
+    monkeypatch.setattr(cuda, "TENSOR_CORES", tensor_cores)
     try:
         prefix, q, tk, tv = _case(tier, shape, seed=hash((tier, shape, 1)) % 2**32)
     except Exception as e:
@@ -119,6 +121,9 @@ def test_fused_cuda_matches_float64(tier, shape, monkeypatch):
     monkeypatch.setattr(cuda, "POISON", float("nan"))
     fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
                         prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
+    n_q, n_kv, D, _, _, _, L = shape
+    mma = tensor_cores and tier == "mlx4g32" and n_q // n_kv * L <= 4 and D in (64, 128) and cuda.has_tensor_cores()
+    assert fused.kernel.uses_tensor_cores(n_q // n_kv * L, D) == mma
     for dtype in (mx.float32, mx.float16):
         got = _run(fused, q, tk, tv, dtype)
         if dtype == mx.float16:  # inputs rounded to fp16: compare against the same rounded inputs

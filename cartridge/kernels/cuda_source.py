@@ -8,11 +8,33 @@ D / EPL lanes share a token and reduce its scores with warp shuffles. Pass 2 mer
 log-sum-exp, attends over the dense tail, and writes the normalized output (see `finish`).
 """
 
-HEADER = r"""
+COMMON = r"""
 #define NEG_INF (__int_as_float(0xff800000))
 
 namespace cart {
+__device__ __forceinline__ float safe_exp(float a, float m) {
+  return a == NEG_INF ? 0.f : __expf(a - m);
+}
 
+// In-place Walsh-Hadamard transform (Sylvester order, unnormalized) of ROWS rows of D in shared memory.
+template <int ROWS, int D>
+__device__ void fwht_rows(float* x) {
+  for (int len = 1; len < D; len <<= 1) {
+    for (int p = threadIdx.x; p < ROWS * D / 2; p += blockDim.x) {
+      const int r = p / (D / 2), k = p % (D / 2);
+      const int i = r * D + (k / len) * 2 * len + (k % len);
+      const float a = x[i], b = x[i + len];
+      x[i] = a + b;
+      x[i + len] = a - b;
+    }
+    __syncthreads();
+  }
+}
+}  // namespace cart
+"""
+
+_PASS1 = r"""
+namespace cart {
 constexpr int FP16 = 0, BF16 = 1, F32 = 2, AFF8 = 3, AFF4 = 4, MXFP8 = 5, TURBO = 6;
 
 // E4M3 (OCP MX v1.0): bias 7, no infinities; MLX saturates encodes to 448, so 0x7F/0xFF never occur.
@@ -186,24 +208,6 @@ __device__ __forceinline__ void v_accumulate(const Raw<TIER, EPL, BITS>& r, cons
   }
 }
 
-__device__ __forceinline__ float safe_exp(float a, float m) {
-  return a == NEG_INF ? 0.f : __expf(a - m);
-}
-
-// In-place Walsh-Hadamard transform (Sylvester order, unnormalized) of ROWS rows of D in shared memory.
-template <int ROWS, int D>
-__device__ void fwht_rows(float* x) {
-  for (int len = 1; len < D; len <<= 1) {
-    for (int p = threadIdx.x; p < ROWS * D / 2; p += blockDim.x) {
-      const int r = p / (D / 2), k = p % (D / 2);
-      const int i = r * D + (k / len) * 2 * len + (k % len);
-      const float a = x[i], b = x[i + len];
-      x[i] = a + b;
-      x[i + len] = a - b;
-    }
-    __syncthreads();
-  }
-}
 
 template <typename T, int TK, int TV, int BK, int BV, int D, int EPL, int ROWS, int NKV, int P, int WARPS,
           int UNR>
@@ -357,7 +361,331 @@ __device__ void flash_pass1(const T* q, const float* fprm, const float* sgk,
     }
   }
 }
+}  // namespace cart
+"""  # tier decoding and the CUDA-core pass 1
 
+_MMA = r"""
+namespace cart {
+// ---- Tensor-core pass 1 for mlx4g32 K and V pages (at most 4 query rows per KV head) ----
+// A warp takes tiles of 16 prefix tokens. Scores use mma.m16n8k16 with tokens as M, head_dim as K and
+// 8 columns: the 4 query rows split into fp16 high and low parts (q = hi + lo to ~2^-22, so fp32
+// accuracy survives fp16 operands). The 4-bit codes are exact in fp16, so each 32-element group's
+// partial dot products come out exact up to fp32 accumulation and are scaled and biased afterwards
+// (k = s c + b: q.k = s (q.c) + b sum(q)). The output uses head_dim as M and tokens as K, with the
+// probabilities times the V scale split hi/lo as the 8 columns; the V bias term sum_t p b is kept
+// per group. Tiles reach shared memory through cp.async (STAGES deep), padded so the fragment reads
+// are free of bank conflicts. Fragment layouts: PTX ISA, "Matrix fragments for mma.m16n8k16".
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Nibbles 0 and 4 of x as an exact half2: (x & 0x000F000F) | 0x64006400 is (1024 + c0, 1024 + c4).
+__device__ __forceinline__ uint32_t nib_lo(uint32_t x) {
+  return h2_bits(__hsub2(bits_h2((x & 0x000F000Fu) | 0x64006400u), bits_h2(0x64006400u)));
+}
+// Nibbles 1 and 5: (1024 + 16 c) / 16 - 64 = c, exact.
+__device__ __forceinline__ uint32_t nib_hi(uint32_t x) {
+  return h2_bits(__hfma2(bits_h2((x & 0x00F000F0u) | 0x64006400u), bits_h2(0x2C002C00u), bits_h2(0xD400D400u)));
+}
+
+// N consecutive halves (N = 2 or 4, 4N-byte aligned) from shared memory as floats.
+template <int N>
+__device__ __forceinline__ void load_halves(const __half* p, float (&f)[N]) {
+  if constexpr (N == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __half22float2(bits_h2(u.x)), b = __half22float2(bits_h2(u.y));
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  } else {
+    const float2 a = __half22float2(bits_h2(*reinterpret_cast<const uint32_t*>(p)));
+    f[0] = a.x; f[1] = a.y;
+  }
+}
+
+// (x0, x1) as fp16: the high part, or (lo) the fp16 remainder x - float(hi).
+__device__ __forceinline__ uint32_t split_h2(float x0, float x1, bool lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(h);
+  const float m = lo ? 1.f : 0.f;
+  return h2_bits(__floats2half2_rn(fmaf(-m, f.x, x0), fmaf(-m, f.y, x1)));
+}
+
+template <typename T, int D, int NKV, int P, int WARPS, int STAGES>
+__device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* kc, const __half* ks,
+                                const __half* kb, const uint32_t* vc, const __half* vs, const __half* vb,
+                                const int32_t* prm, float* O, float* M, float* L) {
+  constexpr int NG = D / 32, WT = D / 8, WS = WT + 4;  // groups, code words per token, padded stride
+  constexpr int CODE_WORDS = 16 * WS, SB_HALVES = 16 * NG;
+  constexpr int STAGE_WORDS = 2 * CODE_WORDS + 4 * SB_HALVES / 2;
+  constexpr int CHUNKS = 40 * NG;  // 16-byte copies per tile: codes 2 x 16 x NG, scales/biases 4 x 2 NG
+  const int n_tokens = prm[0], R = prm[1], per_split = prm[2];
+  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, tig = lane & 3;
+
+  __shared__ __align__(16) uint32_t stage[WARPS][STAGES][STAGE_WORDS];
+  __shared__ float sq[4][D], sqs[4][NG];
+  __shared__ float sp[WARPS][16][4];
+  __shared__ float salpha[WARPS][4], sbias[WARPS][NG][4], sm_m[WARPS][4], sm_l[WARPS][4];
+
+  for (int idx = threadIdx.x; idx < 4 * D; idx += blockDim.x) {
+    const int r = idx / D, d = idx % D;
+    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * fprm[0] : 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x < 4 * NG) {
+    const int r = threadIdx.x / NG, G = threadIdx.x % NG;
+    float acc = 0.f;
+    for (int d = 0; d < 32; ++d) acc += sq[r][32 * G + d];
+    sqs[r][G] = acc;
+  }
+  __syncthreads();
+
+  // B fragments of the scores: column g is query row g % 4, high part for g < 4, low part otherwise
+  const int qh = g & 3;
+  const bool lo = g >= 4;
+  uint32_t qb[NG][2][2];
+  float qs[NG][2];
+#pragma unroll
+  for (int G = 0; G < NG; ++G) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int d0 = 32 * G + 8 * tig + 2 * j;
+      qb[G][j][0] = split_h2(sq[qh][d0], sq[qh][d0 + 4], lo);
+      qb[G][j][1] = split_h2(sq[qh][d0 + 1], sq[qh][d0 + 5], lo);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) qs[G][i] = tig < 2 ? sqs[2 * (tig & 1) + i][G] : 0.f;  // bias: high columns only
+  }
+
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, accb[NG];
+  float o[NG][2][4];
+#pragma unroll
+  for (int G = 0; G < NG; ++G) {
+    accb[G] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[G][j][c] = 0.f;
+  }
+
+  const int t0 = blockIdx.x * per_split;
+  const int t1 = min(t0 + per_split, n_tokens);
+  const int n_tiles = (t1 - t0 + 15) / 16;
+
+  auto load_tile = [&](int tile, int buf) {
+    const int tb = t0 + 16 * tile;
+    const size_t tok = ((size_t)(tb / P) * NKV + h) * P + (tb % P);  // first token of the tile
+    uint32_t* st = stage[warp][buf];
+    for (int c = lane; c < CHUNKS; c += 32) {
+      if (c < 32 * NG) {
+        const int side = c / (16 * NG), r = c % (16 * NG), tt = r / NG, j = r % NG;
+        const bool valid = tb + tt < t1;
+        const uint32_t* src = (side ? vc : kc) + (valid ? (tok + tt) * WT + 4 * j : 0);
+        cp_async16(st + side * CODE_WORDS + tt * WS + 4 * j, src, valid);
+      } else {
+        const int r = c - 32 * NG, which = r / (2 * NG), part = r % (2 * NG);
+        const __half* base = which == 0 ? ks : which == 1 ? kb : which == 2 ? vs : vb;
+        const int first = part * 8 / NG;  // first token of these 8 halves
+        const bool valid = tb + first < t1;
+        cp_async16(st + 2 * CODE_WORDS + which * (SB_HALVES / 2) + part * 4,
+                   base + (valid ? tok * NG + part * 8 : 0), valid);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (warp + s * WARPS < n_tiles) load_tile(warp + s * WARPS, s);
+    cp_async_commit();
+  }
+  for (int it = 0;; ++it) {
+    const int tile = warp + it * WARPS;
+    if (tile >= n_tiles) break;
+    const int nxt = tile + (STAGES - 1) * WARPS;
+    if (nxt < n_tiles) load_tile(nxt, (it + STAGES - 1) % STAGES);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const uint32_t* st = stage[warp][it % STAGES];
+    const uint32_t* skc = st;
+    const uint32_t* svc = st + CODE_WORDS;
+    const __half* sks = reinterpret_cast<const __half*>(st + 2 * CODE_WORDS);
+    const __half* skb = sks + SB_HALVES;
+    const __half* svs = skb + SB_HALVES;
+    const __half* svb = svs + SB_HALVES;
+    const int tb = t0 + 16 * tile;
+
+    // scores of tokens g and g + 8 for query rows 2 (tig & 1) + i
+    float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    float ksf[2][NG], kbf[2][NG];
+    load_halves<NG>(sks + g * NG, ksf[0]);
+    load_halves<NG>(sks + (g + 8) * NG, ksf[1]);
+    load_halves<NG>(skb + g * NG, kbf[0]);
+    load_halves<NG>(skb + (g + 8) * NG, kbf[1]);
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+      uint32_t w0 = skc[g * WS + 4 * G + tig], w1 = skc[(g + 8) * WS + 4 * G + tig];
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      uint32_t a[4] = {nib_lo(w0), nib_lo(w1), nib_hi(w0), nib_hi(w1)};
+      mma16816(c, a, qb[G][0][0], qb[G][0][1]);
+      w0 >>= 8;
+      w1 >>= 8;
+      uint32_t a2[4] = {nib_lo(w0), nib_lo(w1), nib_hi(w0), nib_hi(w1)};
+      mma16816(c, a2, qb[G][1][0], qb[G][1][1]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        acc[0][i] = fmaf(ksf[0][G], c[i], fmaf(kbf[0][G], qs[G][i], acc[0][i]));
+        acc[1][i] = fmaf(ksf[1][G], c[2 + i], fmaf(kbf[1][G], qs[G][i], acc[1][i]));
+      }
+    }
+    float alpha[2], p[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], 2);  // high + low columns
+        if (tb + g + 8 * r >= t1) acc[r][i] = NEG_INF;
+      }
+      float mt = fmaxf(acc[0][i], acc[1][i]);
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+      const float mn = fmaxf(m[i], mt);
+      alpha[i] = safe_exp(m[i], mn);
+      p[0][i] = safe_exp(acc[0][i], mn);
+      p[1][i] = safe_exp(acc[1][i], mn);
+      l[i] = fmaf(l[i], alpha[i], p[0][i] + p[1][i]);
+      m[i] = mn;
+      if (tig < 2) {
+        sp[warp][g][2 * tig + i] = p[0][i];
+        sp[warp][g + 8][2 * tig + i] = p[1][i];
+        if (g == 0) salpha[warp][2 * tig + i] = alpha[i];
+      }
+    }
+    __syncwarp();
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // a running max grew
+#pragma unroll
+      for (int G = 0; G < NG; ++G)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o[G][j][c] *= alpha[c & 1];
+    }
+
+    // output: B column g is row g % 4 (high / low part), K slots 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9
+    const int kt[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
+    float pv[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) pv[k] = sp[warp][kt[k]][qh];
+    const float al = salpha[warp][qh];
+    const uint32_t sel = (g & 1) ? 0x7632u : 0x5410u;
+    float vsf[4][NG], vbf[4][NG];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      load_halves<NG>(svs + kt[k] * NG, vsf[k]);
+      load_halves<NG>(svb + kt[k] * NG, vbf[k]);
+    }
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+      float x[4];
+      float ab = accb[G] * al;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        x[k] = pv[k] * vsf[k][G];
+        ab = fmaf(pv[k], vbf[k][G], ab);
+      }
+      accb[G] = ab;
+      const uint32_t b0 = split_h2(x[0], x[1], lo), b1 = split_h2(x[2], x[3], lo);
+      const int wi = 4 * G + (g >> 1);
+      uint32_t xa = __byte_perm(svc[kt[0] * WS + wi], svc[kt[1] * WS + wi], sel);
+      uint32_t xc = __byte_perm(svc[kt[2] * WS + wi], svc[kt[3] * WS + wi], sel);
+      uint32_t a[4] = {nib_lo(xa), nib_hi(xa), nib_lo(xc), nib_hi(xc)};
+      mma16816(o[G][0], a, b0, b1);
+      xa >>= 8;
+      xc >>= 8;
+      uint32_t a2[4] = {nib_lo(xa), nib_hi(xa), nib_lo(xc), nib_hi(xc)};
+      mma16816(o[G][1], a2, b0, b1);
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // this warp's totals: l over the token lanes, output high + low columns, bias over the K slots
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], off);
+#pragma unroll
+  for (int G = 0; G < NG; ++G) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[G][j][c] += __shfl_xor_sync(0xffffffffu, o[G][j][c], 2);
+    accb[G] += __shfl_xor_sync(0xffffffffu, accb[G], 1);
+    accb[G] += __shfl_xor_sync(0xffffffffu, accb[G], 2);
+    if (tig == 0 && g < 4) sbias[warp][G][g] = accb[G];
+  }
+  __syncthreads();  // every warp is done with its stage buffers: reuse them for the outputs
+  float* sm_o = reinterpret_cast<float*>(&stage[0][0][0]);  // [WARPS][4][D]
+  if (tig < 2) {
+#pragma unroll
+    for (int G = 0; G < NG; ++G)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = 2 * tig + (c & 1), d = 32 * G + 4 * g + 2 * j + (c >> 1);
+          sm_o[(warp * 4 + row) * D + d] = o[G][j][c] + sbias[warp][G][row];
+        }
+    if (g == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        sm_m[warp][2 * tig + i] = m[i];
+        sm_l[warp][2 * tig + i] = l[i];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
+    const int r = idx / D, d = idx % D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][r]);
+    float acc = 0.f, ls = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float a = safe_exp(sm_m[w][r], mx);
+      acc += a * sm_o[(w * 4 + r) * D + d];
+      ls += a * sm_l[w][r];
+    }
+    const size_t base = ((size_t)blockIdx.x * NKV + h) * R + r;
+    O[base * D + d] = acc;
+    if (d == 0) {
+      M[base] = mx;
+      L[base] = ls;
+    }
+  }
+}
+}  // namespace cart
+"""  # the tensor-core pass 1 (mlx4g32)
+
+_FINISH = r"""
+namespace cart {
 // Pass 2 for one (KV head, query row) per block: merge the splits of the prefix, un-rotate a
 // TurboQuant V output, attend over the dense tail chunks (causal among the new tokens), merge all
 // by log-sum-exp, normalize, and write the row in the queries' dtype and layout (1, n_q, L, D).
@@ -375,21 +703,33 @@ __device__ void finish(const float* O, const float* M, const float* L, const T* 
   float mp = NEG_INF;
 #pragma unroll 8
   for (int s = 0; s < S; ++s) mp = fmaxf(mp, M[((size_t)s * NKV + h) * R + row]);
+  {  // warp w merges the splits w, w + WARPS, ...; then the warps' sums are added
+    float pacc[EPT], pls = 0.f;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) pacc[i] = 0.f;
+#pragma unroll 4
+    for (int s = warp; s < S; s += WARPS) {
+      const size_t b = ((size_t)s * NKV + h) * R + row;
+      const float w = safe_exp(M[b], mp);
+      pls = fmaf(w, L[b], pls);
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) pacc[i] = fmaf(w, O[b * D + lane + 32 * i], pacc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) so[warp][lane + 32 * i] = pacc[i];
+    if (lane == 0) sl[warp] = pls;
+  }
+  __syncthreads();
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) {
-      const size_t b = ((size_t)s * NKV + h) * R + row;
-      acc += safe_exp(M[b], mp) * O[b * D + d];
-    }
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) acc += so[w][d];
     so[WARPS][d] = acc;
   }
   if (threadIdx.x == 0) {
     float ls = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const size_t b = ((size_t)s * NKV + h) * R + row;
-      ls += safe_exp(M[b], mp) * L[b];
-    }
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) ls += sl[w];
     sm[WARPS] = mp;
     sl[WARPS] = ls;
   }
@@ -449,8 +789,19 @@ __device__ void finish(const float* O, const float* M, const float* L, const T* 
     out[((size_t)h * R + row) * D + d] = (T)(num / den);
   }
 }
-
 }  // namespace cart
+"""  # pass 2
+
+# Each kernel is compiled from only the code it uses: MLX concatenates header and body on every call.
+HEADER_PASS1 = COMMON + _PASS1
+HEADER_MMA = COMMON + _MMA
+HEADER_FINISH = COMMON + _FINISH
+
+PASS1_MMA = r"""
+cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES>(
+    q, fprm, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
+    (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
+    (const __half*)(const void*)v2, prm, O, M, L);
 """
 
 PASS1 = r"""
