@@ -34,7 +34,7 @@ bench: setup
 eval: setup
 	@mkdir -p out
 	$(BIN)/cartridge eval $(SAMPLE) --questions samples/lgpl-3.0.questions.jsonl --tiers $(TIERS) \
-		--json out/eval.json --plot out/eval.png --work-dir out/eval-work --markdown
+		--json out/eval.json --plot out/eval.png --work-dir out/eval-work --markdown --force
 
 bench-tiers: setup
 	$(BIN)/python benchmarks/tiers.py --json out/tiers.json

@@ -5,6 +5,10 @@ writers that died.
     .NAME.tmp-XXXX   being written; its writer holds an exclusive flock on the directory
     NAME             published: complete and never written again
 
+Plain files (`write_file`, or `TempDir(..., directory=False)`) follow the same scheme. Published
+directories and files get the mode a plain mkdir()/open() would give (0o777/0o666 & ~umask), not the
+0700/0600 of mkdtemp/mkstemp.
+
 A writer killed at any point (even SIGKILL) leaves NAME as it was and a `.tmp-` sibling whose lock
 died with it; the next writer of NAME removes such siblings (it can lock them, so nobody owns them) and
 never touches a locked one. `CARTRIDGE_CRASH_AT=<stage>` makes a writer SIGKILL itself at that named
@@ -12,6 +16,7 @@ stage, for the crash tests (tests/test_crash.py).
 """
 
 import ctypes
+import errno
 import fcntl
 import os
 import shutil
@@ -167,3 +172,32 @@ class TempDir:
         self._release()
         crash_point("published")
         return self.dest
+
+
+def write_file(dest, write):
+    """Create or replace the plain file `dest` atomically: `write(tmp)` fills a locked hidden sibling
+    (mode 0o666 & ~umask, as open() gives), which is then renamed onto `dest`. If anything fails, `dest`
+    is left as it was and the temporary is removed. Callers refuse an existing `dest` beforehand when
+    replacing it was not asked for.
+
+    Args:
+        dest (str | Path): the file to write; its folder must exist (it is not created).
+        write (callable): called with the temporary's Path; writes the whole content there (by name,
+            in place: the lock is held on that inode).
+
+    Returns:
+        Path: `dest`.
+
+    Raises:
+        FileNotFoundError: the folder of `dest` does not exist. IsADirectoryError: `dest` is a directory.
+    """
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "folder does not exist", str(dest.parent))
+    tmp = TempDir(dest, directory=False)
+    try:
+        write(tmp.path)
+        return tmp.publish(force=False)  # files are replaced by os.replace; a directory at dest is refused
+    except BaseException:
+        tmp.discard()
+        raise

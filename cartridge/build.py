@@ -143,7 +143,8 @@ def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
               "boundary_protect": boundary_protect or None}
     given = [k for k, v in others.items() if v is not None]
     if given:
-        raise InputError(f"schema sets every (layer, side); it excludes {', '.join(given)}")
+        raise InputError(f"a schema sets the tier of every (layer, side); it cannot be combined with "
+                         f"{', '.join(given)}")
     return read_schema(schema)
 
 

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .errors import ModelLoadError
+from .gguf_check import check_gguf
 
 # GGUF tensor name -> mlx-lm llama parameter name (ggml `gguf-py/gguf/tensor_mapping.py`).
 _LAYER_NAMES = {
@@ -131,10 +132,12 @@ def load_gguf(path):
         `mlx_lm.tokenizer_utils.TokenizerWrapper`.
 
     Raises:
-        ModelLoadError: if the file cannot be read or is not a supported llama GGUF.
+        ModelLoadError: if the file cannot be read, fails the structural check of
+            `cartridge.gguf_check.check_gguf`, or is not a supported llama GGUF.
     """
     from mlx_lm.models import llama
 
+    check_gguf(path)  # MLX's reader trusts the file's lengths and offsets; a damaged file can crash it
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:  # mx.load raises RuntimeError/ValueError for unreadable files

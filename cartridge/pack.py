@@ -20,7 +20,7 @@ from .container import DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE, open
 from .errors import (
     CorruptCartridgeError, DigestError, OutputExistsError, PackError, UnsupportedVersionError, WriteError,
 )
-from .writer import check_output_path
+from .writer import check_output_folder, check_output_path
 
 PACK_MAGIC = b"CARTPACK"
 PACK_MAJOR, PACK_MINOR = 1, 0
@@ -126,6 +126,7 @@ def _pack_members(z, snap, total, progress):
 
 
 def _check_pack_output(dest, force):
+    check_output_folder(dest)
     if dest.is_dir():
         raise OutputExistsError(f"output {dest} is a directory; refusing to replace it with a .cartz file")
     if dest.exists() and not force:
@@ -331,6 +332,7 @@ def unpack_cached(src, refresh=False):
     """
     manifest = read_pack_manifest(src)
     dest = cache_root() / f"{manifest['digest']}.cart"
+    dest.parent.mkdir(parents=True, exist_ok=True)
     mpath = dest / MANIFEST_NAME
     if not refresh and mpath.is_file() and mpath.read_bytes()[64:].hex() == manifest["digest"]:
         return dest

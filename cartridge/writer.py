@@ -5,6 +5,7 @@ atomically (`cartridge.atomic`). Named crash points let tests kill a writer at e
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import lmdb
@@ -16,7 +17,7 @@ from .container import (
     DATA_NAME, FORMAT_MAJOR, FORMAT_MINOR, INDEX_NAME, MAGIC, MANIFEST_NAME, MANIFEST_SIZE, MANIFEST_STRUCT,
     PAGE_RECORD, align_up, sha256_file,
 )
-from .errors import OutputExistsError, WriteError
+from .errors import InputError, OutputExistsError, WriteError
 
 class CartridgeWriter:
     """Write a cartridge into a temporary sibling directory; `commit()` renames it into place.
@@ -155,16 +156,41 @@ def _write_synced(path, data):
         os.fsync(f.fileno())
 
 
+def check_output_folder(dest):
+    """Refuse an empty output path, or one whose folder does not exist or cannot be written.
+
+    The folder is probed by creating and removing an empty hidden directory in it, so a read-only
+    or pseudo file system is refused before any expensive work (prefill, compression).
+
+    Raises:
+        InputError: empty path, or missing parent folder.
+        WriteError: the folder cannot be written.
+    """
+    if not str(dest).strip():
+        raise InputError("the output path is empty")
+    parent = Path(dest).absolute().parent
+    if not parent.is_dir():
+        raise InputError(f"folder {parent} does not exist (or is not a folder); create it first")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cartridge-probe-", dir=parent))
+    except OSError as e:
+        raise WriteError(f"cannot write in folder {parent}: {e.strerror or e}") from None
+
+
 def check_output_path(dest, force):
-    """Refuse an output path that exists (unless `force` and it is a cartridge).
+    """Refuse an output path that exists (unless `force` and it is a cartridge), or that cannot be
+    written (`check_output_folder`).
 
     Raises:
         OutputExistsError: as described.
+        InputError, WriteError: from `check_output_folder`.
     """
+    check_output_folder(dest)
     dest = Path(dest)
     if not (dest.exists() or dest.is_symlink()):
         return
+    is_cart = dest.is_dir() and (dest / MANIFEST_NAME).is_file()
+    if not is_cart:
+        raise OutputExistsError(f"output {dest} exists and is not a cartridge; refusing to replace it")
     if not force:
         raise OutputExistsError(f"output {dest} exists; pass --force to replace it")
-    if not (dest.is_dir() and (dest / MANIFEST_NAME).is_file()):
-        raise OutputExistsError(f"output {dest} exists and is not a cartridge; refusing to replace it")

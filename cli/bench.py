@@ -2,18 +2,41 @@
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
+from cartridge.atomic import write_file
 from cartridge.errors import InputError
 
+from .eval import check_output_file
 
-def _ints(text):
+MAX_CONTEXT = 1 << 19  # tokens; beyond it is refused (0 crashed with SIGFPE, 10**8 and 2**20 at llama3-8b on CPU segfaulted)
+
+
+def _contexts(text, option):
+    """Comma-separated token counts, each from 1 to MAX_CONTEXT."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise InputError(f"--contexts must be comma-separated token counts, got {text!r}") from None
+        raise InputError(f"{option} must be comma-separated token counts, got {text!r}") from None
+    if not counts:
+        raise InputError(f"{option} names no token count")
+    for n in counts:
+        if not 1 <= n <= MAX_CONTEXT:
+            raise InputError(f"{option} {n}: a context must be from 1 to {MAX_CONTEXT:,} tokens")
+    return counts
+
+
+def _policies(text, known, backend):
+    """Comma-separated attention policies, each one of `known` (those of this backend)."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise InputError(f"--policies names no policy; known on this backend ({backend}): {', '.join(known)}")
+    for p in names:
+        if p not in known:
+            raise InputError(f"unknown attention policy {p!r} on this backend ({backend}); "
+                             f"known: {', '.join(known)}")
+    return names
 
 
 def _tiers(text, known):
@@ -46,35 +69,46 @@ def _table(result):
 
 
 @click.command()
-@click.option("--contexts", default=None, help="Prefix lengths in tokens (default: 8192,32768,65536,131072 "
-              "on CUDA; 2048,8192 elsewhere).")
+@click.option("--contexts", default=None, help="Comma-separated prefix lengths in tokens, each 1 to 524,288 "
+              "(default: 8192,32768,65536,131072 on CUDA; 2048,8192 elsewhere).")
 @click.option("--tiers", default=None, help="Comma-separated tiers (default: all registered).")
 @click.option("--shape", default=None, help="Microbenchmark shape: llama3-8b, llama3.2-1b, smollm2-135m "
               "(default: llama3-8b on CUDA, smollm2-135m elsewhere).")
-@click.option("--e2e-contexts", default=None, help="Prefix lengths for end-to-end decode (default: --contexts).")
+@click.option("--e2e-contexts", default=None, help="Prefix lengths for end-to-end decode, each 1 to 524,288 "
+              "(default: --contexts).")
 @click.option("--no-e2e", is_flag=True, help="Skip end-to-end decode.")
 @click.option("--e2e-tiers", default=None, help="Tiers for end-to-end decode (default: --tiers).")
-@click.option("--policies", default=None, help="Attention policies to measure (default: all on this backend).")
-@click.option("--repeats", default=20, show_default=True, help="Timed repeats per measurement (median).")
-@click.option("--json", "json_path", default=None, help="Write all results to this JSON file.")
-@click.option("--plot", "plot_path", default=None, help="Write a PNG plot of attention time vs context.")
-def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path):
+@click.option("--policies", default=None, help="Comma-separated attention policies to measure: fused (CUDA "
+              "only), portable, dequantize-once (default: all on this backend).")
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Timed repeats per measurement (median); at least 1.")
+@click.option("--json", "json_path", default=None, help="Write all results to this JSON file (its folder must exist).")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG plot of attention time vs context (its folder "
+              "must exist).")
+@click.option("--force", is_flag=True, help="Replace existing --json/--plot files (refused otherwise).")
+def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path, force):
     """Measure decode-step attention and end-to-end decode for each context, tier and policy.
 
     End to end uses a model: on CUDA a random-weight Llama-3.2-1B-shaped model in float16, elsewhere
     the default model (SmolLM2-135M-Instruct). K/V prefixes are synthetic, of the model's shape.
+    Every option, and the --json/--plot paths, are checked before any work; the files are written
+    atomically.
     """
+    json_path = check_output_file(json_path, "--json", force)
+    plot_path = check_output_file(plot_path, "--plot", force)
     import mlx.core as mx
 
     from cartridge import bench as B
     from cartridge.tiers import TIERS
 
     cuda = B.backend() == "cuda"
-    ctx = _ints(contexts) if contexts else ([8192, 32768, 65536, 131072] if cuda else [2048, 8192])
+    ctx = _contexts(contexts, "--contexts") if contexts else ([8192, 32768, 65536, 131072] if cuda else [2048, 8192])
+    e2e_ctx = _contexts(e2e_contexts, "--e2e-contexts") if e2e_contexts else None
     names = _tiers(tiers, TIERS) if tiers else sorted(TIERS)
     e2e_names = _tiers(e2e_tiers, TIERS) if e2e_tiers else None
+    B.POLICIES = None  # every policy of this backend, unless --policies names some
     if policies:
-        B.POLICIES = [p.strip() for p in policies.split(",")]
+        B.POLICIES = _policies(policies, B._policies(), B.backend())
     shape = shape or ("llama3-8b" if cuda else "smollm2-135m")
     if shape not in B.SHAPES:
         raise InputError(f"unknown shape {shape!r}; known: {', '.join(B.SHAPES)}")
@@ -86,12 +120,17 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
             import cartridge
 
             e2e = (cartridge.load_model().model, mx.float32)
-    result = B.run(ctx, names, shape, e2e, _ints(e2e_contexts) if e2e_contexts else None, repeats,
+    result = B.run(ctx, names, shape, e2e, e2e_ctx, repeats,
                    progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names)
     click.echo(_table(result))
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        write_file(json_path, lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
     if plot_path:
-        B.plot(result, plot_path)
+        write_file(plot_path, lambda tmp: _plot(B, result, tmp))
     sys.stdout.flush()
+
+
+def _plot(B, result, tmp):
+    """B.plot into the file `tmp` as PNG (through a file object: the temporary's name has no .png)."""
+    with open(tmp, "wb") as f:
+        B.plot(result, f)

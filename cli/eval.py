@@ -2,42 +2,38 @@
 `cartridge.evaluate.evaluate`, print the table, write JSON and the plot."""
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 
-from cartridge.errors import InputError
+from cartridge.atomic import write_file
+from cartridge.errors import InputError, OutputExistsError
 
 from .eval_report import markdown_table, text_table, write_plot
 
 SAMPLE_NEEDLES = Path(__file__).resolve().parent.parent / "samples" / "needles.jsonl"
 
 
-def _check_writable(path, option):
-    """Refuse, before hours of work, an output whose folder does not exist."""
+def check_output_file(path, option, force):
+    """Refuse, before hours of work, an output file (of `option`, e.g. "--json") that cannot be written:
+    its folder does not exist, it is a directory, or it exists and `force` is False.
+
+    Returns:
+        Path | None: `path` as a Path (None if not given).
+    """
     if path is None:
         return None
+    if not str(path).strip():
+        raise InputError(f"{option} is empty; give a file name")
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{option} {path} is a directory; give a file name")
     if not path.parent.is_dir():
         raise InputError(f"{option} {path}: folder {path.parent} does not exist")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise OutputExistsError(f"{option} {path} exists; pass --force to replace it")
     return path
-
-
-def _write_atomic(path, write):
-    """write(tmp_path), then rename onto `path`: an existing file is replaced only when complete."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _specs(tiers, schemas):
@@ -99,16 +95,22 @@ def _bar():
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--json", "json_path", default=None, help="Write the full report (every answer) as JSON here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of fidelity against bytes/token here.")
+@click.option("--force", is_flag=True, help="Replace existing --json/--plot files (refused otherwise).")
 @click.option("--markdown", is_flag=True, help="Print the table as GitHub markdown.")
 def eval_command(corpus, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens,
-                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, markdown):
-    """Build one cartridge per tier/schema of CORPUS and compare its answers with the fp16 cartridge's."""
+                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown):
+    """Build one cartridge per tier/schema of CORPUS and compare its answers with the fp16 cartridge's.
+
+    The --json and --plot files are checked before any work (their folder must exist; an existing file
+    is replaced only with --force) and written atomically, mode 0666 minus the umask.
+    """
     from cartridge.evalset import load_questions
     from cartridge.evaluate import EvalConfig, evaluate
 
     from .main import _read_corpus
 
-    json_path, plot_path = _check_writable(json_path, "--json"), _check_writable(plot_path, "--plot")
+    json_path = check_output_file(json_path, "--json", force)
+    plot_path = check_output_file(plot_path, "--plot", force)
     text = _read_corpus(corpus)
     questions = load_questions(questions_path)
     specs = _specs(tiers, schemas)
@@ -123,6 +125,6 @@ def eval_command(corpus, questions_path, model, tiers, schemas, needles, heldout
     report["corpus"] = corpus
     click.echo(markdown_table(report) if markdown else text_table(report))
     if json_path:
-        _write_atomic(json_path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+        write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report, indent=1)))
     if plot_path:
-        _write_atomic(plot_path, lambda tmp: write_plot(report, tmp))
+        write_file(plot_path, lambda tmp: write_plot(report, tmp))

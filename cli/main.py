@@ -20,6 +20,13 @@ from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
 
 
+def _model_ref(model):
+    """--model as given, refusing an empty string (which would otherwise mean the current folder)."""
+    if model is not None and not model.strip():
+        raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+    return model
+
+
 def _read_corpus(corpus):
     """Read CORPUS (a path or "-" for stdin) as strict UTF-8 text."""
     if corpus == "-":
@@ -35,7 +42,7 @@ def _read_corpus(corpus):
     except UnicodeDecodeError as e:
         raise InputError(f"corpus {name} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
     if not text.strip():
-        raise InputError(f"corpus {name} is empty")
+        raise InputError(f"corpus {name} is empty (or only whitespace)")
     return text
 
 
@@ -68,6 +75,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     from .report import fold_tiers
 
     check_tier_options(tier, k_tier, v_tier, boundary_protect)
+    _model_ref(model)
     check_output_path(output, force)
     text = _read_corpus(corpus)
     bars = []  # made at the first progress call, so errors before prefill print nothing else
@@ -87,6 +95,9 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
     click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s ({r.tokens_per_second:.0f} tokens/s prefill), "
                f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
+    if page_size > r.tokens:
+        click.echo(f"note: --page-size {page_size} is larger than the document ({r.tokens} tokens); the padded "
+                   f"last page makes the file {r.bytes:,} bytes on disk", err=True)
 
 
 @cli.command()
@@ -110,15 +121,22 @@ def ask(path, question, max_tokens, model, attention):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout)."""
     import mlx_lm
 
+    from cartridge.build import context_length
+
     if not question.strip():
         raise InputError("the question is empty")
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     t0 = time.perf_counter()
-    lm = cartridge.load_model(model) if model else None
+    lm = cartridge.load_model(_model_ref(model)) if model is not None else None
     cart = cartridge.load(path, model=lm, attention=attention)
     load_s = time.perf_counter() - t0
     prompt = cart.question_prompt(question)
+    limit = context_length(cart.model)
+    if limit is not None and len(cart.tokens) + len(prompt) + max_tokens > limit:
+        room = limit - len(cart.tokens) - len(prompt)
+        raise InputError(f"--max-tokens {max_tokens} does not fit the model's context of {limit:,} tokens: "
+                         f"{len(cart.tokens):,} cached + {len(prompt)} question tokens leave {max(room, 0):,}")
     t1 = time.perf_counter()
     ttft, n = None, 0
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens,

@@ -60,7 +60,8 @@ def inspect_table(d):
         f"shape         {d['n_layers']} layers x {d['n_kv_heads']} kv heads x head_dim {d['head_dim']} "
         f"(kv_dim {d['kv_dim']}), computed as {d['source_dtype']}",
         f"bytes/token   {d['bytes_per_token']:,} (fp16 would be {d['fp16_bytes_per_token']:,}; "
-        f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)",
+        + ("same as fp16)" if d['bytes_per_token'] == d['fp16_bytes_per_token'] else
+           f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)"),
         f"on disk       {d['total_bytes']:,} bytes",
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
         "tiers         layers  K        V        bytes/token/layer (K+V)",

@@ -66,6 +66,13 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("not a cartridge", "is not a cartridge"),
     ("missing model", "model path does not exist"),
     ("empty question", "question is empty"),
+    ("missing folder", "does not exist (or is not a folder)"),
+    ("empty output", "the output path is empty"),
+    ("file at output", "exists and is not a cartridge; refusing"),
+    ("empty model", "--model is empty"),
+    ("empty v tier", "v_tier is empty"),
+    ("schema and tier", "cannot be combined with tier"),
+    ("max tokens past context", "does not fit the model's context of 512 tokens"),
 ])
 def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
     out, _ = built
@@ -94,9 +101,60 @@ def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path
         r = run("build", corpus, "-o", target, "--model", tmp_path / "no-model")
     elif case == "empty question":
         r = run("ask", out, "  ")
+    elif case == "missing folder":
+        r = run("build", corpus, "-o", tmp_path / "no-folder" / "x.cart", "--model", tiny_dir)
+    elif case == "empty output":
+        r = run("build", corpus, "-o", "", "--model", tiny_dir)
+    elif case == "file at output":
+        r = run("build", corpus, "-o", corpus, "--model", tiny_dir, "--force")
+    elif case == "empty model":
+        r = run("ask", out, "Who?", "--model", "")
+    elif case == "empty v tier":
+        r = run("build", corpus, "-o", target, "--model", tiny_dir, "--v-tier", "")
+    elif case == "schema and tier":
+        r = run("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int8", "--schema", corpus)
+    elif case == "max tokens past context":
+        r = run("ask", out, "Who?", "--max-tokens", 10_000_000)
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode != 0
     assert len(err) == 1, err
     assert err[0].startswith("error: ") and expect in err[0], err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing partial left behind
     assert (out / "MANIFEST").is_file()  # the existing cartridge is untouched
+
+
+def test_existing_non_cartridge_is_not_offered_force(tiny_dir, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(DOC)
+    r = run("build", corpus, "-o", corpus, "--model", tiny_dir)
+    assert r.returncode == 1 and "--force" not in r.stderr.decode()
+    assert corpus.read_text() == DOC
+
+
+def test_large_page_size_notes_the_padding(tiny_dir, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(DOC)
+    r = run("build", corpus, "-o", tmp_path / "p.cart", "--model", tiny_dir, "--page-size", "1024")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "note: --page-size 1024 is larger than the document" in r.stderr.decode()
+
+
+def test_inspect_says_same_as_fp16(built):
+    out, _ = built
+    assert "same as fp16" in run("inspect", out).stdout.decode()
+
+
+def test_interrupt_while_importing_exits_130(monkeypatch, capsys):
+    import types
+
+    from cli import entry
+
+    class Interrupting(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "cli.main", Interrupting("cli.main"))
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "error: aborted\n"

@@ -96,9 +96,9 @@ def tiny64(smol_tokenizer):
     ({"tier": "turbo4"}, "tier turbo4: head_dim 16 is not a power of two >= 32"),
     ({"boundary_protect": 2, "tier": "nvfp4"}, "boundary_protect 2 protects 4 layers; the model has 2"),
     ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}]}, "schema has 1 layers; the model has 2"),
-    ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}], "tier": "int8"}, "schema sets every .* it excludes tier"),
+    ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}], "tier": "int8"}, "schema sets the tier of every .* cannot be combined with tier"),
     ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}], "boundary_protect": 1, "v_tier": "fp8"},
-     "it excludes v_tier, boundary_protect"),
+     "cannot be combined with v_tier, boundary_protect"),
     ({"tier": "bf16", "boundary_protect": -2}, "boundary_protect is -2"),
 ])
 def test_build_refuses_before_any_prefill(tiny, tmp_path, monkeypatch, kwargs, match):
@@ -187,7 +187,7 @@ def test_cli_tier_options_and_schema(tiny_dir, tmp_path):
     (["--schema", "missing.json"], "error: schema file missing.json: No such file or directory"),
     (["--schema", "bad.json"], "error: schema file bad.json is not valid JSON"),
     (["--schema", "short.json"], "error: schema has 1 layers; the model has 2"),
-    (["--schema", "short.json", "--v-tier", "fp16"], "error: schema sets every (layer, side); it excludes v_tier"),
+    (["--schema", "short.json", "--v-tier", "fp16"], "error: a schema sets the tier of every (layer, side); it cannot be combined with v_tier"),
 ])
 def test_cli_bad_tier_options_one_line(tiny_dir, tmp_path, monkeypatch, args, expect):
     monkeypatch.chdir(tmp_path)

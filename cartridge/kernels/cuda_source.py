@@ -6,6 +6,8 @@ token's slice in registers, and keeps an online softmax per row (flash-decoding;
 shared/reference/kv-quant-algorithms.md 5.1). A lane owns EPL consecutive elements of head_dim;
 D / EPL lanes share a token and reduce its scores with warp shuffles. Pass 2 merges the splits by
 log-sum-exp, attends over the dense tail, and writes the normalized output (see `finish`).
+For mlx4g32 K and V with at most 4 query rows per KV head, `flash_pass1_mma` replaces pass 1 with a
+tensor-core version (mma.m16n8k16; see the comment above it).
 """
 
 COMMON = r"""

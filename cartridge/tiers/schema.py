@@ -50,6 +50,9 @@ def check_tier_options(tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_pro
     Raises:
         InputError: as `schema_for`, except the layer count.
     """
+    for name, value in (("tier", tier), ("k_tier", k_tier), ("v_tier", v_tier)):
+        if value is not None and not str(value).strip():
+            raise InputError(f"{name} is empty; give a tier name")
     k, v = get_tier(k_tier or tier).name, get_tier(v_tier or tier).name
     n = boundary_protect
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:

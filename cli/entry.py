@@ -1,0 +1,14 @@
+"""Console-script entry point. Importing the CLI loads MLX, mlx-lm and transformers (about a second);
+a Ctrl-C during those imports gets the same one line and exit status 130 as one during a command."""
+
+import sys
+
+
+def main():
+    """Import the CLI and run it; an interrupt while importing exits 130 with one line."""
+    try:
+        from .main import main as run
+    except KeyboardInterrupt:
+        sys.stderr.write("error: aborted\n")
+        sys.exit(130)
+    run()
