@@ -209,7 +209,8 @@ def open_snapshot(path, attempts=3):
         try:
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
-            raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file)") from None
+            hint = "; it is a .cartz pack: unpack it, or load it directly" if path.suffix == ".cartz" and path.is_file() else ""
+            raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file){hint}") from None
         try:
             return _snapshot(path, dfd)
         except _Moved:

@@ -79,7 +79,8 @@ def read_schema(schema):
     if isinstance(schema, (str, Path)):
         schema = _load_json(Path(schema))
     if not isinstance(schema, list) or not schema:
-        raise InputError(f"schema must be a non-empty JSON list of {{\"layer\", \"k\", \"v\"}} rows; got {type(schema).__name__}")
+        got = "an empty list" if schema == [] else type(schema).__name__
+        raise InputError(f"schema must be a non-empty JSON list of {{\"layer\", \"k\", \"v\"}} rows; got {got}")
     rows = [_row(r, i) for i, r in enumerate(schema)]
     rows.sort(key=lambda r: r["layer"])
     layers = [r["layer"] for r in rows]
