@@ -194,10 +194,7 @@ def _check(f, size):
     alignment = DEFAULT_ALIGNMENT
     keys = set()
     for i in range(n_kv):
-        key = r.text(MAX_KEY_BYTES, f"metadata key {i}")
-        if key in keys:
-            raise _Bad(f"metadata key {_q(key)} appears twice")
-        keys.add(key)
+        key = _unique(r.text(MAX_KEY_BYTES, f"metadata key {i}"), keys, "metadata key")
         vtype = r.u32(f"value type of {_q(key)}")
         value = _skip_value(r, vtype, key)
         if key == "general.alignment":
@@ -212,10 +209,7 @@ def _check(f, size):
     if n_tensors > r.left() // _MIN_TENSOR_INFO_BYTES:
         raise _Bad(f"tensor_count {n_tensors} cannot fit in the {r.left()} bytes after the metadata")
     for i in range(n_tensors):
-        name = r.text(MAX_NAME_BYTES, f"tensor {i} name")
-        if name in names:
-            raise _Bad(f"tensor name {_q(name)} appears twice")
-        names.add(name)
+        name = _unique(r.text(MAX_NAME_BYTES, f"tensor {i} name"), names, "tensor name")
         n_dims = r.u32(f"n_dims of tensor {_q(name)}")
         if not 1 <= n_dims <= MAX_DIMS:
             raise _Bad(f"tensor {_q(name)} has {n_dims} dimensions (allowed 1-{MAX_DIMS})")
@@ -248,6 +242,14 @@ def _check(f, size):
         if end > size:
             raise _Bad(f"tensor {_q(name)} ({type_name} {dims}) spans bytes {data_start + offset}-{end} "
                        f"but the file is {size} bytes")
+
+
+def _unique(name, seen, what):
+    """`name`, added to `seen`; a name already there is refused."""
+    if name in seen:
+        raise _Bad(f"{what} {_q(name)} appears twice")
+    seen.add(name)
+    return name
 
 
 def check_gguf(path):

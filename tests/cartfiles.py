@@ -3,6 +3,7 @@ damage or forge one (re-digesting so a change gets past the digests, as a hostil
 
 import hashlib
 import os
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,15 @@ def forge_records(folder, transform):
 def files(folder):
     """{name: bytes} of the three files."""
     return {n: (Path(folder) / n).read_bytes() for n in (MANIFEST_NAME, INDEX_NAME, DATA_NAME)}
+
+
+def peak_bytes(fn):
+    """Peak bytes Python allocated while running fn() (tracemalloc), for the "refused before any
+    allocation follows from it" tests."""
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak

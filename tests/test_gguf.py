@@ -6,7 +6,6 @@ import struct
 import subprocess
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +17,8 @@ from cartridge.errors import ModelLoadError
 from cartridge.gguf import load_gguf, model_args
 from cartridge.gguf_check import GGML_TYPES, check_gguf
 from cartridge.model import default_gguf_path
+
+from cartfiles import peak_bytes
 
 
 def test_smollm2_config():
@@ -193,16 +194,6 @@ def test_real_gguf_truncated_inside_its_header_refused(real_gguf, tmp_path):
         _refused(p, "cannot read GGUF file")
 
 
-def _peak_bytes(fn):
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
-
-
 HUGE = {  # a claim that would allocate or loop without bound if believed -> message
     "tensor_count 2^63": (lambda: _gguf(n_tensors=2**63), "tensor_count 9223372036854775808 cannot fit"),
     "kv_count 2^64-1": (lambda: _gguf(n_kv=2**64 - 1), "metadata_kv_count .* cannot fit"),
@@ -226,7 +217,7 @@ def test_absurd_lengths_and_counts_refused_quickly_without_allocating(tmp_path, 
     start = time.perf_counter()
     _refused(p, match)
     assert time.perf_counter() - start < 0.5
-    peak = _peak_bytes(lambda: pytest.raises(ModelLoadError, check_gguf, p))
+    peak = peak_bytes(lambda: pytest.raises(ModelLoadError, check_gguf, p))
     assert peak < 1 << 20, f"{claim}: {peak:,} bytes allocated before refusing"
 
 

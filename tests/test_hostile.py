@@ -3,7 +3,6 @@
 
 import os
 import struct
-import tracemalloc
 
 import pytest
 
@@ -17,7 +16,7 @@ from cartridge.errors import (
 from cartridge.load import open_cartridge
 from cartridge.verify import verify_cartridge
 
-from cartfiles import flip, forge_index_bytes, forge_records, pages, redigest_manifest, write
+from cartfiles import flip, forge_index_bytes, forge_records, pages, peak_bytes, redigest_manifest, write
 
 N_LAYERS, N_PAGES, PAGE_BYTES = 2, 2, 2 * 4 * 8 * 2  # synthetic cartridge: 2 heads x 4 tokens x 8 x fp16
 
@@ -91,16 +90,6 @@ def test_truncation_is_refused(cart, name, keep):
     assert not verify_cartridge(cart).ok
 
 
-def _peak_bytes(fn):
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
-
-
 ABSURD = {  # claim -> (damage, error): each claim would allocate gigabytes if believed
     "index_size 2^40": (lambda p: redigest_manifest(p, lambda r: struct.pack_into("<Q", r, 16, 1 << 40)), FieldError),
     "data_size 2^60": (lambda p: redigest_manifest(p, lambda r: struct.pack_into("<Q", r, 24, 1 << 60)), TruncatedError),
@@ -121,7 +110,7 @@ def test_absurd_sizes_refused_before_allocation(cart, claim):
     damage(cart)
     with pytest.raises(error):
         _open(cart)
-    peak = _peak_bytes(lambda: pytest.raises(error, _open, cart))
+    peak = peak_bytes(lambda: pytest.raises(error, _open, cart))
     assert peak < 1 << 20, f"{claim}: {peak:,} bytes allocated before refusing"
 
 

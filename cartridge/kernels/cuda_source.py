@@ -32,6 +32,34 @@ __device__ void fwht_rows(float* x) {
     __syncthreads();
   }
 }
+
+// Merge the WARPS per-warp partials of ROWS query rows by log-sum-exp (so: [WARPS][ROWS][D] outputs,
+// sm, sl: [WARPS][ROWS] running max and sum) and write rows row0 .. row0 + ROWS - 1 (those < R) of
+// this split's partial O (splits, NKV, R, D), M and L (splits, NKV, R) for KV head h.
+template <int WARPS, int ROWS, int D, int NKV>
+__device__ void write_split(const float* so, const float* sm, const float* sl, int row0, int R, int split,
+                            int h, float* O, float* M, float* L) {
+  for (int idx = threadIdx.x; idx < ROWS * D; idx += blockDim.x) {
+    const int r = idx / D, d = idx % D, row = row0 + r;
+    if (row >= R) continue;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm[w * ROWS + r]);
+    float acc = 0.f, ls = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float a = safe_exp(sm[w * ROWS + r], mx);
+      acc += a * so[(w * ROWS + r) * D + d];
+      ls += a * sl[w * ROWS + r];
+    }
+    const size_t base = ((size_t)split * NKV + h) * R + row;
+    O[base * D + d] = acc;
+    if (d == 0) {
+      M[base] = mx;
+      L[base] = ls;
+    }
+  }
+}
 }  // namespace cart
 """
 
@@ -342,26 +370,7 @@ __device__ void flash_pass1(const T* q, const float* fprm, const float* sgk,
   __syncthreads();
 
   // merge the warps and write this split's partial
-  for (int idx = threadIdx.x; idx < ROWS * D; idx += blockDim.x) {
-    const int r = idx / D, d = idx % D, row = rb * ROWS + r;
-    if (row >= R) continue;
-    float mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][r]);
-    float acc = 0.f, ls = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float a = safe_exp(sm_m[w][r], mx);
-      acc += a * sm_o[w][r][d];
-      ls += a * sm_l[w][r];
-    }
-    const size_t base = ((size_t)split * NKV + h) * R + row;
-    O[base * D + d] = acc;
-    if (d == 0) {
-      M[base] = mx;
-      L[base] = ls;
-    }
-  }
+  write_split<WARPS, ROWS, D, NKV>(&sm_o[0][0][0], &sm_m[0][0], &sm_l[0][0], rb * ROWS, R, split, h, O, M, L);
 }
 }  // namespace cart
 """  # tier decoding and the CUDA-core pass 1
@@ -663,25 +672,7 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
   }
   __syncthreads();
 
-  for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
-    const int r = idx / D, d = idx % D;
-    float mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][r]);
-    float acc = 0.f, ls = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float a = safe_exp(sm_m[w][r], mx);
-      acc += a * sm_o[(w * 4 + r) * D + d];
-      ls += a * sm_l[w][r];
-    }
-    const size_t base = ((size_t)blockIdx.x * NKV + h) * R + r;
-    O[base * D + d] = acc;
-    if (d == 0) {
-      M[base] = mx;
-      L[base] = ls;
-    }
-  }
+  write_split<WARPS, 4, D, NKV>(sm_o, &sm_m[0][0], &sm_l[0][0], 0, R, blockIdx.x, h, O, M, L);
 }
 }  // namespace cart
 """  # the tensor-core pass 1 (mlx4g32)
