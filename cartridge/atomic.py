@@ -77,7 +77,7 @@ def clean_stale(dest):
 
 
 def _remove(path):
-    if Path(path).is_dir():
+    if Path(path).is_dir() and not Path(path).is_symlink():  # a symlink is unlinked, never followed
         shutil.rmtree(path, ignore_errors=True)
     else:
         Path(path).unlink(missing_ok=True)

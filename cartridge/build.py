@@ -16,7 +16,7 @@ from .container import FORMAT_MAJOR, FORMAT_MINOR, CartridgeWriter, check_output
 from .errors import InputError
 from .model import LoadedModel, architecture_config, load_model
 from .pages import encode_pages
-from .prompt import SEPARATOR, prefix_tokens, prompt_mode
+from .prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
 from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
@@ -184,8 +184,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    if not document.strip():
-        raise InputError("the corpus is empty (or only whitespace)")
+    check_text(document, "the corpus")
     _check_options(page_size, prefill_step)
     schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
     lm = model if isinstance(model, LoadedModel) else load_model(model)

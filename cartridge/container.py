@@ -15,6 +15,7 @@ walks it with the bounded reader of `cartridge.lmdbfile` (liblmdb never parses a
 import hashlib
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,7 +152,12 @@ class _Moved(Exception):
 
 def _open_member(path, dfd, name, missing):
     try:
-        return os.open(name, os.O_RDONLY, dir_fd=dfd)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dfd)  # a FIFO must not block the open
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCartridgeError(f"{path / name} is not a regular file")
+        os.set_blocking(fd, True)
+        return fd
     except FileNotFoundError:
         try:
             now, then = os.stat(path), os.fstat(dfd)

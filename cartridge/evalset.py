@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from .errors import InputError
+from .prompt import check_text
 
 NEEDLE_FIELDS = ("depth", "fact", "question", "answer")
 
@@ -50,6 +51,7 @@ def _text_field(obj, key, where):
     value = obj.get(key)
     if not isinstance(value, str) or not value.strip():
         raise InputError(f"{where}: field {key!r} must be a non-empty string, found {value!r}")
+    check_text(value, f"{where}: field {key!r}")
     return value
 
 

@@ -9,7 +9,30 @@ Models without a chat template use plain text: `document + separator + "Question
 "\nAnswer:"`.
 """
 
+import unicodedata
+
 from .errors import InputError
+
+
+def check_text(text, what):
+    """Refuse text a prompt cannot be made of: not a str, not encodable as UTF-8 (a lone surrogate,
+    as Python makes of undecodable command-line bytes), or blank: only whitespace and invisible
+    format or control characters (a byte-order mark, zero-width spaces).
+
+    Args:
+        text: the value to check. what (str): how to name it in the error, e.g. "the corpus".
+
+    Raises:
+        InputError: as described.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid UTF-8 (undecodable byte at character {e.start})") from None
+    if all(ch.isspace() or unicodedata.category(ch) in ("Cf", "Cc") for ch in text):
+        raise InputError(f"{what} is empty (or only whitespace)")
 
 SEPARATOR = "\n\n"
 CHAT, PLAIN = "chat_template", "plain"
@@ -70,10 +93,9 @@ def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR):
     Raises:
         InputError: if the document is empty, or if the split is not token-stable for this tokenizer.
     """
+    check_text(document, "the corpus")
     mode = mode or prompt_mode(tokenizer)
     document = document.rstrip()
-    if not document:
-        raise InputError("the corpus is empty (or only whitespace)")
     head, _, _ = _pieces(tokenizer, mode, separator)
     prefix = _encode(tokenizer, head + document, True)
     probe = "Is this split stable?"
@@ -93,7 +115,6 @@ def question_tokens(tokenizer, question, mode, separator=SEPARATOR):
     Raises:
         InputError: if the question is empty.
     """
-    if not question or not question.strip():
-        raise InputError("the question is empty")
+    check_text(question, "the question")
     _, middle, tail = _pieces(tokenizer, mode, separator)
     return _encode(tokenizer, middle + question + tail, False)

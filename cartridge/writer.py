@@ -186,6 +186,10 @@ def check_output_path(dest, force):
         InputError, WriteError: from `check_output_folder`.
     """
     check_output_folder(dest)
+    try:
+        str(dest).encode("utf-8")  # LMDB takes the path as UTF-8
+    except UnicodeEncodeError:
+        raise InputError(f"output path {str(dest)!r} is not valid UTF-8") from None
     dest = Path(dest)
     if not (dest.exists() or dest.is_symlink()):
         return

@@ -9,6 +9,7 @@ import click
 
 from cartridge.atomic import write_file
 from cartridge.errors import InputError, OutputExistsError
+from cartridge.writer import check_output_folder
 
 from .eval_report import markdown_table, text_table, write_plot
 
@@ -31,8 +32,11 @@ def check_output_file(path, option, force):
         raise InputError(f"{option} {path} is a directory; give a file name")
     if not path.parent.is_dir():
         raise InputError(f"{option} {path}: folder {path.parent} does not exist")
-    if (path.exists() or path.is_symlink()) and not force:
+    if (path.exists() or path.is_symlink()) and not (path.is_file() and not path.is_symlink()):
+        raise OutputExistsError(f"{option} {path} exists and is not a regular file; refusing to replace it")
+    if path.exists() and not force:
         raise OutputExistsError(f"{option} {path} exists; pass --force to replace it")
+    check_output_folder(path)  # the folder can be written (probed), before any work
     return path
 
 
@@ -111,10 +115,15 @@ def eval_command(corpus, questions_path, model, tiers, schemas, needles, heldout
 
     json_path = check_output_file(json_path, "--json", force)
     plot_path = check_output_file(plot_path, "--plot", force)
+    if work_dir is not None:
+        try:
+            str(work_dir).encode("utf-8")  # cartridges are built there: LMDB takes UTF-8 paths
+        except UnicodeEncodeError:
+            raise InputError(f"--work-dir {str(work_dir)!r} is not valid UTF-8") from None
     text = _read_corpus(corpus)
     questions = load_questions(questions_path)
     specs = _specs(tiers, schemas)
-    config = EvalConfig(max_tokens=max_tokens, fresh=not no_fresh, heldout=_read_corpus(heldout) if heldout else None,
+    config = EvalConfig(max_tokens=max_tokens, fresh=not no_fresh, heldout=_read_corpus(heldout, "held-out file") if heldout else None,
                         heldout_fraction=heldout_fraction, work_dir=work_dir, rebuild=rebuild, page_size=page_size)
     progress, close = _bar()
     try:

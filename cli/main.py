@@ -13,6 +13,7 @@ import click
 
 import cartridge
 from cartridge.errors import CartridgeError, InputError
+from cartridge.prompt import check_text
 
 from .bench import bench as bench_command
 from .eval import eval_command
@@ -27,22 +28,23 @@ def _model_ref(model):
     return model
 
 
-def _read_corpus(corpus):
-    """Read CORPUS (a path or "-" for stdin) as strict UTF-8 text."""
+def _read_corpus(corpus, what="corpus"):
+    """Read CORPUS (a path or "-" for stdin) as strict UTF-8 text, the way Python's open() would give it
+    to `cartridge.build`: a leading byte-order mark dropped, CRLF and CR line ends read as LF."""
     if corpus == "-":
         raw = sys.stdin.buffer.read()
         name = "stdin"
     else:
         path = Path(corpus)
         if not path.is_file():
-            raise InputError(f"corpus {corpus} does not exist or is not a file")
+            raise InputError(f"{what} {corpus} does not exist or is not a file")
         raw, name = path.read_bytes(), corpus
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"corpus {name} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
-    if not text.strip():
-        raise InputError(f"corpus {name} is empty (or only whitespace)")
+        raise InputError(f"{what} {name} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
+    text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    check_text(text, f"{what} {name}")
     return text
 
 
@@ -135,8 +137,11 @@ def ask(path, question, max_tokens, model, attention):
     limit = context_length(cart.model)
     if limit is not None and len(cart.tokens) + len(prompt) + max_tokens > limit:
         room = limit - len(cart.tokens) - len(prompt)
+        if room < 1:
+            raise InputError(f"the question ({len(prompt):,} tokens) does not fit the model's context of "
+                             f"{limit:,} tokens after the {len(cart.tokens):,} cached")
         raise InputError(f"--max-tokens {max_tokens} does not fit the model's context of {limit:,} tokens: "
-                         f"{len(cart.tokens):,} cached + {len(prompt)} question tokens leave {max(room, 0):,}")
+                         f"{len(cart.tokens):,} cached + {len(prompt)} question tokens leave {room:,}")
     t1 = time.perf_counter()
     ttft, n = None, 0
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens,

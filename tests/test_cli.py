@@ -73,6 +73,7 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("empty v tier", "v_tier is empty"),
     ("schema and tier", "cannot be combined with tier"),
     ("max tokens past context", "does not fit the model's context of 512 tokens"),
+    ("question past context", "the question ("),
 ])
 def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
     out, _ = built
@@ -113,6 +114,8 @@ def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path
         r = run("build", corpus, "-o", target, "--model", tiny_dir, "--v-tier", "")
     elif case == "schema and tier":
         r = run("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int8", "--schema", corpus)
+    elif case == "question past context":
+        r = run("ask", out, "Who may terminate the lease? " * 100)
     elif case == "max tokens past context":
         r = run("ask", out, "Who?", "--max-tokens", 10_000_000)
     err = r.stderr.decode().strip().splitlines()
