@@ -128,6 +128,9 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
 
 
 def _check_options(page_size, prefill_step):
+    for name, value in (("page size", page_size), ("prefill step", prefill_step)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"{name} must be an integer number of tokens, got {value!r}")
     if not 1 <= page_size <= 1 << 16:
         raise InputError(f"page size {page_size} tokens is out of range 1..65536")
     if prefill_step < 1:

@@ -102,3 +102,17 @@ def test_cli_corpus_reads_like_python_open(tmp_path):
     p.write_bytes(b"\xef\xbb\xbf\xe2\x80\x8b\r\n")
     with pytest.raises(InputError, match=r"corpus .* is empty \(or only whitespace\)"):
         _read_corpus(str(p))
+
+
+@pytest.mark.parametrize("kwargs, what", [({"page_size": 2.5}, "page size must be an integer"),
+                                          ({"page_size": True}, "page size must be an integer"),
+                                          ({"prefill_step": "512"}, "prefill step must be an integer")])
+def test_build_option_types(kwargs, what, tmp_path):
+    with pytest.raises(InputError, match=what):
+        cartridge.build(DOC, tmp_path / "x.cart", model="/nonexistent-model", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_refuses_a_document_that_is_not_text(tmp_path):
+    with pytest.raises(InputError, match="must be text"):
+        cartridge.build(None, tmp_path / "x.cart", model="/nonexistent-model")
