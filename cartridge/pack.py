@@ -335,7 +335,11 @@ def unpack_cached(src, refresh=False):
     """
     manifest = read_pack_manifest(src)
     dest = cache_root() / f"{manifest['digest']}.cart"
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(f"cannot use the cache folder {dest.parent} for {src}: {e.strerror or e} "
+                         "(set XDG_CACHE_HOME to a writable folder, or unpack it yourself)") from None
     mpath = dest / MANIFEST_NAME
     if not refresh and mpath.is_file() and mpath.read_bytes()[64:].hex() == manifest["digest"]:
         return dest

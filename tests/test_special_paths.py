@@ -116,3 +116,12 @@ def test_build_option_types(kwargs, what, tmp_path):
 def test_build_refuses_a_document_that_is_not_text(tmp_path):
     with pytest.raises(InputError, match="must be text"):
         cartridge.build(None, tmp_path / "x.cart", model="/nonexistent-model")
+
+
+def test_cartz_cache_folder_blocked_by_a_file(tmp_path, monkeypatch):
+    src = write(tmp_path / "a.cart")
+    P.pack(src, tmp_path / "a.cartz")
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(cartridge.CartridgeError, match="cannot use the cache folder .*set XDG_CACHE_HOME"):
+        P.unpack_cached(tmp_path / "a.cartz")
