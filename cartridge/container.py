@@ -215,7 +215,8 @@ def open_snapshot(path, attempts=3):
         try:
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
-            hint = "; it is a .cartz pack: unpack it, or load it directly" if path.suffix == ".cartz" and path.is_file() else ""
+            packed = path.suffix == ".cartz" and path.is_file()
+            hint = "; it is a .cartz pack: unpack it, or load it directly" if packed else ""
             raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file){hint}") from None
         try:
             return _snapshot(path, dfd)

@@ -130,7 +130,7 @@ def _check_pack_output(dest, force):
     if dest.is_dir():
         raise OutputExistsError(f"output {dest} is a directory; refusing to replace it with a .cartz file")
     if dest.exists() or dest.is_symlink():
-        if not is_pack(dest) or dest.is_symlink():
+        if dest.is_symlink() or not is_pack(dest):
             raise OutputExistsError(f"output {dest} exists and is not a .cartz file; refusing to replace it")
         if not force:
             raise OutputExistsError(f"output {dest} exists; pass --force to replace it")

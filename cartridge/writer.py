@@ -177,6 +177,19 @@ def check_output_folder(dest):
         raise WriteError(f"cannot write in folder {parent}: {e.strerror or e}") from None
 
 
+def check_utf8_path(path, what):
+    """Refuse a path that is not valid UTF-8 (undecodable bytes from the command line): LMDB, which
+    writes every cartridge index, takes its path as UTF-8.
+
+    Raises:
+        InputError: naming `what` (e.g. "output path").
+    """
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{what} {str(path)!r} is not valid UTF-8") from None
+
+
 def check_output_path(dest, force):
     """Refuse an output path that exists (unless `force` and it is a cartridge), or that cannot be
     written (`check_output_folder`).
@@ -186,10 +199,7 @@ def check_output_path(dest, force):
         InputError, WriteError: from `check_output_folder`.
     """
     check_output_folder(dest)
-    try:
-        str(dest).encode("utf-8")  # LMDB takes the path as UTF-8
-    except UnicodeEncodeError:
-        raise InputError(f"output path {str(dest)!r} is not valid UTF-8") from None
+    check_utf8_path(dest, "output path")
     dest = Path(dest)
     if not (dest.exists() or dest.is_symlink()):
         return

@@ -9,7 +9,7 @@ import click
 
 from cartridge.atomic import write_file
 from cartridge.errors import InputError, OutputExistsError
-from cartridge.writer import check_output_folder
+from cartridge.writer import check_output_folder, check_utf8_path
 
 from .eval_report import markdown_table, text_table, write_plot
 
@@ -116,10 +116,7 @@ def eval_command(corpus, questions_path, model, tiers, schemas, needles, heldout
     json_path = check_output_file(json_path, "--json", force)
     plot_path = check_output_file(plot_path, "--plot", force)
     if work_dir is not None:
-        try:
-            str(work_dir).encode("utf-8")  # cartridges are built there: LMDB takes UTF-8 paths
-        except UnicodeEncodeError:
-            raise InputError(f"--work-dir {str(work_dir)!r} is not valid UTF-8") from None
+        check_utf8_path(work_dir, "--work-dir")  # cartridges are built there
     text = _read_corpus(corpus)
     questions = load_questions(questions_path)
     specs = _specs(tiers, schemas)

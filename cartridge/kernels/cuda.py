@@ -8,6 +8,7 @@ tensor cores (sm_80 or newer), pass 1 is the tensor-core variant `flash_pass1_mm
 for both is `cartridge.kernels.portable` (tests compare them against float64).
 """
 
+import functools
 import math
 import re
 
@@ -64,14 +65,12 @@ def _pass1_mma():
     return _KERNELS["pass1_mma"]
 
 
+@functools.cache
 def has_tensor_cores():
     """True if the default device is an NVIDIA GPU of compute capability 8.0 or newer (mma.m16n8k16
     with fp16 operands and cp.async need sm_80)."""
-    if "sm" not in _KERNELS:
-        arch = str(mx.device_info().get("architecture", ""))
-        found = re.fullmatch(r"sm_(\d+)\w*", arch)
-        _KERNELS["sm"] = int(found.group(1)) if found else 0
-    return _KERNELS["sm"] >= 80
+    found = re.fullmatch(r"sm_(\d+)\w*", str(mx.device_info().get("architecture", "")))
+    return found is not None and int(found.group(1)) >= 80
 
 
 def _finish(n_chunks):
