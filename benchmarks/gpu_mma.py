@@ -1,6 +1,7 @@
-"""Tensor-core pass 1 (mlx4g32 pages) on the GPU machine: correctness against float64 with it on and
-off, then decode-step attention timing against dense fp16 SDPA and the CUDA-core kernel.
-    python3 benchmarks/gpu_mma.py OUT_DIR
+"""The fused decode path on the GPU machine, in one run: every variant of the tensor-core kernel
+(single launch or two, pipeline depth, blocks) checked against float64, then decode-step attention timed
+against dense fp16 SDPA and mlx-lm's quantized attention (32 q / 8 kv heads; calls chained as the layers
+of a decode step are), and the host cost per layer of a decode step.       python3 benchmarks/gpu_mma.py OUT_DIR
 """
 
 import json
@@ -10,83 +11,143 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from cartridge import bench
 from cartridge.cache import CartridgeCache
 from cartridge.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import check, prefix  # noqa: E402
 
+BASE = {"SINGLE_LAUNCH": True, "MMA_TARGET_BLOCKS": 528, "MMA_STAGES": 3}
+VARIANTS = {
+    "single": {},
+    "two-launch": {"SINGLE_LAUNCH": False},
+    "single-s4": {"MMA_STAGES": 4},
+    "single-b396": {"MMA_TARGET_BLOCKS": 396},
+    "single-b1056": {"MMA_TARGET_BLOCKS": 1056},
+}
+
+
+def use(name):
+    for key, value in {**BASE, **VARIANTS.get(name, {})}.items():
+        setattr(cuda, key, value)
+
 
 def correctness(rng):
-    # (n_q, n_kv, D, N, P, T, L): odd lengths, page boundaries, GQA 1/3/4 and a GQA-8 fallback, R <= 4
+    # (n_q, n_kv, D, N, P, T, L): odd lengths, page boundaries, GQA 1/3/4/8, R <= 4 and the fallbacks
     shapes = [(4, 4, 64, 1, 16, 1, 1), (4, 4, 64, 17, 16, 3, 1), (12, 4, 64, 257, 256, 7, 1),
               (8, 2, 128, 3001, 256, 1, 1), (32, 8, 128, 5003, 256, 1, 1), (32, 8, 64, 4097, 64, 300, 1),
               (2, 2, 128, 1001, 64, 300, 2), (2, 2, 64, 999, 32, 5, 4), (1, 1, 128, 70001, 256, 1, 1),
               (32, 4, 128, 3001, 256, 1, 1)]
     rows, worst = [], 0.0
-    for tc in (True, False):
-        cuda.TENSOR_CORES = tc
+    for name in ("single",):
+        use(name)
         for shape in shapes:
-            err, finite = check("mlx4g32", shape, mx.float16, rng)
-            rows.append({"tensor_cores": tc, "shape": shape, "rel_err": err, "finite": finite})
-            worst = max(worst, err if finite else 1.0)
-            print(("ok  " if err < 1e-3 and finite else "FAIL"), tc, shape, f"{err:.2e}", flush=True)
-    cuda.TENSOR_CORES = True
-    print(f"correctness: worst {worst:.2e}", flush=True)
+            for dtype in (mx.float16, mx.float32):
+                err, finite = check("mlx4g32", shape, dtype, rng)
+                rows.append({"variant": name, "shape": shape, "dtype": str(dtype), "rel_err": err, "finite": finite})
+                worst = max(worst, err if finite else 1.0)
+                if not (err < 1e-3 and finite):
+                    print("FAIL", name, shape, dtype, f"{err:.2e}", flush=True)
+    use("single")
+    print(f"correctness: {len(rows)} checks, worst relative error {worst:.2e}", flush=True)
     return rows
 
 
-def timing():
-    from cartridge.bench import copy_bandwidth, timeit
+def host_cost():
+    """Microseconds per layer of one decode step's cache update + attention, 16 layers built then
+    evaluated together on a 1,024-token prefix (device time small): what a decode step pays per layer
+    on the host. Baseline: mlx-lm's KVCache + mx.fast attention; also the graph building alone."""
+    from mlx_lm.models.cache import KVCache
 
-    bw = copy_bandwidth(1 << 30)
+    n_q, n_kv, D, N = 32, 8, 64, 1024
+    k, v = (mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2))
+    q = mx.random.normal((1, n_q, 1, D)).astype(mx.float16)
+    new = q[:, :n_kv]
+    mx.eval(k, v, q, new)
+    out = {}
+
+    def measure(label, layer):
+        mx.eval([layer(i) for i in range(16)])
+        t = time.perf_counter()
+        for _ in range(20):
+            [layer(i) for i in range(16)]
+        out[f"{label}_build_us"] = round((time.perf_counter() - t) / 320 * 1e6, 2)
+        t = time.perf_counter()
+        for _ in range(20):
+            mx.eval([layer(i) for i in range(16)])
+        out[f"{label}_step_us"] = round((time.perf_counter() - t) / 320 * 1e6, 2)
+
+    for name in ("single", "two-launch"):
+        use(name)
+        caches = [CartridgeCache(prefix("mlx4g32", k, v, 256)) for _ in range(16)]
+
+        def layer(i):
+            caches[i].update_and_fetch(new, new)
+            if caches[i].tail_len > 40:
+                caches[i].trim(caches[i].tail_len - 1)
+            return caches[i].attention(q, D ** -0.5)
+
+        measure(name, layer)
+    use("single")
+    dense = []
+    for _ in range(16):
+        c = KVCache()
+        c.update_and_fetch(k[None], v[None])
+        dense.append(c)
+    mx.eval([c.state for c in dense])
+
+    def dense_layer(i):
+        keys, values = dense[i].update_and_fetch(new, new)
+        if dense[i].offset > N + 40:
+            dense[i].trim(dense[i].offset - N - 1)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5)
+
+    measure("kvcache_sdpa", dense_layer)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def timing():
+    bw = bench.copy_bandwidth(1 << 30)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     n_q, n_kv = 32, 8
-    out = []
-    for D, N in [(128, 8192), (128, 32768), (128, 65536), (128, 131072), (64, 32768), (64, 65536)]:
+    rows = []
+    for D, N in [(128, 32768), (128, 65536), (128, 131072), (64, 32768), (64, 65536)]:
         k, v = (mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2))
         q = mx.random.normal((1, n_q, 1, D)).astype(mx.float16)
         mx.eval(k, v, q)
-        row = {"D": D, "N": N, "sdpa_us": round(timeit(lambda: mx.fast.scaled_dot_product_attention(
-            q, k[None], v[None], scale=D ** -0.5)) * 1e6, 1)}
+        row = {"D": D, "N": N, "sdpa_us": round(bench.timeit(lambda x: mx.fast.scaled_dot_product_attention(
+            x, k[None], v[None], scale=D ** -0.5), 50, chain=q) * 1e6, 1)}
+        if D == 128:
+            row["mlx_lm_quantized_us"] = round(bench._mlx_lm_quantized(q, k[None], v[None], N, 20)["us"], 1)
         pre = prefix("mlx4g32", k, v, 256)
         row["bytes"] = pre.nbytes
         cache = CartridgeCache(pre)
         cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
         mx.eval(cache.state)
-        cuda.TENSOR_CORES = False
-        row["cudacore_us"] = round(timeit(lambda: cache.attention(q, D ** -0.5)) * 1e6, 1)
-        cuda.TENSOR_CORES = True
-        for blocks in (264, 528):
-            for stages in (3, 4):
-                cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = blocks, stages
-                t = timeit(lambda: cache.attention(q, D ** -0.5))
-                row[f"mma_b{blocks}s{stages}_us"] = round(t * 1e6, 1)
-        cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = 528, 3
-        t0 = time.perf_counter()
-        for _ in range(200):
-            cache.attention(q, D ** -0.5)
-        row["build_graph_us"] = round((time.perf_counter() - t0) / 200 * 1e6, 1)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            mx.fast.scaled_dot_product_attention(q, k[None], v[None], scale=D ** -0.5)
-        row["sdpa_build_graph_us"] = round((time.perf_counter() - t0) / 200 * 1e6, 1)
-        best = min(val for key, val in row.items() if key.startswith("mma_"))
-        row["mma_best_TBps"] = round(pre.nbytes / best / 1e6, 3)
-        out.append(row)
+        for name in VARIANTS:
+            use(name)
+            row[f"{name}_us"] = round(bench.timeit(lambda x: cache.attention(x, D ** -0.5), 50, chain=q) * 1e6, 1)
+        use("single")
+        best = min(val for key, val in row.items() if key.endswith("_us") and key[:6] in ("single", "two-la"))
+        row["best_vs_dense"] = round(best / row["sdpa_us"], 3)
+        row["best_TBps"] = round(pre.nbytes / best / 1e6, 3)
+        row["best_of_copy_bw"] = round(pre.nbytes / (best * 1e-6) / bw, 3)
+        rows.append(row)
         print(json.dumps(row), flush=True)
         del k, v, pre, cache
         mx.clear_cache()
-    return {"copy_bytes_per_s": bw, "rows": out}
+    return {"copy_bytes_per_s": bw, "rows": rows}
 
 
 def main(out):
     print(mx.device_info(), flush=True)
-    print("tensor cores:", cuda.has_tensor_cores(), flush=True)
-    rows = correctness(np.random.default_rng(0))
-    t = timing()
-    json.dump({"device": mx.device_info(), "correctness": rows, "timing": t},
-              open(f"{out}/gpu_mma.json", "w"), indent=1, default=str)
+    result = {"device": mx.device_info(), "mlx": mx.__version__}
+    result["correctness"] = correctness(np.random.default_rng(0))
+    result["host"] = host_cost()
+    result["timing"] = timing()
+    json.dump(result, open(f"{out}/gpu_mma.json", "w"), indent=1, default=str)
 
 
 if __name__ == "__main__":

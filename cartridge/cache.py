@@ -65,6 +65,7 @@ class CartridgeCache(_BaseCache):
         self.chunk_size = chunk_size
         self._k_chunks, self._v_chunks = [], []
         self.tail_len = 0
+        self.scratch = {}  # device state a prefix kernel keeps per cache (cartridge.kernels.cuda)
 
     @property
     def offset(self):

@@ -105,15 +105,26 @@ def test_dequantize_once_matches_float64():
     _check(prefix, q, tk, tv, _run(dense, q, tk, tv), "dequantize-once")
 
 
+def _fused_cases():
+    """(tier, shape, tensor cores, single launch): every tier and shape; mlx4g32 also without tensor cores,
+    mlx4g32 and int8 also with the finish as a second kernel."""
+    for tier, shape in itertools.product(sorted(TIERS), SHAPES):
+        yield tier, shape, True, True
+        if tier == "mlx4g32":
+            yield tier, shape, False, True
+        if tier in ("mlx4g32", "int8"):
+            yield tier, shape, True, False
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
-@pytest.mark.parametrize("tier, shape, tensor_cores", [(t, s, tc) for t, s in itertools.product(sorted(TIERS), SHAPES)
-                                                       for tc in ((True, False) if t == "mlx4g32" else (True,))])
-def test_fused_cuda_matches_float64(tier, shape, tensor_cores, monkeypatch):
+@pytest.mark.parametrize("tier, shape, tensor_cores, single", list(_fused_cases()))
+def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, monkeypatch):
     from cartridge.kernels import cuda
 
     if tier not in cuda.FUSED_TIERS:
         pytest.skip(f"no fused kernel for {tier}")
     monkeypatch.setattr(cuda, "TENSOR_CORES", tensor_cores)
+    monkeypatch.setattr(cuda, "SINGLE_LAUNCH", single)
     try:
         prefix, q, tk, tv = _case(tier, shape, seed=hash((tier, shape, 1)) % 2**32)
     except Exception as e:
@@ -131,3 +142,45 @@ def test_fused_cuda_matches_float64(tier, shape, tensor_cores, monkeypatch):
             _check(prefix, q16, tk16, tv16, got, f"fused {tier} {shape} fp16")
         else:
             _check(prefix, q, tk, tv, got, f"fused {tier} {shape}")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier", ["mlx4g32", "turbo4"])
+def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
+    """The single launch keeps per-KV-head block counters in the cache and resets them itself: repeated
+    decode steps on one cache give identical outputs, equal to the two-kernel finish up to rounding."""
+    from cartridge.kernels import cuda
+
+    prefix, q, tk, tv = _case(tier, (32, 8, 128, 5003, 256, 1, 1), seed=11)
+    fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
+                        prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
+    cache = CartridgeCache(fused, chunk_size=256)
+    cache.update_and_fetch(mx.array(tk), mx.array(tv))
+    qa = mx.array(q)
+    outs = [np.array(cache.attention(qa, 128 ** -0.5)) for _ in range(3)]
+    assert np.array_equal(cache.scratch["counter"], np.zeros(8, dtype=np.int32))
+    monkeypatch.setattr(cuda, "SINGLE_LAUNCH", False)
+    two = np.array(cache.attention(qa, 128 ** -0.5))
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    assert np.abs(two - outs[0]).max() <= 1e-5 * np.abs(two).max()
+
+
+def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
+    """MLX hashes each kernel's source on every call and caches compiled kernels by name: the source it
+    gets is a short body after an #include of the .cuh, and the .cuh's digest is in every name."""
+    import hashlib
+
+    from cartridge.kernels import cuda
+
+    header, digest = cuda._header()
+    assert header == f'#include "{cuda.SOURCE.resolve()}"\n'
+    assert digest == hashlib.sha256(cuda.SOURCE.read_text().encode()).hexdigest()[:16]
+    names = set()
+    for kind in ("pass1", "mma", "finish", "pass1+finish", "mma+finish"):
+        for consts in ((("HD", 64), ("SCALE", 0.125)), (("HD", 128), ("SCALE", 0.125))):
+            name, inputs, outputs, body = cuda.kernel_spec(kind, 2, consts)
+            assert digest in name and len(body) < 1000 and f"constexpr int HD = {consts[0][1]};" in body
+            assert "constexpr float SCALE = 0x1.0000000000000p-3f;" in body
+            assert ("out" in outputs) == ("finish" in kind) and ("work" in inputs) == ("+" in kind)
+            names.add(name)
+    assert len(names) == 10  # the constants are part of the name: one compiled kernel per shape

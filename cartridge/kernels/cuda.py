@@ -1,21 +1,30 @@
 """Fused flash-decoding attention over compressed pages on MLX's CUDA backend (`mx.fast.cuda_kernel`).
 
-Two kernels per layer and step (source in `cuda_source.py`): pass 1 reads the stored pages of every
-tier in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; pass 2 merges the
-splits, attends over the dense tail and writes the output in the queries' dtype. When both sides are
-mlx4g32, a block holds at most 4 query rows per KV head (decode with GQA up to 4) and the GPU has
-tensor cores (sm_80 or newer), pass 1 is the tensor-core variant `flash_pass1_mma`. The plain reference
-for both is `cartridge.kernels.portable` (tests compare them against float64).
+The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
+in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; the finish merges the splits,
+attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
+rows per KV head, a tail within one chunk) both run in one launch: the last block of each KV head
+finishes it (`SINGLE_LAUNCH`); otherwise the finish is a second kernel. When both sides are mlx4g32, a
+block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is
+the tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
+`cartridge.kernels.portable` (tests compare them against float64).
+
+Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX
+builds and hashes the kernel source on every call. The source handed to MLX is therefore a few lines
+that `#include` the .cuh by path (its content digest is part of the kernel name, so MLX's compile
+cache never serves a stale build), and each call's template list, grid and output shapes are made
+once per shape (`_Plan`).
 """
 
 import functools
+import hashlib
 import math
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
-from .cuda_source import HEADER_FINISH, HEADER_MMA, HEADER_PASS1, PASS1, PASS1_MMA, finish_source
 
 FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO = range(7)
 # tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
@@ -36,7 +45,10 @@ WARPS = 4  # warps per pass-1 block
 # 4 tokens fetched at once per lane, about 4 blocks per SM.
 TARGET_BLOCKS = 528  # pass-1 blocks to aim for (132 SMs x 4)
 UNROLL = 4  # tokens each lane fetches at once in pass 1 (bytes in flight)
-MAX_CHUNKS = 8  # tail chunks pass 2 reads directly; more falls back to the portable path
+MAX_CHUNKS = 8  # tail chunks the finish reads directly; more falls back to the portable path
+SINGLE_LAUNCH = True  # finish in pass 1's last block where it applies (benchmarks switch it off)
+SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 per warp)
+SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
 TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
 MMA_TARGET_BLOCKS = 528  # pass-1 blocks for the tensor-core variant
 MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
@@ -44,25 +56,88 @@ MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
 DECODE_EPL = 8  # elements of head_dim per lane when a block holds <= 4 query rows
-_KERNELS = {}
+SOURCE = Path(__file__).with_name("flash_decode.cuh")
+
+CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+PASS1_INPUTS = ["q", "sgk", "k0", "k1", "k2", "v0", "v1", "v2", "cbk", "cbv", "prm"]
+PASS1_CALL = """cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, WARPS, UNR>(
+    q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
+    (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
+"""
+MMA_INPUTS = ["q", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
+MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES>(
+    q, SCALE, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
+    (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
+    (const __half*)(const void*)v2, prm, O, M, L);
+"""
+# single launch: the partials live in the cache's `work` buffer, followed by the block counters
+SINGLE_SCRATCH = """float* O = const_cast<float*>(work);
+float* M = O + NSPLIT * NKV * RR * HD;
+float* L = M + NSPLIT * NKV * RR;
+const int32_t* counter = reinterpret_cast<const int32_t*>(L + NSPLIT * NKV * RR);
+"""
+SINGLE_FINISH = """if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z))
+  cart::finish_rows<T, HD, NKV, NSPLIT, CH>(O, M, L, q, SCALE, prm, tk0, tv0, out, blockIdx.y);
+"""
 
 
-def _pass1():
-    if "pass1" not in _KERNELS:
-        _KERNELS["pass1"] = mx.fast.cuda_kernel(
-            name="cartridge_flash_pass1",
-            input_names=["q", "fprm", "sgk", "k0", "k1", "k2", "v0", "v1", "v2", "cbk", "cbv", "prm"],
-            output_names=["O", "M", "L"], source=PASS1, header=HEADER_PASS1)
-    return _KERNELS["pass1"]
+@functools.cache
+def _header():
+    """(header, digest): an #include of `SOURCE` (the whole text where the path cannot be quoted)."""
+    text = SOURCE.read_text()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = str(SOURCE.resolve())
+    quotable = path.isascii() and path.isprintable() and not any(c in path for c in '"\\')
+    return (f'#include "{path}"\n' if quotable else text), digest
 
 
-def _pass1_mma():
-    if "pass1_mma" not in _KERNELS:
-        _KERNELS["pass1_mma"] = mx.fast.cuda_kernel(
-            name="cartridge_flash_pass1_mma",
-            input_names=["q", "fprm", "k0", "k1", "k2", "v0", "v1", "v2", "prm"],
-            output_names=["O", "M", "L"], source=PASS1_MMA, header=HEADER_MMA)
-    return _KERNELS["pass1_mma"]
+def _constants(consts):
+    """C++ lines defining a kernel's compile-time constants (types, ints, bools, the float SCALE)."""
+    lines = []
+    for name, value in consts:
+        if isinstance(value, mx.Dtype):
+            lines.append(f"using {name} = {CUDA_TYPES[value]};")
+        elif isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, float):
+            lines.append(f"constexpr float {name} = {float(np.float32(value)).hex()}f;")
+        else:
+            lines.append(f"constexpr int {name} = {int(value)};")
+    return "\n".join(lines) + "\n"
+
+
+def kernel_spec(kind, n_chunks=0, consts=()):
+    """(name, input names, output names, body) of one kernel: "pass1" or "mma" (pass 1 alone), "finish"
+    (merge, tail and output; `n_chunks` tail chunks), or "pass1+finish" / "mma+finish" (one launch: pass 1,
+    then `finish_rows` in each KV head's last block). `consts` are (name, value) pairs compiled into the
+    body, so the call passes no template arguments; the name carries them (hashed) and the .cuh digest."""
+    if kind == "finish":
+        tails = [name for i in range(n_chunks) for name in (f"tk{i}", f"tv{i}")]
+        tks, tvs = ", ".join(tails[0::2]), ", ".join(tails[1::2])
+        inputs, outputs = ["O", "M", "L", "q", "prm", "sgv", *tails], ["out"]
+        body = (f"const T* tks[{n_chunks}] = {{{tks}}};\nconst T* tvs[{n_chunks}] = {{{tvs}}};\n"
+                "cart::finish_row<T, HD, NKV, NCH, CH, VTURBO>(O, M, L, q, SCALE, prm, sgv, tks, tvs, out, "
+                "blockIdx.y, blockIdx.z);\n")
+    else:
+        base = kind.split("+")[0]
+        inputs = list(PASS1_INPUTS if base == "pass1" else MMA_INPUTS)
+        body = PASS1_CALL if base == "pass1" else MMA_CALL
+        outputs = ["O", "M", "L"]
+        if kind.endswith("+finish"):
+            inputs += ["work", "prev", "tk0", "tv0"]
+            outputs = ["out"]
+            body = SINGLE_SCRATCH + body + SINGLE_FINISH
+    tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
+    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{_header()[1]}_{tag}"
+    return name, inputs, outputs, _constants(consts) + body
+
+
+@functools.cache
+def _kernel(kind, n_chunks, consts):
+    """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`."""
+    name, inputs, outputs, body = kernel_spec(kind, n_chunks, consts)
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
+                               header=_header()[0])
 
 
 @functools.cache
@@ -71,17 +146,6 @@ def has_tensor_cores():
     with fp16 operands and cp.async need sm_80)."""
     found = re.fullmatch(r"sm_(\d+)\w*", str(mx.device_info().get("architecture", "")))
     return found is not None and int(found.group(1)) >= 80
-
-
-def _finish(n_chunks):
-    key = f"finish{n_chunks}"
-    if key not in _KERNELS:
-        tails = [name for i in range(n_chunks) for name in (f"tk{i}", f"tv{i}")]
-        _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"cartridge_flash_finish{n_chunks}",
-            input_names=["O", "M", "L", "q", "fprm", "prm", "sgv", *tails],
-            output_names=["out"], source=finish_source(n_chunks), header=HEADER_FINISH)
-    return _KERNELS[key]
 
 
 def tier_spec(codec, parts):
@@ -119,6 +183,22 @@ def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks=None):
     return per, math.ceil(n_tokens / per)
 
 
+@dataclass(frozen=True, eq=False)  # hashed by identity: a key of the cache's scratch
+class _Plan:
+    """Everything about one call that depends only on its shape: kernels, fixed inputs, grids, sizes."""
+
+    kernel: object  # pass 1; with the finish when `single`
+    inputs: list  # fixed pass-1 inputs between the queries and `prm`
+    grid: tuple
+    threads: int  # per pass-1 block
+    single: bool
+    finish: object  # the finish kernel when not `single`
+    R: int
+    per: int
+    n_splits: int
+    work_size: int  # float32 elements of the single launch's scratch: partials and block counters
+
+
 class FusedAttention:
     """Fused attention of one layer: the prefix pages as stored, plus the cache's dense tail.
 
@@ -134,80 +214,102 @@ class FusedAttention:
         _, self.n_kv, self.page, _ = self.k_in[0].shape
         self.n_tokens = prefix.n_tokens
         self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0
-        self._fprm = {}
-        self._prm = {}  # (R, L, n_splits, per) -> (tail lengths, 6) int32 table on the device
+        self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (6,) device row per tail length]
+        self._plans = {}
 
-    def _scale(self, scale):
-        if scale not in self._fprm:
-            self._fprm[scale] = mx.array([scale], dtype=mx.float32)
-        return self._fprm[scale]
-
-    def _params(self, R, L, per, n_splits, tail_len, chunk_size):
-        """Kernel parameters as a device array; decode steps slice a table made once (no host copy)."""
+    def _params(self, plan, L, tail_len, chunk_size):
+        """Kernel parameters [n_tokens, R, per split, splits, tail length, query tokens] (int32 (6,)) on the
+        device. Decode steps (L = 1) take a row made and evaluated once per tail length, so a step adds
+        no operation for them."""
         if L > 1:
-            return mx.array([self.n_tokens, R, per, n_splits, tail_len, L], dtype=mx.int32)
-        key = (R, per, n_splits)
-        if key not in self._prm:
-            n = MAX_CHUNKS * chunk_size + 1
-            table = np.zeros((n, 6), dtype=np.int32)
-            table[:] = [self.n_tokens, R, per, n_splits, 0, 1]
-            table[:, 4] = np.arange(n)
-            self._prm[key] = mx.array(table)
-        return self._prm[key][tail_len]
+            return mx.array([self.n_tokens, plan.R, plan.per, plan.n_splits, tail_len, L], dtype=mx.int32)
+        key = (plan.R, plan.per, plan.n_splits, chunk_size)
+        rows = self._rows.get(key)
+        if rows is None:
+            table = np.zeros((MAX_CHUNKS * chunk_size + 1, 6), dtype=np.int32)
+            table[:] = [self.n_tokens, plan.R, plan.per, plan.n_splits, 0, 1]
+            table[:, 4] = np.arange(len(table))
+            rows = self._rows[key] = list(mx.array(table))
+            mx.eval(rows)
+        return rows[tail_len]
 
     def uses_tensor_cores(self, R, D):
         """True if pass 1 runs `flash_pass1_mma` for R query rows per KV head and head_dim D."""
         return TENSOR_CORES and self.mma and R <= 4 and D in MMA_HEAD_DIMS and has_tensor_cores()
 
+    def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single):
+        R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
+        if self.uses_tensor_cores(R, D):
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, MMA_TARGET_BLOCKS)
+            kind, inputs, threads = "mma", [*self.k_in, *self.v_in], MMA_WARPS * 32
+            consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
+                      ("STAGES", MMA_STAGES)]
+            grid = (n_splits * threads, self.n_kv, 1)
+        else:
+            rows, epl = (R, DECODE_EPL) if R <= 4 else (8, 8)
+            slots = (32 // (D // epl)) * WARPS * UNROLL  # tokens a block consumes per round
+            row_blocks = -(-R // rows)
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, row_blocks, slots)
+            (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
+            kind, inputs, threads = "pass1", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], WARPS * 32
+            consts = [("T", dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D), ("EPL", epl),
+                      ("ROWS", rows), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", WARPS), ("UNR", UNROLL)]
+            grid = (n_splits * threads, self.n_kv, row_blocks)
+        consts.append(("SCALE", float(scale)))
+        if single and threads == 128:
+            consts += [("NSPLIT", n_splits), ("RR", R), ("CH", chunk_size)]
+            work = n_splits * self.n_kv * R * (D + 2) + self.n_kv
+            return _Plan(_kernel(kind + "+finish", 1, tuple(consts)), inputs, grid, threads, True, None, R, per,
+                         n_splits, work)
+        finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
+                  ("VTURBO", self.v_spec[0] == TURBO), ("SCALE", float(scale))]
+        return _Plan(_kernel(kind, 0, tuple(consts)), inputs, grid, threads, False,
+                     _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
+
     def __call__(self, cache, queries, scale):
         """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
 
         Args:
-            cache (CartridgeCache): supplies the dense tail chunks and their length.
+            cache (CartridgeCache): supplies the dense tail chunks, their length, and `scratch`, where
+                the single launch keeps its work buffer (float32 partials and int32 block counters, which
+                the kernel returns to zero) and its previous output (an input of the next call, so that
+                two calls on one cache are never run concurrently on the device).
             queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
             scale (float): softmax scale.
         """
         _, n_q, L, D = queries.shape
-        n_chunks = -(-cache.tail_len // cache.chunk_size)
+        tail_len, chunk_size = cache.tail_len, cache.chunk_size
+        n_chunks = -(-tail_len // chunk_size)
         if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
             return None
-        R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
-        fprm = self._scale(scale)
-        if self.uses_tensor_cores(R, D):
-            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, MMA_TARGET_BLOCKS)
-            prm = self._params(R, L, per, n_splits, cache.tail_len, cache.chunk_size)
-            O, M, Lsum = _pass1_mma()(
-                inputs=[queries, fprm, *self.k_in, *self.v_in, prm],
-                template=[("T", queries.dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page),
-                          ("WARPS", MMA_WARPS), ("STAGES", MMA_STAGES)],
-                grid=(n_splits * MMA_WARPS * 32, self.n_kv, 1), threadgroup=(MMA_WARPS * 32, 1, 1),
-                output_shapes=[(n_splits, self.n_kv, R, D), (n_splits, self.n_kv, R), (n_splits, self.n_kv, R)],
-                output_dtypes=[mx.float32] * 3, init_value=POISON)
-            return self._finish(cache, queries, fprm, prm, O, M, Lsum, R, D)
-        rows, epl, unroll = (R, DECODE_EPL, UNROLL) if R <= 4 else (8, 8, UNROLL)
-        slots = (32 // (D // epl)) * WARPS * unroll  # tokens a block consumes per round
-        row_blocks = -(-R // rows)
-        per, n_splits = split_plan(self.n_tokens, self.n_kv, row_blocks, slots)
-        prm = self._params(R, L, per, n_splits, cache.tail_len, cache.chunk_size)
-        (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
-        O, M, Lsum = _pass1()(
-            inputs=[queries, fprm, self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv, prm],
-            template=[("T", queries.dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D),
-                      ("EPL", epl), ("ROWS", rows), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", WARPS),
-                      ("UNR", unroll)],
-            grid=(n_splits * WARPS * 32, self.n_kv, row_blocks), threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(n_splits, self.n_kv, R, D), (n_splits, self.n_kv, R), (n_splits, self.n_kv, R)],
-            output_dtypes=[mx.float32] * 3, init_value=POISON)
-        return self._finish(cache, queries, fprm, prm, O, M, Lsum, R, D)
-
-    def _finish(self, cache, queries, fprm, prm, O, M, Lsum, R, D):
-        """Pass 2: merge the prefix splits (O, M, Lsum) with the dense tail; see `finish` in the source."""
-        n_chunks = -(-cache.tail_len // cache.chunk_size)
-        tv = self.v_spec[0]
+        single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
+                  and tail_len <= chunk_size and self.v_spec[0] != TURBO)
+        key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
+               MMA_TARGET_BLOCKS, MMA_STAGES)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single)
+        prm = self._params(plan, L, tail_len, chunk_size)
+        if plan.single:
+            state = cache.scratch.get(plan)
+            if state is None:  # real buffers (not broadcasts): the kernel writes the work buffer in place;
+                # "prev" has the output's dtype from the start, so the kernel's signature never changes
+                state = cache.scratch[plan] = {"work": mx.array(np.zeros(plan.work_size, dtype=np.float32)),
+                                               "prev": mx.array(np.zeros(1, dtype=np.float32)).astype(queries.dtype)}
+            out = plan.kernel(
+                inputs=[queries, *plan.inputs, prm, state["work"], state["prev"], cache._k_chunks[0],
+                        cache._v_chunks[0]],
+                grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
+                output_dtypes=[queries.dtype], init_value=POISON)[0]
+            state["prev"] = out
+            return out
+        partial = [(plan.n_splits, self.n_kv, plan.R)]
+        O, M, Lsum = plan.kernel(
+            inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
+            output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
+            init_value=POISON)
         tails = [c for pair in zip(cache._k_chunks[:n_chunks], cache._v_chunks[:n_chunks]) for c in pair]
-        return _finish(n_chunks)(
-            inputs=[O, M, Lsum, queries, fprm, prm, self.sgv, *tails],
-            template=[("T", queries.dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks),
-                      ("CH", cache.chunk_size), ("VTURBO", tv == TURBO)],
-            grid=(128, self.n_kv, R), threadgroup=(128, 1, 1),
-            output_shapes=[queries.shape], output_dtypes=[queries.dtype], init_value=POISON)[0]
+        return plan.finish(
+            inputs=[O, M, Lsum, queries, prm, self.sgv, *tails], grid=(128, self.n_kv, plan.R),
+            threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+            init_value=POISON)[0]

@@ -1,16 +1,17 @@
-"""CUDA source of the flash-decoding kernels (compiled by MLX with NVRTC via `mx.fast.cuda_kernel`).
+// Flash-decoding attention over cartridge pages, for MLX's CUDA backend (compiled by NVRTC through
+// mx.fast.cuda_kernel; `cuda.py` includes this file by path, so every call hashes a short source).
+//
+// Pass 1 splits the prefix tokens over thread blocks (grid: splits x n_kv_heads x row blocks). A block
+// reads the pages of one KV head once for all query rows of its GQA group (row block), dequantizes each
+// token's slice in registers, and keeps an online softmax per row (flash-decoding; Dao et al. 2023, and
+// shared/reference/kv-quant-algorithms.md 5.1). A lane owns EPL consecutive elements of head_dim;
+// D / EPL lanes share a token and reduce its scores with warp shuffles. The finish merges the splits by
+// log-sum-exp, attends over the dense tail, and writes the normalized output (`finish_row`): either a
+// second kernel (one block per KV head and query row), or, in a single launch, the block of each KV
+// head that completes last (`last_block`). For mlx4g32 K and V with at most 4 query rows per KV head,
+// `flash_pass1_mma` replaces pass 1 with a tensor-core version (mma.m16n8k16; see the comment above it).
+#pragma once
 
-Pass 1 splits the prefix tokens over thread blocks (grid: splits x n_kv_heads x row blocks). A block
-reads the pages of one KV head once for all query rows of its GQA group (row block), dequantizes each
-token's slice in registers, and keeps an online softmax per row (flash-decoding; Dao et al. 2023, and
-shared/reference/kv-quant-algorithms.md 5.1). A lane owns EPL consecutive elements of head_dim;
-D / EPL lanes share a token and reduce its scores with warp shuffles. Pass 2 merges the splits by
-log-sum-exp, attends over the dense tail, and writes the normalized output (see `finish`).
-For mlx4g32 K and V with at most 4 query rows per KV head, `flash_pass1_mma` replaces pass 1 with a
-tensor-core version (mma.m16n8k16; see the comment above it).
-"""
-
-COMMON = r"""
 #define NEG_INF (__int_as_float(0xff800000))
 
 namespace cart {
@@ -61,9 +62,7 @@ __device__ void write_split(const float* so, const float* sm, const float* sl, i
   }
 }
 }  // namespace cart
-"""
 
-_PASS1 = r"""
 namespace cart {
 constexpr int FP16 = 0, BF16 = 1, F32 = 2, AFF8 = 3, AFF4 = 4, MXFP8 = 5, TURBO = 6;
 
@@ -241,7 +240,7 @@ __device__ __forceinline__ void v_accumulate(const Raw<TIER, EPL, BITS>& r, cons
 
 template <typename T, int TK, int TV, int BK, int BV, int D, int EPL, int ROWS, int NKV, int P, int WARPS,
           int UNR>
-__device__ void flash_pass1(const T* q, const float* fprm, const float* sgk,
+__device__ void flash_pass1(const T* q, float scale, const float* sgk,
                             const void* k0, const void* k1, const void* k2,
                             const void* v0, const void* v1, const void* v2,
                             const float* cbk, const float* cbv, const int32_t* prm,
@@ -264,7 +263,7 @@ __device__ void flash_pass1(const T* q, const float* fprm, const float* sgk,
   // q rows of this block, scaled; for TurboQuant K rotated once: q~ = H diag(s) q / sqrt(D)
   for (int idx = threadIdx.x; idx < ROWS * D; idx += blockDim.x) {
     const int r = idx / D, d = idx % D, row = rb * ROWS + r;
-    float v = row < R ? (float)q[((size_t)h * R + row) * D + d] * fprm[0] : 0.f;
+    float v = row < R ? (float)q[((size_t)h * R + row) * D + d] * scale : 0.f;
     if constexpr (TK == TURBO) v *= sgk[h * D + d];
     sq[idx] = v;
   }
@@ -373,9 +372,7 @@ __device__ void flash_pass1(const T* q, const float* fprm, const float* sgk,
   write_split<WARPS, ROWS, D, NKV>(&sm_o[0][0][0], &sm_m[0][0], &sm_l[0][0], rb * ROWS, R, split, h, O, M, L);
 }
 }  // namespace cart
-"""  # tier decoding and the CUDA-core pass 1
 
-_MMA = r"""
 namespace cart {
 // ---- Tensor-core pass 1 for mlx4g32 K and V pages (at most 4 query rows per KV head) ----
 // A warp takes tiles of 16 prefix tokens. Scores use mma.m16n8k16 with tokens as M, head_dim as K and
@@ -415,6 +412,23 @@ __device__ __forceinline__ uint32_t nib_hi(uint32_t x) {
   return h2_bits(__hfma2(bits_h2((x & 0x00F000F0u) | 0x64006400u), bits_h2(0x2C002C00u), bits_h2(0xD400D400u)));
 }
 
+// N consecutive 32-bit words (N = 1 or 2, 4N-byte aligned) from shared memory.
+template <int N>
+__device__ __forceinline__ void smem_words(const __half* p, uint32_t (&w)[N]) {
+  if constexpr (N == 2) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x;
+    w[1] = u.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+
+// Codes c (exact halves) to s c + b, rounded once to fp16.
+__device__ __forceinline__ uint32_t deq(uint32_t c, __half2 s, __half2 b) {
+  return h2_bits(__hfma2(bits_h2(c), s, b));
+}
+
 // N consecutive halves (N = 2 or 4, 4N-byte aligned) from shared memory as floats.
 template <int N>
 __device__ __forceinline__ void load_halves(const __half* p, float (&f)[N]) {
@@ -437,7 +451,7 @@ __device__ __forceinline__ uint32_t split_h2(float x0, float x1, bool lo) {
 }
 
 template <typename T, int D, int NKV, int P, int WARPS, int STAGES>
-__device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* kc, const __half* ks,
+__device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, const __half* ks,
                                 const __half* kb, const uint32_t* vc, const __half* vs, const __half* vb,
                                 const int32_t* prm, float* O, float* M, float* L) {
   constexpr int NG = D / 32, WT = D / 8, WS = WT + 4;  // groups, code words per token, padded stride
@@ -451,11 +465,11 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
   __shared__ __align__(16) uint32_t stage[WARPS][STAGES][STAGE_WORDS];
   __shared__ float sq[4][D], sqs[4][NG];
   __shared__ float sp[WARPS][16][4];
-  __shared__ float salpha[WARPS][4], sbias[WARPS][NG][4], sm_m[WARPS][4], sm_l[WARPS][4];
+  __shared__ float sm_m[WARPS][4], sm_l[WARPS][4];
 
   for (int idx = threadIdx.x; idx < 4 * D; idx += blockDim.x) {
     const int r = idx / D, d = idx % D;
-    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * fprm[0] : 0.f;
+    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * scale : 0.f;
   }
   __syncthreads();
   if (threadIdx.x < 4 * NG) {
@@ -483,11 +497,10 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
     for (int i = 0; i < 2; ++i) qs[G][i] = tig < 2 ? sqs[2 * (tig & 1) + i][G] : 0.f;  // bias: high columns only
   }
 
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, accb[NG];
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
   float o[NG][2][4];
 #pragma unroll
   for (int G = 0; G < NG; ++G) {
-    accb[G] = 0.f;
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -498,25 +511,38 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
   const int t1 = min(t0 + per_split, n_tokens);
   const int n_tiles = (t1 - t0 + 15) / 16;
 
+  // The 16-byte copies of one tile, CHUNKS in all, CPL per lane: their sources are a fixed offset from
+  // the tile's first token (a tile never crosses a page: P % 16 == 0), so offsets are computed once.
+  constexpr int CPL = (CHUNKS + 31) / 32;
+  const char* src0[CPL];
+  uint32_t dst0[CPL], stride[CPL];
+  int first[CPL];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = min(lane + 32 * i, CHUNKS - 1);
+    if (c < 32 * NG) {  // codes: side, token in tile, 16-byte word of the token
+      const int side = c / (16 * NG), r = c % (16 * NG), tt = r / NG, j = r % NG;
+      src0[i] = reinterpret_cast<const char*>((side ? vc : kc) + tt * WT + 4 * j);
+      dst0[i] = 4 * (side * CODE_WORDS + tt * WS + 4 * j);
+      stride[i] = 4 * WT;
+      first[i] = tt;
+    } else {  // scales / biases: 8 halves, starting at token part * 8 / NG
+      const int r = c - 32 * NG, which = r / (2 * NG), part = r % (2 * NG);
+      const __half* base = which == 0 ? ks : which == 1 ? kb : which == 2 ? vs : vb;
+      src0[i] = reinterpret_cast<const char*>(base + part * 8);
+      dst0[i] = 4 * (2 * CODE_WORDS + which * (SB_HALVES / 2) + part * 4);
+      stride[i] = 2 * NG;
+      first[i] = part * 8 / NG;
+    }
+  }
+
   auto load_tile = [&](int tile, int buf) {
     const int tb = t0 + 16 * tile;
     const size_t tok = ((size_t)(tb / P) * NKV + h) * P + (tb % P);  // first token of the tile
-    uint32_t* st = stage[warp][buf];
-    for (int c = lane; c < CHUNKS; c += 32) {
-      if (c < 32 * NG) {
-        const int side = c / (16 * NG), r = c % (16 * NG), tt = r / NG, j = r % NG;
-        const bool valid = tb + tt < t1;
-        const uint32_t* src = (side ? vc : kc) + (valid ? (tok + tt) * WT + 4 * j : 0);
-        cp_async16(st + side * CODE_WORDS + tt * WS + 4 * j, src, valid);
-      } else {
-        const int r = c - 32 * NG, which = r / (2 * NG), part = r % (2 * NG);
-        const __half* base = which == 0 ? ks : which == 1 ? kb : which == 2 ? vs : vb;
-        const int first = part * 8 / NG;  // first token of these 8 halves
-        const bool valid = tb + first < t1;
-        cp_async16(st + 2 * CODE_WORDS + which * (SB_HALVES / 2) + part * 4,
-                   base + (valid ? tok * NG + part * 8 : 0), valid);
-      }
-    }
+    const char* st = reinterpret_cast<const char*>(stage[warp][buf]);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i)
+      if (lane + 32 * i < CHUNKS) cp_async16((void*)(st + dst0[i]), src0[i] + tok * stride[i], tb + first[i] < t1);
   };
 
 #pragma unroll
@@ -584,7 +610,6 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
       if (tig < 2) {
         sp[warp][g][2 * tig + i] = p[0][i];
         sp[warp][g + 8][2 * tig + i] = p[1][i];
-        if (g == 0) salpha[warp][2 * tig + i] = alpha[i];
       }
     }
     __syncwarp();
@@ -597,45 +622,43 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
           for (int c = 0; c < 4; ++c) o[G][j][c] *= alpha[c & 1];
     }
 
-    // output: B column g is row g % 4 (high / low part), K slots 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9
+    // output: B column g is row g % 4 (high / low part), K slots 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9.
+    // A is V dequantized in registers: s c + b in fp16 by HFMA2 on the exact codes (one rounding, as
+    // fp16 attention reads V), so one B of probabilities serves every group.
     const int kt[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
-    float pv[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pv[k] = sp[warp][kt[k]][qh];
-    const float al = salpha[warp][qh];
-    const uint32_t sel = (g & 1) ? 0x7632u : 0x5410u;
-    float vsf[4][NG], vbf[4][NG];
+    const uint32_t b0 = split_h2(sp[warp][kt[0]][qh], sp[warp][kt[1]][qh], lo);
+    const uint32_t b1 = split_h2(sp[warp][kt[2]][qh], sp[warp][kt[3]][qh], lo);
+    uint32_t vsw[4][NG / 2], vbw[4][NG / 2];  // the NG scales / biases of token kt[k] as half pairs
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      load_halves<NG>(svs + kt[k] * NG, vsf[k]);
-      load_halves<NG>(svb + kt[k] * NG, vbf[k]);
+      smem_words<NG / 2>(svs + kt[k] * NG, vsw[k]);
+      smem_words<NG / 2>(svb + kt[k] * NG, vbw[k]);
     }
+    const uint32_t sel = (g & 1) ? 0x7632u : 0x5410u;
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-      float x[4];
-      float ab = accb[G] * al;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        x[k] = pv[k] * vsf[k][G];
-        ab = fmaf(pv[k], vbf[k][G], ab);
-      }
-      accb[G] = ab;
-      const uint32_t b0 = split_h2(x[0], x[1], lo), b1 = split_h2(x[2], x[3], lo);
+      const uint32_t pick = G % 2 ? 0x7632u : 0x5410u;  // group G of two tokens as one half2
+      const __half2 s01 = bits_h2(__byte_perm(vsw[0][G / 2], vsw[1][G / 2], pick));
+      const __half2 s23 = bits_h2(__byte_perm(vsw[2][G / 2], vsw[3][G / 2], pick));
+      const __half2 c01 = bits_h2(__byte_perm(vbw[0][G / 2], vbw[1][G / 2], pick));
+      const __half2 c23 = bits_h2(__byte_perm(vbw[2][G / 2], vbw[3][G / 2], pick));
       const int wi = 4 * G + (g >> 1);
       uint32_t xa = __byte_perm(svc[kt[0] * WS + wi], svc[kt[1] * WS + wi], sel);
       uint32_t xc = __byte_perm(svc[kt[2] * WS + wi], svc[kt[3] * WS + wi], sel);
-      uint32_t a[4] = {nib_lo(xa), nib_hi(xa), nib_lo(xc), nib_hi(xc)};
+      uint32_t a[4] = {deq(nib_lo(xa), s01, c01), deq(nib_hi(xa), s01, c01), deq(nib_lo(xc), s23, c23),
+                       deq(nib_hi(xc), s23, c23)};
       mma16816(o[G][0], a, b0, b1);
       xa >>= 8;
       xc >>= 8;
-      uint32_t a2[4] = {nib_lo(xa), nib_hi(xa), nib_lo(xc), nib_hi(xc)};
+      uint32_t a2[4] = {deq(nib_lo(xa), s01, c01), deq(nib_hi(xa), s01, c01), deq(nib_lo(xc), s23, c23),
+                        deq(nib_hi(xc), s23, c23)};
       mma16816(o[G][1], a2, b0, b1);
     }
     __syncwarp();
   }
   cp_async_wait<0>();
 
-  // this warp's totals: l over the token lanes, output high + low columns, bias over the K slots
+  // this warp's totals: l over the token lanes, output high + low columns
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -646,9 +669,6 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) o[G][j][c] += __shfl_xor_sync(0xffffffffu, o[G][j][c], 2);
-    accb[G] += __shfl_xor_sync(0xffffffffu, accb[G], 1);
-    accb[G] += __shfl_xor_sync(0xffffffffu, accb[G], 2);
-    if (tig == 0 && g < 4) sbias[warp][G][g] = accb[G];
   }
   __syncthreads();  // every warp is done with its stage buffers: reuse them for the outputs
   float* sm_o = reinterpret_cast<float*>(&stage[0][0][0]);  // [WARPS][4][D]
@@ -660,7 +680,7 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int row = 2 * tig + (c & 1), d = 32 * G + 4 * g + 2 * j + (c >> 1);
-          sm_o[(warp * 4 + row) * D + d] = o[G][j][c] + sbias[warp][G][row];
+          sm_o[(warp * 4 + row) * D + d] = o[G][j][c];
         }
     if (g == 0) {
 #pragma unroll
@@ -675,27 +695,25 @@ __device__ void flash_pass1_mma(const T* q, const float* fprm, const uint32_t* k
   write_split<WARPS, 4, D, NKV>(sm_o, &sm_m[0][0], &sm_l[0][0], 0, R, blockIdx.x, h, O, M, L);
 }
 }  // namespace cart
-"""  # the tensor-core pass 1 (mlx4g32)
 
-_FINISH = r"""
 namespace cart {
-// Pass 2 for one (KV head, query row) per block: merge the splits of the prefix, un-rotate a
-// TurboQuant V output, attend over the dense tail chunks (causal among the new tokens), merge all
-// by log-sum-exp, normalize, and write the row in the queries' dtype and layout (1, n_q, L, D).
+// The finish of one (KV head h, query row): merge the splits of the prefix, un-rotate a TurboQuant V
+// output, attend over the dense tail chunks (causal among the new tokens), merge all by log-sum-exp,
+// normalize, and write the row in the queries' dtype and layout (1, n_q, L, D). Needs 128 threads.
+// O, M, L are read with ld.global.cg: in a single launch other blocks wrote them during this kernel.
 template <typename T, int D, int NKV, int NCH, int CH, bool VTURBO>
-__device__ void finish(const float* O, const float* M, const float* L, const T* q, const float* fprm,
-                       const int32_t* prm, const float* sgv, const T* const* tks, const T* const* tvs,
-                       T* out) {
+__device__ void finish_row(const float* O, const float* M, const float* L, const T* q, float scale,
+                           const int32_t* prm, const float* sgv, const T* const* tks, const T* const* tvs,
+                           T* out, int h, int row) {
   constexpr int WARPS = 4, EPT = D / 32;
   const int R = prm[1], S = prm[3], tail_len = prm[4], Lq = prm[5];
-  const int h = blockIdx.y, row = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float so[WARPS + 1][D];
   __shared__ float sm[WARPS + 1], sl[WARPS + 1];
 
   float mp = NEG_INF;
 #pragma unroll 8
-  for (int s = 0; s < S; ++s) mp = fmaxf(mp, M[((size_t)s * NKV + h) * R + row]);
+  for (int s = 0; s < S; ++s) mp = fmaxf(mp, __ldcg(M + ((size_t)s * NKV + h) * R + row));
   {  // warp w merges the splits w, w + WARPS, ...; then the warps' sums are added
     float pacc[EPT], pls = 0.f;
 #pragma unroll
@@ -703,10 +721,10 @@ __device__ void finish(const float* O, const float* M, const float* L, const T* 
 #pragma unroll 4
     for (int s = warp; s < S; s += WARPS) {
       const size_t b = ((size_t)s * NKV + h) * R + row;
-      const float w = safe_exp(M[b], mp);
-      pls = fmaf(w, L[b], pls);
+      const float w = safe_exp(__ldcg(M + b), mp);
+      pls = fmaf(w, __ldcg(L + b), pls);
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) pacc[i] = fmaf(w, O[b * D + lane + 32 * i], pacc[i]);
+      for (int i = 0; i < EPT; ++i) pacc[i] = fmaf(w, __ldcg(O + b * D + lane + 32 * i), pacc[i]);
     }
 #pragma unroll
     for (int i = 0; i < EPT; ++i) so[warp][lane + 32 * i] = pacc[i];
@@ -735,7 +753,7 @@ __device__ void finish(const float* O, const float* M, const float* L, const T* 
   float qv[EPT], ow[EPT];
 #pragma unroll
   for (int i = 0; i < EPT; ++i) {
-    qv[i] = (float)q[((size_t)h * R + row) * D + lane + 32 * i] * fprm[0];
+    qv[i] = (float)q[((size_t)h * R + row) * D + lane + 32 * i] * scale;
     ow[i] = 0.f;
   }
   float mw = NEG_INF, lw = 0.f;
@@ -781,35 +799,91 @@ __device__ void finish(const float* O, const float* M, const float* L, const T* 
     for (int w = 0; w <= WARPS; ++w) num += safe_exp(sm[w], mt) * so[w][d];
     out[((size_t)h * R + row) * D + d] = (T)(num / den);
   }
+  __syncthreads();  // the shared arrays are free for the next row
+}
+
+// The finish of every query row (at most 8) of KV head h in one block of 4 warps, for the single launch:
+// warp w takes rows w and w + 4, so rows proceed in parallel and no block-wide barrier is needed. Per row:
+// log-sum-exp merge of the S prefix splits, the dense tail (one chunk, causal), normalize, write. A lane
+// owns head_dim elements lane + 32 i. Loads are unrolled so that several splits / tail tokens are in
+// flight at once: this block runs after all others, so its latency adds directly to the step.
+template <typename T, int D, int NKV, int S, int CH>
+__device__ void finish_rows(const float* O, const float* M, const float* L, const T* q, float scale,
+                            const int32_t* prm, const T* tk, const T* tv, T* out, int h) {
+  constexpr int EPT = D / 32;
+  const int R = prm[1], tail_len = prm[4], Lq = prm[5];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int row = warp; row < R; row += 4) {
+    const size_t r0 = (size_t)h * R + row;  // (split 0, head h, row) in the (S, NKV, R) partials
+    float mp = NEG_INF;
+    for (int s = lane; s < S; s += 32) mp = fmaxf(mp, __ldcg(M + s * NKV * R + r0));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mp = fmaxf(mp, __shfl_xor_sync(0xffffffffu, mp, off));
+    float acc[EPT], lp = 0.f;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) acc[i] = 0.f;
+    for (int base = 0; base < S; base += 32) {
+      const int s = base + lane;
+      const float w = s < S ? safe_exp(__ldcg(M + s * NKV * R + r0), mp) : 0.f;
+      lp = fmaf(w, s < S ? __ldcg(L + s * NKV * R + r0) : 0.f, lp);
+      const int n = min(32, S - base);
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+        const float* o = O + ((size_t)(base + j) * NKV * R + r0) * D + lane;
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) acc[i] = fmaf(wj, __ldcg(o + 32 * i), acc[i]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) lp += __shfl_xor_sync(0xffffffffu, lp, off);
+
+    // tail tokens 0 .. qpos of this row's query token, online softmax
+    float qv[EPT], ot[EPT], mt = NEG_INF, lt = 0.f;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) {
+      qv[i] = (float)q[r0 * D + lane + 32 * i] * scale;
+      ot[i] = 0.f;
+    }
+    const int qpos = tail_len - Lq + row % Lq;
+#pragma unroll 4
+    for (int j = 0; j <= qpos; ++j) {
+      const T* kp = tk + ((size_t)h * CH + j) * D + lane;
+      const T* vp = tv + ((size_t)h * CH + j) * D + lane;
+      float sc = 0.f, vj[EPT];
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) {
+        sc = fmaf(qv[i], (float)kp[32 * i], sc);
+        vj[i] = (float)vp[32 * i];
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+      const float mn = fmaxf(mt, sc), c = safe_exp(mt, mn), p = __expf(sc - mn);
+      lt = fmaf(lt, c, p);
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) ot[i] = fmaf(ot[i], c, p * vj[i]);
+      mt = mn;
+    }
+    const float m = fmaxf(mp, mt), a = safe_exp(mp, m), b = safe_exp(mt, m);
+    const float inv = 1.f / (a * lp + b * lt);
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) out[r0 * D + lane + 32 * i] = (T)((a * acc[i] + b * ot[i]) * inv);
+  }
+}
+
+// True in the one block of KV head h (of n blocks) that finishes last; that block also resets the
+// counter to zero for the next launch (threadFenceReduction pattern, CUDA samples).
+__device__ bool last_block(const int32_t* counter, int h, int n) {
+  __shared__ bool is_last;
+  __threadfence();  // this block's partial is visible to the block that finishes
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = const_cast<int*>(reinterpret_cast<const int*>(counter)) + h;
+    is_last = atomicAdd(c, 1) == n - 1;
+    if (is_last) *c = 0;
+  }
+  __syncthreads();
+  if (is_last) __threadfence();  // acquire: read the other blocks' partials after their release
+  return is_last;
 }
 }  // namespace cart
-"""  # pass 2
-
-# Each kernel is compiled from only the code it uses: MLX concatenates header and body on every call.
-HEADER_PASS1 = COMMON + _PASS1
-HEADER_MMA = COMMON + _MMA
-HEADER_FINISH = COMMON + _FINISH
-
-PASS1_MMA = r"""
-cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES>(
-    q, fprm, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
-    (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
-    (const __half*)(const void*)v2, prm, O, M, L);
-"""
-
-PASS1 = r"""
-cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, WARPS, UNR>(
-    q, fprm, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
-    (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
-"""
-
-
-def finish_source(n_chunks):
-    """Body of the pass-2 kernel for `n_chunks` tail chunk inputs tk0, tv0, ..., tk{n-1}, tv{n-1}."""
-    tks = ", ".join(f"tk{i}" for i in range(n_chunks))
-    tvs = ", ".join(f"tv{i}" for i in range(n_chunks))
-    return (
-        f"const T* tks[{n_chunks}] = {{{tks}}};\n"
-        f"const T* tvs[{n_chunks}] = {{{tvs}}};\n"
-        "cart::finish<T, HD, NKV, NCH, CH, VTURBO>(O, M, L, q, fprm, prm, sgv, tks, tvs, out);\n"
-    )
