@@ -71,13 +71,14 @@ MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES>(
     (const __half*)(const void*)v2, prm, O, M, L);
 """
 # single launch: the partials live in the cache's `work` buffer, followed by the block counters
-SINGLE_SCRATCH = """float* O = const_cast<float*>(work);
-float* M = O + NSPLIT * NKV * RR * HD;
-float* L = M + NSPLIT * NKV * RR;
-const int32_t* counter = reinterpret_cast<const int32_t*>(L + NSPLIT * NKV * RR);
+SINGLE_SCRATCH = """const int n_part = prm[3] * NKV * prm[1];  // splits x KV heads x query rows
+float* O = const_cast<float*>(work);
+float* M = O + (size_t)n_part * HD;
+float* L = M + n_part;
+const int32_t* counter = reinterpret_cast<const int32_t*>(L + n_part);
 """
 SINGLE_FINISH = """if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z))
-  cart::finish_rows<T, HD, NKV, NSPLIT, CH>(O, M, L, q, SCALE, prm, tk0, tv0, out, blockIdx.y);
+  cart::finish_rows<T, HD, NKV, CH>(O, M, L, q, SCALE, prm, tk0, tv0, out, blockIdx.y);
 """
 
 
@@ -257,7 +258,7 @@ class FusedAttention:
             grid = (n_splits * threads, self.n_kv, row_blocks)
         consts.append(("SCALE", float(scale)))
         if single and threads == 128:
-            consts += [("NSPLIT", n_splits), ("RR", R), ("CH", chunk_size)]
+            consts.append(("CH", chunk_size))
             work = n_splits * self.n_kv * R * (D + 2) + self.n_kv
             return _Plan(_kernel(kind + "+finish", 1, tuple(consts)), inputs, grid, threads, True, None, R, per,
                          n_splits, work)

@@ -807,11 +807,11 @@ __device__ void finish_row(const float* O, const float* M, const float* L, const
 // log-sum-exp merge of the S prefix splits, the dense tail (one chunk, causal), normalize, write. A lane
 // owns head_dim elements lane + 32 i. Loads are unrolled so that several splits / tail tokens are in
 // flight at once: this block runs after all others, so its latency adds directly to the step.
-template <typename T, int D, int NKV, int S, int CH>
+template <typename T, int D, int NKV, int CH>
 __device__ void finish_rows(const float* O, const float* M, const float* L, const T* q, float scale,
                             const int32_t* prm, const T* tk, const T* tv, T* out, int h) {
   constexpr int EPT = D / 32;
-  const int R = prm[1], tail_len = prm[4], Lq = prm[5];
+  const int R = prm[1], S = prm[3], tail_len = prm[4], Lq = prm[5];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int row = warp; row < R; row += 4) {
     const size_t r0 = (size_t)h * R + row;  // (split 0, head h, row) in the (S, NKV, R) partials
