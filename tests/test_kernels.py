@@ -158,8 +158,8 @@ def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
     cache.update_and_fetch(mx.array(tk), mx.array(tv))
     qa = mx.array(q)
     outs = [np.array(cache.attention(qa, 128 ** -0.5)) for _ in range(3)]
-    (state,) = cache.scratch.values()  # the work buffer ends with the 8 block counters, back at zero
-    assert np.array_equal(np.array(state["work"][-8:]).view(np.int32), np.zeros(8, dtype=np.int32))
+    (work,) = cache.scratch.values()  # the work buffer ends with the 8 block counters, back at zero
+    assert np.array_equal(np.array(work[-8:]).view(np.int32), np.zeros(8, dtype=np.int32))
     monkeypatch.setattr(cuda, "SINGLE_LAUNCH", False)
     two = np.array(cache.attention(qa, 128 ** -0.5))
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])

@@ -125,7 +125,7 @@ def kernel_spec(kind, n_chunks=0, consts=()):
         body = PASS1_CALL if base == "pass1" else MMA_CALL
         outputs = ["O", "M", "L"]
         if kind.endswith("+finish"):
-            inputs += ["work", "prev", "tk0", "tv0"]
+            inputs += ["work", "tk0", "tv0"]
             outputs = ["out"]
             body = SINGLE_SCRATCH + body + SINGLE_FINISH
     tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
@@ -272,9 +272,12 @@ class FusedAttention:
 
         Args:
             cache (CartridgeCache): supplies the dense tail chunks, their length, and `scratch`, where
-                the single launch keeps its work buffer (float32 partials and int32 block counters, which
-                the kernel returns to zero) and its previous output (an input of the next call, so that
-                two calls on one cache are never run concurrently on the device).
+                the single launch keeps its work buffer (float32 partials, then int32 block counters that
+                the kernel returns to zero). Two calls on one cache must therefore run one after the
+                other: each decode step's queries depend on the previous step's output, so mlx-lm's
+                generate loop always orders them; two independent calls in one graph could overlap on
+                the device and share the buffer. (An explicit edge, the previous output as an input,
+                cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py.)
             queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
             scale (float): softmax scale.
         """
@@ -293,17 +296,13 @@ class FusedAttention:
         prm = self._params(plan, L, tail_len, chunk_size)
         if plan.single:
             state = cache.scratch.get(plan)
-            if state is None:  # real buffers (not broadcasts): the kernel writes the work buffer in place;
-                # "prev" has the output's dtype from the start, so the kernel's signature never changes
-                state = cache.scratch[plan] = {"work": mx.array(np.zeros(plan.work_size, dtype=np.float32)),
-                                               "prev": mx.array(np.zeros(1, dtype=np.float32)).astype(queries.dtype)}
-            out = plan.kernel(
-                inputs=[queries, *plan.inputs, prm, state["work"], state["prev"], cache._k_chunks[0],
-                        cache._v_chunks[0]],
+            work = cache.scratch.get(plan)
+            if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
+                work = cache.scratch[plan] = mx.array(np.zeros(plan.work_size, dtype=np.float32))
+            return plan.kernel(
+                inputs=[queries, *plan.inputs, prm, work, cache._k_chunks[0], cache._v_chunks[0]],
                 grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
                 output_dtypes=[queries.dtype], init_value=POISON)[0]
-            state["prev"] = out
-            return out
         partial = [(plan.n_splits, self.n_kv, plan.R)]
         O, M, Lsum = plan.kernel(
             inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
