@@ -171,15 +171,16 @@ def random_model(shape_name, dtype=mx.float16, seed=0):
     return model
 
 
-def decode_tokens_per_s(model, caches, n_tokens=32, rounds=3):
+def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
     """Greedy decode speed (tokens/s) after a 1-token prompt, through mlx-lm's generate_step: the median
-    time between tokens of each round, best of `rounds` rounds (a shared host slows whole rounds).
-    Each round continues the same caches (their tails grow by n_tokens + 1 per round)."""
+    time between tokens of each round, best of `rounds` rounds (default 3 on a GPU, whose host may be
+    shared and slow whole rounds; 1 on CPU, where a round takes seconds). Each round continues the same
+    caches (their tails grow by n_tokens + 1 per round)."""
     from mlx_lm.generate import generate_step
 
     prompt = mx.array([1], dtype=mx.uint32)
     best = 0.0
-    for _ in range(rounds):
+    for _ in range(rounds or (1 if backend() == "cpu" else 3)):
         times = []
         t = time.perf_counter()
         for i, _ in enumerate(generate_step(prompt, model, prompt_cache=caches, max_tokens=n_tokens)):

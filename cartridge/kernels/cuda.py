@@ -3,17 +3,17 @@
 The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
 in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; the finish merges the splits,
 attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
-rows per KV head, a tail within one chunk) both run in one launch: the last block of each KV head
-finishes it (`SINGLE_LAUNCH`); otherwise the finish is a second kernel. When both sides are mlx4g32, a
-block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is
-the tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
+rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch: the last block
+of each KV head finishes it (`SINGLE_LAUNCH`); otherwise the finish is a second kernel. When both sides
+are mlx4g32, a block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or
+newer), pass 1 is the tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
 `cartridge.kernels.portable` (tests compare them against float64).
 
 Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX
 builds and hashes the kernel source on every call. The source handed to MLX is therefore a few lines
 that `#include` the .cuh by path (its content digest is part of the kernel name, so MLX's compile
-cache never serves a stale build), and each call's template list, grid and output shapes are made
-once per shape (`_Plan`).
+cache never serves a stale build) after the shape's constants (no template arguments), and kernels,
+grids, output shapes and decode parameters are made once per shape (`_Plan`, `_params`).
 """
 
 import functools

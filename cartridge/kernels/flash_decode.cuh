@@ -379,10 +379,11 @@ namespace cart {
 // 8 columns: the 4 query rows split into fp16 high and low parts (q = hi + lo to ~2^-22, so fp32
 // accuracy survives fp16 operands). The 4-bit codes are exact in fp16, so each 32-element group's
 // partial dot products come out exact up to fp32 accumulation and are scaled and biased afterwards
-// (k = s c + b: q.k = s (q.c) + b sum(q)). The output uses head_dim as M and tokens as K, with the
-// probabilities times the V scale split hi/lo as the 8 columns; the V bias term sum_t p b is kept
-// per group. Tiles reach shared memory through cp.async (STAGES deep), padded so the fragment reads
-// are free of bank conflicts. Fragment layouts: PTX ISA, "Matrix fragments for mma.m16n8k16".
+// (k = s c + b: q.k = s (q.c) + b sum(q)). The output uses head_dim as M and tokens as K: A is V
+// dequantized to fp16 in registers (s c + b by HFMA2, one rounding, as fp16 attention reads V; this
+// bounds the kernel's error near 5e-4 of the output), the 8 columns are the probabilities split hi/lo.
+// Tiles reach shared memory through cp.async (STAGES deep), padded so the fragment reads are free of
+// bank conflicts. Fragment layouts: PTX ISA, "Matrix fragments for mma.m16n8k16".
 
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
