@@ -14,40 +14,70 @@ MAX_CONTEXT = 1 << 19  # tokens; beyond it is refused (0 crashed with SIGFPE, 10
 
 
 def _contexts(text, option):
-    """Comma-separated token counts, each from 1 to MAX_CONTEXT."""
+    """Comma-separated token counts, each from 1 to MAX_CONTEXT, none twice."""
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InputError(f"{option} must be comma-separated token counts, got {text!r}") from None
     if not counts:
         raise InputError(f"{option} names no token count")
-    for n in counts:
+    for i, n in enumerate(counts):
         if not 1 <= n <= MAX_CONTEXT:
             raise InputError(f"{option} {n}: a context must be from 1 to {MAX_CONTEXT:,} tokens")
+        if n in counts[:i]:
+            raise InputError(f"{option} names {n} twice")
     return counts
 
 
 def _policies(text, known, backend):
     """Comma-separated attention policies, each one of `known` (those of this backend)."""
+    from cartridge.policy import POLICIES
+
     names = [p.strip() for p in text.split(",") if p.strip()]
     if not names:
         raise InputError(f"--policies names no policy; known on this backend ({backend}): {', '.join(known)}")
     for p in names:
+        if p in POLICIES and p not in known:
+            raise InputError(f"attention policy {p!r} does not run on this backend ({backend}); "
+                             f"choose from: {', '.join(known)}")
         if p not in known:
-            raise InputError(f"unknown attention policy {p!r} on this backend ({backend}); "
-                             f"known: {', '.join(known)}")
+            raise InputError(f"unknown attention policy {p!r}; choose from: {', '.join(known)}")
     return names
 
 
-def _tiers(text, known):
+def _tiers(text, known, option):
+    """Comma-separated tier names, each registered, none twice."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    for t in names:
+    if not names:
+        raise InputError(f"{option} names no tier; known tiers: {', '.join(known)}")
+    for i, t in enumerate(names):
         if t not in known:
             raise InputError(f"unknown tier {t!r}; known tiers: {', '.join(known)}")
+        if t in names[:i]:
+            raise InputError(f"{option} names {t} twice")
     return names
+
+
+def _check_memory(B, model, dtype, contexts):
+    """Refuse end-to-end contexts whose dense baseline cache (K and V of every layer in `dtype`) cannot
+    fit in 80% of the device's memory twice over: mlx-lm's KVCache holds it twice for a moment (its first
+    update copies into a larger buffer). Out of memory there would end the run and lose its results."""
+    import os
+
+    import mlx.core as mx
+
+    n_layers, n_kv, D = B._geometry(model)
+    total = mx.device_info().get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for n in contexts:
+        need = 2 * n_layers * 2 * n_kv * D * n * dtype.size
+        if need > 0.8 * total:
+            raise InputError(f"end-to-end decode at {n:,} tokens needs about {need / 2**30:.1f} GiB for the dense "
+                             f"baseline cache; this device has {total / 2**30:.1f} GiB; pass smaller "
+                             "--e2e-contexts or --no-e2e")
 
 
 def _table(result):
+    # "vs dense": attention time over MLX's dense attention time at that context (below 1 is faster)
     lines = [f"{'context':>8} {'tier':<14} {'policy':<17} {'attention µs':>13} {'vs dense':>9} {'bytes':>14}"]
     dense = {r["context"]: r["us"] for r in result["attention"] if r["policy"] == "mlx-sdpa"}
     for r in result["attention"]:
@@ -83,8 +113,8 @@ def _table(result):
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1),
               help="Timed repeats per measurement (median); at least 1.")
 @click.option("--json", "json_path", default=None, help="Write all results to this JSON file (its folder must exist).")
-@click.option("--plot", "plot_path", default=None, help="Write a PNG plot of attention time vs context (its folder "
-              "must exist).")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG plot (.png) of attention time vs context (its "
+              "folder must exist).")
 @click.option("--force", is_flag=True, help="Replace existing --json/--plot files (refused otherwise).")
 def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path, force):
     """Measure decode-step attention and end-to-end decode for each context, tier and policy.
@@ -96,18 +126,23 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
     """
     json_path = check_output_file(json_path, "--json", force)
     plot_path = check_output_file(plot_path, "--plot", force)
+    if plot_path and plot_path.suffix.lower() != ".png":
+        raise InputError(f"--plot {plot_path}: the plot is a PNG; give a file name ending in .png")
+    if json_path and plot_path and json_path.resolve() == plot_path.resolve():
+        raise InputError(f"--json and --plot name the same file {json_path}; give two files")
     import mlx.core as mx
 
     from cartridge import bench as B
     from cartridge.tiers import TIERS
 
     cuda = B.backend() == "cuda"
-    ctx = _contexts(contexts, "--contexts") if contexts else ([8192, 32768, 65536, 131072] if cuda else [2048, 8192])
-    e2e_ctx = _contexts(e2e_contexts, "--e2e-contexts") if e2e_contexts else None
-    names = _tiers(tiers, TIERS) if tiers else sorted(TIERS)
-    e2e_names = _tiers(e2e_tiers, TIERS) if e2e_tiers else None
+    default = [8192, 32768, 65536, 131072] if cuda else [2048, 8192]
+    ctx = _contexts(contexts, "--contexts") if contexts is not None else default
+    e2e_ctx = _contexts(e2e_contexts, "--e2e-contexts") if e2e_contexts is not None else None
+    names = _tiers(tiers, TIERS, "--tiers") if tiers is not None else sorted(TIERS)
+    e2e_names = _tiers(e2e_tiers, TIERS, "--e2e-tiers") if e2e_tiers is not None else None
     B.POLICIES = None  # every policy of this backend, unless --policies names some
-    if policies:
+    if policies is not None:
         B.POLICIES = _policies(policies, B._policies(), B.backend())
     shape = shape or ("llama3-8b" if cuda else "smollm2-135m")
     if shape not in B.SHAPES:
@@ -120,6 +155,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
             import cartridge
 
             e2e = (cartridge.load_model().model, mx.float32)
+        _check_memory(B, *e2e, e2e_ctx or ctx)
     result = B.run(ctx, names, shape, e2e, e2e_ctx, repeats,
                    progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names)
     click.echo(_table(result))

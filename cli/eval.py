@@ -31,7 +31,8 @@ def check_output_file(path, option, force):
     if path.is_dir():
         raise InputError(f"{option} {path} is a directory; give a file name")
     if not path.parent.is_dir():
-        raise InputError(f"{option} {path}: folder {path.parent} does not exist")
+        problem = f"{path.parent} is not a folder" if path.parent.exists() else f"folder {path.parent} does not exist"
+        raise InputError(f"{option} {path}: {problem}")
     if (path.exists() or path.is_symlink()) and not (path.is_file() and not path.is_symlink()):
         raise OutputExistsError(f"{option} {path} exists and is not a regular file; refusing to replace it")
     if path.exists() and not force:

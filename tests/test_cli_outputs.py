@@ -91,10 +91,16 @@ KNOWN = ", ".join(["fused", "portable", "dequantize-once"] if B.backend() == "cu
     (["--e2e-contexts", "2000000"], 1, "--e2e-contexts 2000000: a context must be"),
     (["--repeats", "0"], 2, "'--repeats': 0 is not in the range x>=1"),
     (["--repeats", "-3"], 2, "'--repeats': -3 is not in the range x>=1"),
-    (["--policies", "portable,foo"], 1, f"unknown attention policy 'foo' on this backend ({B.backend()}); "
-                                        f"known: {KNOWN}"),
+    (["--policies", "portable,foo"], 1, f"unknown attention policy 'foo'; choose from: {KNOWN}"),
     (["--policies", ","], 1, "--policies names no policy"),
-])
+    (["--contexts", ""], 1, "--contexts names no token count"),
+    (["--contexts", "256,512,256"], 1, "--contexts names 256 twice"),
+    (["--tiers", ","], 1, "--tiers names no tier"),
+    (["--tiers", ""], 1, "--tiers names no tier"),
+    (["--tiers", "fp16,int8,fp16"], 1, "--tiers names fp16 twice"),
+    (["--e2e-tiers", " "], 1, "--e2e-tiers names no tier"),
+] + ([(["--policies", "fused"], 1, "attention policy 'fused' does not run on this backend (cpu); "
+                                   f"choose from: {KNOWN}")] if B.backend() == "cpu" else []))
 def test_bench_bad_option_one_line_no_work(capsys, bench_calls, args, code, expect):
     status, out, err = cli(capsys, "bench", "--contexts", "256", *args)
     assert status == code
@@ -107,6 +113,7 @@ def test_bench_bad_output_path_refused_before_work(capsys, bench_calls, tmp_path
     (tmp_path / "old.json").write_text("old")
     (tmp_path / "dir").mkdir()
     cases = [(tmp_path / "no" / "r.out", f"folder {tmp_path / 'no'} does not exist"),
+             (tmp_path / "old.json" / "r.out", f"{tmp_path / 'old.json'} is not a folder"),
              (tmp_path / "dir", "is a directory"),
              (tmp_path / "old.json", "exists; pass --force to replace it")]
     for path, expect in cases:
@@ -229,3 +236,28 @@ def test_tempdir_directory_keeps_plain_directory_mode(tmp_path):
     t.publish(force=False)
     os.mkdir(tmp_path / "plain")
     assert stat.S_IMODE((tmp_path / "cart").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+
+
+def test_bench_refuses_one_file_for_json_and_plot_and_a_plot_not_png(capsys, bench_calls, tmp_path):
+    same = tmp_path / "r.png"
+    status, out, err = cli(capsys, "bench", "--contexts", "256", "--no-e2e", "--json", same, "--plot",
+                           tmp_path / "." / "r.png")
+    assert status == 1 and len(err) == 1 and "--json and --plot name the same file" in err[0], err
+    status, out, err = cli(capsys, "bench", "--contexts", "256", "--no-e2e", "--plot", tmp_path / "r.svg")
+    assert status == 1 and len(err) == 1 and "the plot is a PNG; give a file name ending in .png" in err[0], err
+    assert bench_calls == [] and list(tmp_path.iterdir()) == []
+
+
+def test_bench_refuses_end_to_end_contexts_that_cannot_fit(monkeypatch):
+    """The dense baseline cache of the end-to-end part is estimated before any work (an out-of-memory
+    kill would lose every result of the run)."""
+    import mlx.core as mx
+
+    from cli.bench import _check_memory
+    from cartridge.errors import InputError
+
+    monkeypatch.setattr(B, "_geometry", lambda model: (10**6, 64, 128))  # absurdly large: never fits
+    with pytest.raises(InputError, match=r"end-to-end decode at 1,024 tokens needs about .* GiB for the dense"):
+        _check_memory(B, None, mx.float32, [1024])
+    monkeypatch.setattr(B, "_geometry", lambda model: (1, 1, 64))
+    _check_memory(B, None, mx.float32, [1024])  # 1 MiB: fits anywhere
