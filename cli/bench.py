@@ -13,29 +13,39 @@ from .eval import check_output_file
 MAX_CONTEXT = 1 << 19  # tokens; beyond it is refused (0 crashed with SIGFPE, 10**8 and 2**20 at llama3-8b on CPU segfaulted)
 
 
+def _split(text, option, noun, hint=""):
+    """The non-empty comma-separated items of `text`; refused when there are none."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise InputError(f"{option} names no {noun}{hint}")
+    return items
+
+
+def _once(values, option):
+    """`values`, refused when one repeats."""
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            raise InputError(f"{option} names {v} twice")
+    return values
+
+
 def _contexts(text, option):
     """Comma-separated token counts, each from 1 to MAX_CONTEXT, none twice."""
     try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
+        counts = [int(x) for x in _split(text, option, "token count")]
     except ValueError:
         raise InputError(f"{option} must be comma-separated token counts, got {text!r}") from None
-    if not counts:
-        raise InputError(f"{option} names no token count")
-    for i, n in enumerate(counts):
+    for n in counts:
         if not 1 <= n <= MAX_CONTEXT:
             raise InputError(f"{option} {n}: a context must be from 1 to {MAX_CONTEXT:,} tokens")
-        if n in counts[:i]:
-            raise InputError(f"{option} names {n} twice")
-    return counts
+    return _once(counts, option)
 
 
 def _policies(text, known, backend):
     """Comma-separated attention policies, each one of `known` (those of this backend)."""
     from cartridge.policy import POLICIES
 
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names:
-        raise InputError(f"--policies names no policy; known on this backend ({backend}): {', '.join(known)}")
+    names = _split(text, "--policies", "policy", f"; known on this backend ({backend}): {', '.join(known)}")
     for p in names:
         if p in POLICIES and p not in known:
             raise InputError(f"attention policy {p!r} does not run on this backend ({backend}); "
@@ -47,15 +57,11 @@ def _policies(text, known, backend):
 
 def _tiers(text, known, option):
     """Comma-separated tier names, each registered, none twice."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names:
-        raise InputError(f"{option} names no tier; known tiers: {', '.join(known)}")
-    for i, t in enumerate(names):
+    names = _split(text, option, "tier", f"; known tiers: {', '.join(known)}")
+    for t in names:
         if t not in known:
             raise InputError(f"unknown tier {t!r}; known tiers: {', '.join(known)}")
-        if t in names[:i]:
-            raise InputError(f"{option} names {t} twice")
-    return names
+    return _once(names, option)
 
 
 def _check_memory(B, model, dtype, contexts):
