@@ -19,7 +19,7 @@ from cartridge.kernels import cuda
 sys.path.insert(0, "benchmarks")
 from gpu_check import check, prefix  # noqa: E402
 
-BASE = {"SINGLE_LAUNCH": True, "MMA_TARGET_BLOCKS": 528, "MMA_STAGES": 3}
+BASE = {"SINGLE_LAUNCH": True, "MMA_TARGET_BLOCKS": cuda.MMA_TARGET_BLOCKS, "MMA_STAGES": cuda.MMA_STAGES}
 VARIANTS = {
     "single": {},
     "two-launch": {"SINGLE_LAUNCH": False},

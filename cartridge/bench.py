@@ -23,32 +23,46 @@ PAGE_SIZE = 256
 
 
 def timeit(fn, repeats=20, warmup=3, inner=None, chain=None):
-    """Median seconds per call of `fn`. Each round queues `inner` calls (10 on a GPU, 1 on CPU), then times
-    only their evaluation, so the time is the device's, launches included, as in a decode loop where
-    mlx-lm builds the next step's graph while the device runs this one.
+    """Median seconds per call of `fn`.
 
-    With `chain` (an array), the calls are fn(chain), fn(result), ...: each depends on the one before,
-    as the layers of a decode step do. Independent calls can run concurrently on a GPU (MLX's CUDA
-    backend puts them in one CUDA graph with no edge between them), which flatters small kernels.
+    Without `chain`, each round queues `inner` independent calls (10 on a GPU, 1 on CPU) and times their
+    evaluation. With `chain` (an array), the calls are fn(chain), fn(result), ...: each depends on the
+    one before, as the layers of a decode step do (independent calls can run concurrently on a GPU,
+    which flatters small kernels). On CPU a chained round is one call. On a GPU each round times a
+    chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference per call: the
+    cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA graphs of up to
+    100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp, get_graph_limits) and
+    launches each graph while it encodes the next, as in a decode loop; a short chain evaluated at once
+    would instead pay the host's encoding and the device's time one after the other. So the chained GPU
+    time is max(host encoding, device time) per call, the device's when the kernel is the slower part.
     """
-    inner = inner or (10 if backend() != "cpu" else 1)
+    gpu_chain = chain is not None and backend() != "cpu"
+    inner = inner or (50 if gpu_chain else 10 if backend() != "cpu" else 1)
 
-    def queue():
+    def queue(n):
         if chain is None:
-            return [fn() for _ in range(inner)]
+            return [fn() for _ in range(n)]
         x = chain
-        for _ in range(inner):
+        for _ in range(n):
             x = fn(x)
         return [x]
 
-    for _ in range(warmup):
-        mx.eval(queue())
-    times = []
-    for _ in range(repeats):
-        outs = queue()
+    def seconds(n):
+        outs = queue(n)
         t = time.perf_counter()
         mx.eval(outs)
-        times.append((time.perf_counter() - t) / inner)
+        return time.perf_counter() - t
+
+    for _ in range(warmup):
+        mx.eval(queue(inner))
+        if gpu_chain:
+            mx.eval(queue(5 * inner))
+    times = []
+    for _ in range(repeats):
+        if gpu_chain:
+            times.append((seconds(5 * inner) - seconds(inner)) / (4 * inner))
+        else:
+            times.append(seconds(inner) / inner)
     return statistics.median(times)
 
 
@@ -149,7 +163,7 @@ def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
         row["prefix_bytes"] = sum(a.nbytes for a in (*qk, *qv))
         D = q.shape[-1]
         row["us"] = timeit(lambda x: quantized_scaled_dot_product_attention(
-            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats, chain=q) * 1e6
+            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats, inner=10, chain=q) * 1e6
     except Exception as e:  # e.g. "No implementation for problem shape" on CUDA with head_dim 64
         row["error"] = f"{type(e).__name__}: {e}"
     return row

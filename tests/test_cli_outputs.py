@@ -261,3 +261,24 @@ def test_bench_refuses_end_to_end_contexts_that_cannot_fit(monkeypatch):
         _check_memory(B, None, mx.float32, [1024])
     monkeypatch.setattr(B, "_geometry", lambda model: (1, 1, 64))
     _check_memory(B, None, mx.float32, [1024])  # 1 MiB: fits anywhere
+
+
+def test_chained_gpu_timing_is_the_cost_of_one_more_step(monkeypatch):
+    """On a GPU a chained step's time is the difference between a long and a short chain per step: a fixed
+    cost per evaluation (graph launch, the first graph's host encoding) cancels. A fake clock advances 40 us
+    per evaluation plus 3 us per chained step; the CPU method (one step per round) pays both."""
+    clock = [0.0]
+
+    class Step:
+        def __init__(self, n):
+            self.n = n
+
+    def fake_eval(outs):
+        clock[0] += 40e-6 + 3e-6 * sum(o.n for o in outs)
+
+    monkeypatch.setattr(B.mx, "eval", fake_eval)
+    monkeypatch.setattr(B.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(B, "backend", lambda: "cuda")
+    assert B.timeit(lambda x: Step(x.n + 1), 5, chain=Step(0)) == pytest.approx(3e-6)
+    monkeypatch.setattr(B, "backend", lambda: "cpu")
+    assert B.timeit(lambda x: Step(x.n + 1), 5, chain=Step(0)) == pytest.approx(43e-6)

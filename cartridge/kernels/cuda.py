@@ -50,10 +50,14 @@ SINGLE_LAUNCH = True  # finish in pass 1's last block where it applies (benchmar
 SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 per warp)
 SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
 TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
-MMA_TARGET_BLOCKS = 528  # pass-1 blocks for the tensor-core variant
+# pass-1 blocks of the tensor-core variant: 264 (2 per SM) was fastest of 132-594 on an H200 at 32K-128K
+# tokens (benchmarks/results/h200-blocks-sweep.json)
+MMA_TARGET_BLOCKS = 264
 MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
 MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
+MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
+# 3 = no finish in the single launch (outputs are then garbage)
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
 DECODE_EPL = 8  # elements of head_dim per lane when a block holds <= 4 query rows
 SOURCE = Path(__file__).with_name("flash_decode.cuh")
@@ -65,7 +69,7 @@ PASS1_CALL = """cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, W
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
 MMA_INPUTS = ["q", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
-MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES>(
+MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG>(
     q, SCALE, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
     (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
     (const __half*)(const void*)v2, prm, O, M, L);
@@ -77,7 +81,7 @@ float* M = O + (size_t)n_part * HD;
 float* L = M + n_part;
 const int32_t* counter = reinterpret_cast<const int32_t*>(L + n_part);
 """
-SINGLE_FINISH = """if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z))
+SINGLE_FINISH = """if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
   cart::finish_rows<T, HD, NKV, CH>(O, M, L, q, SCALE, prm, tk0, tv0, out, blockIdx.y);
 """
 
@@ -144,7 +148,7 @@ def _kernel(kind, n_chunks, consts):
 @functools.cache
 def has_tensor_cores():
     """True if the default device is an NVIDIA GPU of compute capability 8.0 or newer (mma.m16n8k16
-    with fp16 operands and cp.async need sm_80)."""
+    with fp16 operands, mma.m16n8k32 with 8-bit integers and cp.async need sm_80)."""
     found = re.fullmatch(r"sm_(\d+)\w*", str(mx.device_info().get("architecture", "")))
     return found is not None and int(found.group(1)) >= 80
 
@@ -244,7 +248,7 @@ class FusedAttention:
             per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, MMA_TARGET_BLOCKS)
             kind, inputs, threads = "mma", [*self.k_in, *self.v_in], MMA_WARPS * 32
             consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
-                      ("STAGES", MMA_STAGES)]
+                      ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG)]
             grid = (n_splits * threads, self.n_kv, 1)
         else:
             rows, epl = (R, DECODE_EPL) if R <= 4 else (8, 8)
@@ -254,7 +258,8 @@ class FusedAttention:
             (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
             kind, inputs, threads = "pass1", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], WARPS * 32
             consts = [("T", dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D), ("EPL", epl),
-                      ("ROWS", rows), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", WARPS), ("UNR", UNROLL)]
+                      ("ROWS", rows), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", WARPS), ("UNR", UNROLL),
+                      ("DIAG", 0)]
             grid = (n_splits * threads, self.n_kv, row_blocks)
         consts.append(("SCALE", float(scale)))
         if single and threads == 128:
@@ -289,13 +294,12 @@ class FusedAttention:
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
                   and tail_len <= chunk_size and self.v_spec[0] != TURBO)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
-               MMA_TARGET_BLOCKS, MMA_STAGES)
+               MMA_TARGET_BLOCKS, MMA_STAGES, MMA_WARPS, MMA_DIAG)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single)
         prm = self._params(plan, L, tail_len, chunk_size)
         if plan.single:
-            state = cache.scratch.get(plan)
             work = cache.scratch.get(plan)
             if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
                 work = cache.scratch[plan] = mx.array(np.zeros(plan.work_size, dtype=np.float32))

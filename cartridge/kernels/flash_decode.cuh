@@ -9,7 +9,8 @@
 // log-sum-exp, attends over the dense tail, and writes the normalized output (`finish_row`): either a
 // second kernel (one block per KV head and query row), or, in a single launch, the block of each KV
 // head that completes last (`last_block`). For mlx4g32 K and V with at most 4 query rows per KV head,
-// `flash_pass1_mma` replaces pass 1 with a tensor-core version (mma.m16n8k16; see the comment above it).
+// `flash_pass1_mma` replaces pass 1 with a tensor-core version (integer mma.m16n8k32 scores, mma.m16n8k16
+// output; see the comment above it).
 #pragma once
 
 #define NEG_INF (__int_as_float(0xff800000))
@@ -375,15 +376,17 @@ __device__ void flash_pass1(const T* q, float scale, const float* sgk,
 
 namespace cart {
 // ---- Tensor-core pass 1 for mlx4g32 K and V pages (at most 4 query rows per KV head) ----
-// A warp takes tiles of 16 prefix tokens. Scores use mma.m16n8k16 with tokens as M, head_dim as K and
-// 8 columns: the 4 query rows split into fp16 high and low parts (q = hi + lo to ~2^-22, so fp32
-// accuracy survives fp16 operands). The 4-bit codes are exact in fp16, so each 32-element group's
-// partial dot products come out exact up to fp32 accumulation and are scaled and biased afterwards
-// (k = s c + b: q.k = s (q.c) + b sum(q)). The output uses head_dim as M and tokens as K: A is V
-// dequantized to fp16 in registers (s c + b by HFMA2, one rounding, as fp16 attention reads V; this
-// bounds the kernel's error near 5e-4 of the output), the 8 columns are the probabilities split hi/lo.
-// Tiles reach shared memory through cp.async (STAGES deep), padded so the fragment reads are free of
-// bank conflicts. Fragment layouts: PTX ISA, "Matrix fragments for mma.m16n8k16".
+// A warp takes tiles of 16 prefix tokens. Scores use the integer mma.m16n8k32 (u8 x s8, exact int32)
+// with tokens as M and one 32-element group as K: A is the 4-bit codes as bytes (two masks per code word;
+// the k order this gives is matched in B), B's 8 columns are the 4 query rows as 16-bit integers split
+// into high and low signed bytes (q quantized per row to 2^-15 of its largest element). Each group's
+// exact dot product is scaled afterwards (k = s c + b: q.k = s (q.c) + b sum(q)). The output uses head_dim
+// as M and tokens as K (mma.m16n8k16): A is V dequantized to fp16 in registers (s c + b by HFMA2 on the
+// exact codes, one rounding, as fp16 attention reads V; this bounds the kernel's error near 5e-4 of the
+// output), the 8 columns are the probabilities split into fp16 high and low parts (p = hi + lo to
+// ~2^-22). Lane (g, tig) keeps the softmax state of query row tig. Tiles reach shared memory through
+// cp.async (STAGES deep), padded so the fragment reads are free of bank conflicts. Fragment layouts: PTX
+// ISA, "Matrix fragments for mma.m16n8k16 / mma.m16n8k32".
 
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -393,10 +396,19 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+// d += a b over k = 32: a 16 x 32 unsigned bytes, b 32 x 8 signed bytes, exact int32 (PTX ISA, "Matrix
+// fragments for mma.m16n8k32": registers hold the same rows / k words as m16n8k16's, 4 bytes each).
+__device__ __forceinline__ void imma16832(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// 16 bytes global -> shared (a 32-bit shared-memory address), zero-filled when !valid
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -451,54 +463,119 @@ __device__ __forceinline__ uint32_t split_h2(float x0, float x1, bool lo) {
   return h2_bits(__floats2half2_rn(fmaf(-m, f.x, x0), fmaf(-m, f.y, x1)));
 }
 
-template <typename T, int D, int NKV, int P, int WARPS, int STAGES>
+// 2^x, flushing subnormal results to zero (MUFU.EX2 without the subnormal fix-up of exp2f); -inf gives 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// DIAG (benchmarks only; 0 otherwise): 1 = copies without the math, 2 = the math without the copies
+// (3, no finish, is handled by the caller).
+template <typename T, int D, int NKV, int P, int WARPS, int STAGES, int DIAG>
 __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, const __half* ks,
                                 const __half* kb, const uint32_t* vc, const __half* vs, const __half* vb,
                                 const int32_t* prm, float* O, float* M, float* L) {
   constexpr int NG = D / 32, WT = D / 8, WS = WT + 4;  // groups, code words per token, padded stride
   constexpr int CODE_WORDS = 16 * WS, SB_HALVES = 16 * NG;
   constexpr int STAGE_WORDS = 2 * CODE_WORDS + 4 * SB_HALVES / 2;
-  constexpr int CHUNKS = 40 * NG;  // 16-byte copies per tile: codes 2 x 16 x NG, scales/biases 4 x 2 NG
+  constexpr int CPS = NG / 2;  // 16-byte code copies per lane and side per tile (16 tokens x NG words / 32)
+  constexpr int TPC = 32 / NG;  // tokens between a lane's successive code copies
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   const int n_tokens = prm[0], R = prm[1], per_split = prm[2];
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, tig = lane & 3;
 
   __shared__ __align__(16) uint32_t stage[WARPS][STAGES][STAGE_WORDS];
-  __shared__ float sq[4][D], sqs[4][NG];
+  __shared__ float sq[4][D], sqs[4][NG], sqm[4][NG];
   __shared__ float sp[WARPS][16][4];
   __shared__ float sm_m[WARPS][4], sm_l[WARPS][4];
 
+  const int t0 = blockIdx.x * per_split;
+  const int t1 = min(t0 + per_split, n_tokens);
+  const int n_tiles = (t1 - t0 + 15) / 16;
+
+  // A tile's copies (a tile never crosses a page: P % 16 == 0): per side, lane copies the 16-byte word
+  // lane % NG of tokens lane / NG + TPC i; lanes < 8 NG copy 16 bytes of the scales / biases (array
+  // lane / 2NG, tokens 8 (lane % 2NG) / NG and the next). Sources are these bases + the tile's first token.
+  const int tt = lane / NG, sb_which = lane / (2 * NG), sb_part = lane % (2 * NG);
+  const char* kbase = reinterpret_cast<const char*>(kc) + tt * (D / 2) + 16 * (lane % NG);
+  const char* vbase = reinterpret_cast<const char*>(vc) + tt * (D / 2) + 16 * (lane % NG);
+  const __half* sb_arr = sb_which == 0 ? ks : sb_which == 1 ? kb : sb_which == 2 ? vs : vb;
+  const char* sbase = reinterpret_cast<const char*>(sb_arr) + 16 * sb_part;
+  const uint32_t dcode = 4 * (tt * WS + 4 * (lane % NG));
+  const uint32_t dsb = 4 * (2 * CODE_WORDS + sb_which * (SB_HALVES / 2) + 4 * sb_part);
+  const int sb_tok = sb_part * 8 / NG;
+  const uint32_t stage0 = (uint32_t)__cvta_generic_to_shared(&stage[warp][0][0]);
+
+  auto load_tile = [&](int tile, int buf) {
+    if constexpr (DIAG == 2) return;
+    const unsigned tb = t0 + 16 * tile, lim = t1 - tb;  // first token of the tile, tokens left
+    const unsigned tok = ((tb / P) * NKV + h) * P + tb % P;  // its row in the pages
+    const uint32_t st = stage0 + buf * (4 * STAGE_WORDS);
+#pragma unroll
+    for (int i = 0; i < CPS; ++i) {
+      const bool valid = tt + TPC * i < lim;
+      cp_async16(st + dcode + i * 4 * TPC * WS, kbase + (size_t)tok * (D / 2) + i * TPC * (D / 2), valid);
+      cp_async16(st + 4 * CODE_WORDS + dcode + i * 4 * TPC * WS, vbase + (size_t)tok * (D / 2) + i * TPC * (D / 2),
+                 valid);
+    }
+    if (lane < 8 * NG) cp_async16(st + dsb, sbase + (size_t)tok * (2 * NG), sb_tok < lim);
+  };
+
+  // the first tiles' copies go out before the queries are read
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (warp + s * WARPS < n_tiles) load_tile(warp + s * WARPS, s);
+    cp_async_commit();
+  }
+
+  // queries scaled by scale log2(e) (scores in base-2 units: probabilities are one ex2 each), then as
+  // 16-bit integers per row, qi = round(q QS) with QS = 32639 / max |q| (|qi| <= 32639, so the high byte
+  // (qi + 128) >> 8 and the low byte qi - 256 hi both fit int8)
   for (int idx = threadIdx.x; idx < 4 * D; idx += blockDim.x) {
     const int r = idx / D, d = idx % D;
-    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * scale : 0.f;
+    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * (scale * LOG2E) : 0.f;
   }
   __syncthreads();
   if (threadIdx.x < 4 * NG) {
     const int r = threadIdx.x / NG, G = threadIdx.x % NG;
-    float acc = 0.f;
-    for (int d = 0; d < 32; ++d) acc += sq[r][32 * G + d];
+    float acc = 0.f, mx = 0.f;
+    for (int d = 0; d < 32; ++d) {
+      acc += sq[r][32 * G + d];
+      mx = fmaxf(mx, fabsf(sq[r][32 * G + d]));
+    }
     sqs[r][G] = acc;
+    sqm[r][G] = mx;
   }
   __syncthreads();
 
-  // B fragments of the scores: column g is query row g % 4, high part for g < 4, low part otherwise
-  const int qh = g & 3;
-  const bool lo = g >= 4;
-  uint32_t qb[NG][2][2];
-  float qs[NG][2];
+  // lane (g, tig) computes query row tig: B column 2 j is row j's high byte, 2 j + 1 its low byte
+  const int qr = g >> 1;
+  float qmax = 0.f;
+#pragma unroll
+  for (int G = 0; G < NG; ++G) qmax = fmaxf(qmax, sqm[qr][G]);
+  const float QS = qmax > 0.f ? 32639.f / qmax : 1.f;
+  const float qinv = 1.f / __shfl_sync(0xffffffffu, QS, 8 * tig);  // row tig's 1 / QS (lane 8 tig: g = 2 tig)
+  uint32_t qb[NG][2];  // bytes b: dims 32 G + 8 tig + 2 b (qb[G][0]) and + 1 (qb[G][1]), this column's byte
+  float qs[NG];        // row tig's sum over each group (the bias term)
 #pragma unroll
   for (int G = 0; G < NG; ++G) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int d0 = 32 * G + 8 * tig + 2 * j;
-      qb[G][j][0] = split_h2(sq[qh][d0], sq[qh][d0 + 4], lo);
-      qb[G][j][1] = split_h2(sq[qh][d0 + 1], sq[qh][d0 + 5], lo);
-    }
+      uint32_t word = 0;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) qs[G][i] = tig < 2 ? sqs[2 * (tig & 1) + i][G] : 0.f;  // bias: high columns only
+      for (int b = 0; b < 4; ++b) {
+        const int qi = __float2int_rn(sq[qr][32 * G + 8 * tig + 2 * b + j] * QS);
+        const int hi = (qi + 128) >> 8;
+        word |= (uint32_t)((g & 1 ? qi - 256 * hi : hi) & 0xFF) << (8 * b);
+      }
+      qb[G][j] = word;
+    }
+    qs[G] = sqs[tig][G];
   }
 
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float m = NEG_INF, l = 0.f;
   float o[NG][2][4];
 #pragma unroll
   for (int G = 0; G < NG; ++G) {
@@ -508,58 +585,17 @@ __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, con
       for (int c = 0; c < 4; ++c) o[G][j][c] = 0.f;
   }
 
-  const int t0 = blockIdx.x * per_split;
-  const int t1 = min(t0 + per_split, n_tokens);
-  const int n_tiles = (t1 - t0 + 15) / 16;
-
-  // The 16-byte copies of one tile, CHUNKS in all, CPL per lane: their sources are a fixed offset from
-  // the tile's first token (a tile never crosses a page: P % 16 == 0), so offsets are computed once.
-  constexpr int CPL = (CHUNKS + 31) / 32;
-  const char* src0[CPL];
-  uint32_t dst0[CPL], stride[CPL];
-  int first[CPL];
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    const int c = min(lane + 32 * i, CHUNKS - 1);
-    if (c < 32 * NG) {  // codes: side, token in tile, 16-byte word of the token
-      const int side = c / (16 * NG), r = c % (16 * NG), tt = r / NG, j = r % NG;
-      src0[i] = reinterpret_cast<const char*>((side ? vc : kc) + tt * WT + 4 * j);
-      dst0[i] = 4 * (side * CODE_WORDS + tt * WS + 4 * j);
-      stride[i] = 4 * WT;
-      first[i] = tt;
-    } else {  // scales / biases: 8 halves, starting at token part * 8 / NG
-      const int r = c - 32 * NG, which = r / (2 * NG), part = r % (2 * NG);
-      const __half* base = which == 0 ? ks : which == 1 ? kb : which == 2 ? vs : vb;
-      src0[i] = reinterpret_cast<const char*>(base + part * 8);
-      dst0[i] = 4 * (2 * CODE_WORDS + which * (SB_HALVES / 2) + part * 4);
-      stride[i] = 2 * NG;
-      first[i] = part * 8 / NG;
-    }
-  }
-
-  auto load_tile = [&](int tile, int buf) {
-    const int tb = t0 + 16 * tile;
-    const size_t tok = ((size_t)(tb / P) * NKV + h) * P + (tb % P);  // first token of the tile
-    const char* st = reinterpret_cast<const char*>(stage[warp][buf]);
-#pragma unroll
-    for (int i = 0; i < CPL; ++i)
-      if (lane + 32 * i < CHUNKS) cp_async16((void*)(st + dst0[i]), src0[i] + tok * stride[i], tb + first[i] < t1);
-  };
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (warp + s * WARPS < n_tiles) load_tile(warp + s * WARPS, s);
-    cp_async_commit();
-  }
-  for (int it = 0;; ++it) {
-    const int tile = warp + it * WARPS;
-    if (tile >= n_tiles) break;
+  int rd = 0, wr = STAGES - 1;  // stage buffers read and written this iteration
+  for (int tile = warp; tile < n_tiles; tile += WARPS) {
     const int nxt = tile + (STAGES - 1) * WARPS;
-    if (nxt < n_tiles) load_tile(nxt, (it + STAGES - 1) % STAGES);
+    if (nxt < n_tiles) load_tile(nxt, wr);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncwarp();
-    const uint32_t* st = stage[warp][it % STAGES];
+    const uint32_t* st = stage[warp][rd];
+    rd = rd + 1 == STAGES ? 0 : rd + 1;
+    wr = wr + 1 == STAGES ? 0 : wr + 1;
+    if constexpr (DIAG == 1) continue;
     const uint32_t* skc = st;
     const uint32_t* svc = st + CODE_WORDS;
     const __half* sks = reinterpret_cast<const __half*>(st + 2 * CODE_WORDS);
@@ -568,67 +604,57 @@ __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, con
     const __half* svb = svs + SB_HALVES;
     const int tb = t0 + 16 * tile;
 
-    // scores of tokens g and g + 8 for query rows 2 (tig & 1) + i
-    float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    // scores of tokens g and g + 8 for query row tig: per group, the exact integer dot product of the
+    // codes with qi (u8 x s8 MMA, k = the group's 32 dims), scaled by s; plus b sum(q) (k = s c + b)
     float ksf[2][NG], kbf[2][NG];
     load_halves<NG>(sks + g * NG, ksf[0]);
     load_halves<NG>(sks + (g + 8) * NG, ksf[1]);
     load_halves<NG>(skb + g * NG, kbf[0]);
     load_halves<NG>(skb + (g + 8) * NG, kbf[1]);
+    float x[2] = {0.f, 0.f}, xb[2] = {0.f, 0.f};
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-      uint32_t w0 = skc[g * WS + 4 * G + tig], w1 = skc[(g + 8) * WS + 4 * G + tig];
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      uint32_t a[4] = {nib_lo(w0), nib_lo(w1), nib_hi(w0), nib_hi(w1)};
-      mma16816(c, a, qb[G][0][0], qb[G][0][1]);
-      w0 >>= 8;
-      w1 >>= 8;
-      uint32_t a2[4] = {nib_lo(w0), nib_lo(w1), nib_hi(w0), nib_hi(w1)};
-      mma16816(c, a2, qb[G][1][0], qb[G][1][1]);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        acc[0][i] = fmaf(ksf[0][G], c[i], fmaf(kbf[0][G], qs[G][i], acc[0][i]));
-        acc[1][i] = fmaf(ksf[1][G], c[2 + i], fmaf(kbf[1][G], qs[G][i], acc[1][i]));
-      }
-    }
-    float alpha[2], p[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
+      const uint32_t w0 = skc[g * WS + 4 * G + tig], w1 = skc[(g + 8) * WS + 4 * G + tig];
+      int c[4] = {0, 0, 0, 0};
+      const uint32_t a[4] = {w0 & 0x0F0F0F0Fu, w1 & 0x0F0F0F0Fu, (w0 >> 4) & 0x0F0F0F0Fu, (w1 >> 4) & 0x0F0F0F0Fu};
+      imma16832(c, a, qb[G][0], qb[G][1]);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], 2);  // high + low columns
-        if (tb + g + 8 * r >= t1) acc[r][i] = NEG_INF;
-      }
-      float mt = fmaxf(acc[0][i], acc[1][i]);
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
-      const float mn = fmaxf(m[i], mt);
-      alpha[i] = safe_exp(m[i], mn);
-      p[0][i] = safe_exp(acc[0][i], mn);
-      p[1][i] = safe_exp(acc[1][i], mn);
-      l[i] = fmaf(l[i], alpha[i], p[0][i] + p[1][i]);
-      m[i] = mn;
-      if (tig < 2) {
-        sp[warp][g][2 * tig + i] = p[0][i];
-        sp[warp][g + 8][2 * tig + i] = p[1][i];
+        x[r] = fmaf(ksf[r][G], (float)(256 * c[2 * r] + c[2 * r + 1]), x[r]);  // exact below 2^24
+        xb[r] = fmaf(kbf[r][G], qs[G], xb[r]);
       }
     }
+    float mt = NEG_INF;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      x[r] = tb + g + 8 * r < t1 ? fmaf(x[r], qinv, xb[r]) : NEG_INF;
+      mt = fmaxf(mt, x[r]);
+    }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+    const float mn = fmaxf(m, mt);  // finite: token tb is in every tile
+    const float alpha = exp2_ftz(m - mn);
+    const float p0 = exp2_ftz(x[0] - mn), p1 = exp2_ftz(x[1] - mn);
+    l = fmaf(l, alpha, p0 + p1);
+    m = mn;
+    sp[warp][g][tig] = p0;
+    sp[warp][g + 8][tig] = p1;
     __syncwarp();
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // a running max grew
+    if (__any_sync(0xffffffffu, alpha != 1.f)) {  // a running max grew
 #pragma unroll
       for (int G = 0; G < NG; ++G)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) o[G][j][c] *= alpha[c & 1];
+          for (int c = 0; c < 4; ++c) o[G][j][c] *= alpha;
     }
 
-    // output: B column g is row g % 4 (high / low part), K slots 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9.
-    // A is V dequantized in registers: s c + b in fp16 by HFMA2 on the exact codes (one rounding, as
-    // fp16 attention reads V), so one B of probabilities serves every group.
+    // output: B column 2 j is row j's probabilities (fp16 high part), 2 j + 1 the low part; K slots
+    // 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9. A is V dequantized in registers: s c + b in fp16 by HFMA2
+    // on the exact codes (one rounding, as fp16 attention reads V), so one B serves every group.
     const int kt[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
-    const uint32_t b0 = split_h2(sp[warp][kt[0]][qh], sp[warp][kt[1]][qh], lo);
-    const uint32_t b1 = split_h2(sp[warp][kt[2]][qh], sp[warp][kt[3]][qh], lo);
+    const uint32_t b0 = split_h2(sp[warp][kt[0]][qr], sp[warp][kt[1]][qr], g & 1);
+    const uint32_t b1 = split_h2(sp[warp][kt[2]][qr], sp[warp][kt[3]][qr], g & 1);
     uint32_t vsw[4][NG / 2], vbw[4][NG / 2];  // the NG scales / biases of token kt[k] as half pairs
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -659,37 +685,23 @@ __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, con
   }
   cp_async_wait<0>();
 
-  // this warp's totals: l over the token lanes, output high + low columns
+  // this warp's totals: l over the token lanes; the output of row tig is its high + low columns
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  __syncthreads();  // every warp is done with its stage buffers: reuse them for the outputs
+  float* sm_o = reinterpret_cast<float*>(&stage[0][0][0]);  // [WARPS][4][D]
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], off);
-#pragma unroll
-  for (int G = 0; G < NG; ++G) {
+  for (int G = 0; G < NG; ++G)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) o[G][j][c] += __shfl_xor_sync(0xffffffffu, o[G][j][c], 2);
-  }
-  __syncthreads();  // every warp is done with its stage buffers: reuse them for the outputs
-  float* sm_o = reinterpret_cast<float*>(&stage[0][0][0]);  // [WARPS][4][D]
-  if (tig < 2) {
-#pragma unroll
-    for (int G = 0; G < NG; ++G)
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = 2 * tig + (c & 1), d = 32 * G + 4 * g + 2 * j + (c >> 1);
-          sm_o[(warp * 4 + row) * D + d] = o[G][j][c];
-        }
-    if (g == 0) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        sm_m[warp][2 * tig + i] = m[i];
-        sm_l[warp][2 * tig + i] = l[i];
+      for (int c = 0; c < 4; c += 2) {
+        const int d = 32 * G + 4 * g + 2 * j + (c >> 1);
+        sm_o[(warp * 4 + tig) * D + d] = o[G][j][c] + o[G][j][c + 1];
       }
-    }
+  if (g == 0) {
+    sm_m[warp][tig] = m * LN2;  // natural-log units, as every partial
+    sm_l[warp][tig] = l;
   }
   __syncthreads();
 
@@ -803,17 +815,34 @@ __device__ void finish_row(const float* O, const float* M, const float* L, const
   __syncthreads();  // the shared arrays are free for the next row
 }
 
+// N consecutive floats (N = 2, 4 or a multiple of 4; 4N-byte aligned) through L2 only (ld.global.cg:
+// written by other blocks during this kernel).
+template <int N>
+__device__ __forceinline__ void ldcg_floats(const float* p, float (&x)[N]) {
+  if constexpr (N == 2) {
+    const float2 u = __ldcg(reinterpret_cast<const float2*>(p));
+    x[0] = u.x; x[1] = u.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 u = __ldcg(reinterpret_cast<const float4*>(p) + i);
+      x[4 * i] = u.x; x[4 * i + 1] = u.y; x[4 * i + 2] = u.z; x[4 * i + 3] = u.w;
+    }
+  }
+}
+
 // The finish of every query row (at most 8) of KV head h in one block of 4 warps, for the single launch:
 // warp w takes rows w and w + 4, so rows proceed in parallel and no block-wide barrier is needed. Per row:
 // log-sum-exp merge of the S prefix splits, the dense tail (one chunk, causal), normalize, write. A lane
-// owns head_dim elements lane + 32 i. Loads are unrolled so that several splits / tail tokens are in
-// flight at once: this block runs after all others, so its latency adds directly to the step.
+// owns the EPT consecutive head_dim elements from EPT lane (one vector load per split). Loads are unrolled
+// so that many splits / tail tokens are in flight at once: this block runs after all others, so its
+// latency adds directly to the step.
 template <typename T, int D, int NKV, int CH>
 __device__ void finish_rows(const float* O, const float* M, const float* L, const T* q, float scale,
                             const int32_t* prm, const T* tk, const T* tv, T* out, int h) {
   constexpr int EPT = D / 32;
   const int R = prm[1], S = prm[3], tail_len = prm[4], Lq = prm[5];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, e0 = EPT * lane;
   for (int row = warp; row < R; row += 4) {
     const size_t r0 = (size_t)h * R + row;  // (split 0, head h, row) in the (S, NKV, R) partials
     float mp = NEG_INF;
@@ -828,12 +857,13 @@ __device__ void finish_rows(const float* O, const float* M, const float* L, cons
       const float w = s < S ? safe_exp(__ldcg(M + s * NKV * R + r0), mp) : 0.f;
       lp = fmaf(w, s < S ? __ldcg(L + s * NKV * R + r0) : 0.f, lp);
       const int n = min(32, S - base);
-#pragma unroll 8
+#pragma unroll 16
       for (int j = 0; j < n; ++j) {
         const float wj = __shfl_sync(0xffffffffu, w, j);
-        const float* o = O + ((size_t)(base + j) * NKV * R + r0) * D + lane;
+        float x[EPT];
+        ldcg_floats<EPT>(O + ((size_t)(base + j) * NKV * R + r0) * D + e0, x);
 #pragma unroll
-        for (int i = 0; i < EPT; ++i) acc[i] = fmaf(wj, __ldcg(o + 32 * i), acc[i]);
+        for (int i = 0; i < EPT; ++i) acc[i] = fmaf(wj, x[i], acc[i]);
       }
     }
 #pragma unroll
@@ -843,19 +873,19 @@ __device__ void finish_rows(const float* O, const float* M, const float* L, cons
     float qv[EPT], ot[EPT], mt = NEG_INF, lt = 0.f;
 #pragma unroll
     for (int i = 0; i < EPT; ++i) {
-      qv[i] = (float)q[r0 * D + lane + 32 * i] * scale;
+      qv[i] = (float)q[r0 * D + e0 + i] * scale;
       ot[i] = 0.f;
     }
     const int qpos = tail_len - Lq + row % Lq;
 #pragma unroll 4
     for (int j = 0; j <= qpos; ++j) {
-      const T* kp = tk + ((size_t)h * CH + j) * D + lane;
-      const T* vp = tv + ((size_t)h * CH + j) * D + lane;
+      const T* kp = tk + ((size_t)h * CH + j) * D + e0;
+      const T* vp = tv + ((size_t)h * CH + j) * D + e0;
       float sc = 0.f, vj[EPT];
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {
-        sc = fmaf(qv[i], (float)kp[32 * i], sc);
-        vj[i] = (float)vp[32 * i];
+        sc = fmaf(qv[i], (float)kp[i], sc);
+        vj[i] = (float)vp[i];
       }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
@@ -868,7 +898,7 @@ __device__ void finish_rows(const float* O, const float* M, const float* L, cons
     const float m = fmaxf(mp, mt), a = safe_exp(mp, m), b = safe_exp(mt, m);
     const float inv = 1.f / (a * lp + b * lt);
 #pragma unroll
-    for (int i = 0; i < EPT; ++i) out[r0 * D + lane + 32 * i] = (T)((a * acc[i] + b * ot[i]) * inv);
+    for (int i = 0; i < EPT; ++i) out[r0 * D + e0 + i] = (T)((a * acc[i] + b * ot[i]) * inv);
   }
 }
 
