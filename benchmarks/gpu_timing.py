@@ -5,11 +5,12 @@ mlx4g32 kernel and its launch variants (32 q / 8 kv heads, head_dim 128, fp16); 
 kernel alone over context lengths, also with pass 1's copies alone and its math alone (`cuda.MMA_DIAG`),
 to separate a fixed cost per call from the streaming rate; with "blocks", the fused step over pass-1
 block counts (`cuda.MMA_TARGET_BLOCKS`).
-                                                  python3 benchmarks/gpu_timing.py OUT_DIR [sweep|blocks]
+                                           python3 benchmarks/gpu_timing.py OUT_DIR [sweep|blocks|stages]
 Results: results/h200-gpu-timing.json (the first form, before the integer-score kernel),
 results/h200-sweep-*.json (earlier forms of the sweep: fp16-scores and int8-scores timed 16K-256K at
 528 and 264 or 660 blocks with DIAG 0-2; l2-prefetch compiled the copies with cp.async's L2::256B hint,
-since removed as slower; warps-stages-finish is this form), results/h200-blocks-sweep.json.
+since removed as slower; warps-stages-finish is this form), results/h200-blocks-sweep.json,
+results/h200-stages-sweep.json.
 """
 
 import json
@@ -124,6 +125,46 @@ def blocks(out):
     json.dump(result, open(f"{out}/gpu_blocks.json", "w"), indent=1, default=str)
 
 
+def stages(out):
+    """Pipeline depth at fewer blocks per SM: bytes in flight per SM without more warps competing."""
+    from gpu_check import check
+    rng = __import__("numpy").random.default_rng(2)
+    result = {"device": mx.device_info(), "mlx": mx.__version__, "checks": [], "rows": []}
+    for st in (5, 8):
+        cuda.MMA_STAGES = st
+        for shape in [(32, 8, 128, 5003, 256, 1, 1), (4, 4, 64, 70001, 256, 7, 1)]:
+            try:
+                err, finite = check("mlx4g32", shape, mx.float16, rng)
+            except Exception as e:
+                err, finite = str(e)[:200], False
+            result["checks"].append({"stages": st, "shape": shape, "rel_err": err, "finite": finite})
+            print("check", st, shape, err, finite, flush=True)
+    n_q, n_kv, D = 32, 8, 128
+    q = mx.random.normal((1, n_q, 1, D)).astype(mx.float16)
+    for N in (32768, 131072):
+        k, v = (mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2))
+        pre = prefix("mlx4g32", k, v, 256)
+        del k, v
+        cache = CartridgeCache(pre)
+        cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
+        mx.eval(cache.state)
+        for _ in range(2):
+            row = {"N": N}
+            for b, st in ((264, 3), (264, 4), (264, 5), (264, 6), (264, 8), (396, 3), (396, 5), (528, 3)):
+                cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = b, st
+                try:
+                    us = round(bench.timeit(lambda x: cache.attention(x, D ** -0.5), 10, chain=q) * 1e6, 1)
+                except Exception as e:
+                    us = str(e)[:120]
+                row[f"b{b}_s{st}"] = us
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            json.dump(result, open(f"{out}/gpu_stages.json", "w"), indent=1, default=str)
+        del pre, cache
+        mx.clear_cache()
+    cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = BASE["MMA_TARGET_BLOCKS"], BASE["MMA_STAGES"]
+
+
 def main(out):
     result = {"device": mx.device_info(), "mlx": mx.__version__}
 
@@ -175,5 +216,7 @@ if __name__ == "__main__":
         sweep(sys.argv[1])
     elif sys.argv[2:] == ["blocks"]:
         blocks(sys.argv[1])
+    elif sys.argv[2:] == ["stages"]:
+        stages(sys.argv[1])
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else ".")
