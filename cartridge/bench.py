@@ -28,8 +28,9 @@ def timeit(fn, repeats=20, warmup=3, inner=None, chain=None):
     Without `chain`, each round queues `inner` independent calls (10 on a GPU, 1 on CPU) and times their
     evaluation. With `chain` (an array), the calls are fn(chain), fn(result), ...: each depends on the
     one before, as the layers of a decode step do (independent calls can run concurrently on a GPU,
-    which flatters small kernels). On CPU a chained round is one call. On a GPU each round times a
-    chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference per call: the
+    which flatters small kernels). On CPU a chained round is `inner` calls (default 1). On a GPU each
+    round times a chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference
+    per call: the
     cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA graphs of up to
     100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp, get_graph_limits) and
     launches each graph while it encodes the next, as in a decode loop; a short chain evaluated at once
@@ -163,7 +164,8 @@ def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
         row["prefix_bytes"] = sum(a.nbytes for a in (*qk, *qv))
         D = q.shape[-1]
         row["us"] = timeit(lambda x: quantized_scaled_dot_product_attention(
-            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats, inner=10, chain=q) * 1e6
+            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats, inner=10 if backend() != "cpu" else None,
+            chain=q) * 1e6  # on a GPU its steps are slow: chains of 10 and 50
     except Exception as e:  # e.g. "No implementation for problem shape" on CUDA with head_dim 64
         row["error"] = f"{type(e).__name__}: {e}"
     return row

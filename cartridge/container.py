@@ -214,7 +214,9 @@ def open_snapshot(path, attempts=3):
     for _ in range(attempts):
         try:
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
+            raise NotACartridgeError(f"{path} does not exist") from None
+        except NotADirectoryError:
             packed = path.suffix == ".cartz" and path.is_file()
             hint = "; it is a .cartz pack: unpack it, or load it directly" if packed else ""
             raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file){hint}") from None

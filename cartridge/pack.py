@@ -133,7 +133,7 @@ def _check_pack_output(dest, force):
         if dest.is_symlink() or not is_pack(dest):
             raise OutputExistsError(f"output {dest} exists and is not a .cartz file; refusing to replace it")
         if not force:
-            raise OutputExistsError(f"output {dest} exists; pass --force to replace it")
+            raise OutputExistsError(f"output {dest} exists; pass --force (Python: force=True) to replace it")
 
 
 def _temp(dest, directory):

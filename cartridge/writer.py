@@ -207,4 +207,4 @@ def check_output_path(dest, force):
     if not is_cart:
         raise OutputExistsError(f"output {dest} exists and is not a cartridge; refusing to replace it")
     if not force:
-        raise OutputExistsError(f"output {dest} exists; pass --force to replace it")
+        raise OutputExistsError(f"output {dest} exists; pass --force (Python: force=True) to replace it")

@@ -1,6 +1,7 @@
 """`cartridge bench`: attention and decode speed per context, tier and attention policy."""
 
 import json
+import re
 import sys
 
 import click
@@ -10,14 +11,17 @@ from cartridge.errors import InputError
 
 from .eval import check_output_file
 
+MAX_REPEATS = 1000  # timed rounds per measurement; more only makes a run endless
 MAX_CONTEXT = 1 << 19  # tokens; beyond it is refused (0 crashed with SIGFPE, 10**8 and 2**20 at llama3-8b on CPU segfaulted)
 
 
 def _split(text, option, noun, hint=""):
-    """The non-empty comma-separated items of `text`; refused when there are none."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
+    """The comma-separated items of `text`; refused when there are none or one is empty."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
         raise InputError(f"{option} names no {noun}{hint}")
+    if not all(items):
+        raise InputError(f"{option} {text!r} has an empty item; separate {noun}s with single commas")
     return items
 
 
@@ -30,14 +34,16 @@ def _once(values, option):
 
 
 def _contexts(text, option):
-    """Comma-separated token counts, each from 1 to MAX_CONTEXT, none twice."""
-    try:
-        counts = [int(x) for x in _split(text, option, "token count")]
-    except ValueError:
-        raise InputError(f"{option} must be comma-separated token counts, got {text!r}") from None
+    """Comma-separated token counts (ASCII digits, no thousands separators), each from 1 to MAX_CONTEXT,
+    none twice."""
+    items = _split(text, option, "token count")
+    if not all(re.fullmatch(r"[0-9]+", x) for x in items):
+        raise InputError(f"{option} must be comma-separated token counts in plain digits (8192, not 8,192 "
+                         f"or 8_192), got {text!r}")
+    counts = [int(x) for x in items]
     for n in counts:
         if not 1 <= n <= MAX_CONTEXT:
-            raise InputError(f"{option} {n}: a context must be from 1 to {MAX_CONTEXT:,} tokens")
+            raise InputError(f"{option} {n}: a context must be from 1 to {MAX_CONTEXT} tokens")
     return _once(counts, option)
 
 
@@ -47,12 +53,15 @@ def _policies(text, known, backend):
 
     names = _split(text, "--policies", "policy", f"; known on this backend ({backend}): {', '.join(known)}")
     for p in names:
+        if p == "auto":
+            raise InputError(f"bench measures policies one by one, not the auto choice; choose from: "
+                             f"{', '.join(known)}")
         if p in POLICIES and p not in known:
             raise InputError(f"attention policy {p!r} does not run on this backend ({backend}); "
                              f"choose from: {', '.join(known)}")
         if p not in known:
             raise InputError(f"unknown attention policy {p!r}; choose from: {', '.join(known)}")
-    return names
+    return _once(names, "--policies")
 
 
 def _tiers(text, known, option):
@@ -105,19 +114,20 @@ def _table(result):
 
 
 @click.command()
-@click.option("--contexts", default=None, help="Comma-separated prefix lengths in tokens, each 1 to 524,288 "
+@click.option("--contexts", default=None, help="Comma-separated prefix lengths in tokens, each 1 to 524288 "
               "(default: 8192,32768,65536,131072 on CUDA; 2048,8192 elsewhere).")
 @click.option("--tiers", default=None, help="Comma-separated tiers (default: all registered).")
 @click.option("--shape", default=None, help="Microbenchmark shape: llama3-8b, llama3.2-1b, smollm2-135m "
               "(default: llama3-8b on CUDA, smollm2-135m elsewhere).")
-@click.option("--e2e-contexts", default=None, help="Prefix lengths for end-to-end decode, each 1 to 524,288 "
+@click.option("--e2e-contexts", default=None, help="Prefix lengths for end-to-end decode, each 1 to 524288 "
               "(default: --contexts).")
 @click.option("--no-e2e", is_flag=True, help="Skip end-to-end decode.")
 @click.option("--e2e-tiers", default=None, help="Tiers for end-to-end decode (default: --tiers).")
 @click.option("--policies", default=None, help="Comma-separated attention policies to measure: fused (CUDA "
               "only), portable, dequantize-once (default: all on this backend).")
-@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1),
-              help="Timed repeats per measurement (median); at least 1.")
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1, max=MAX_REPEATS),
+              help=f"Timed rounds per measurement (median), 1 to {MAX_REPEATS}. Attention steps are chained, each "
+              "output the next query; on a GPU a round is the cost of one more step in a long chain.")
 @click.option("--json", "json_path", default=None, help="Write all results to this JSON file (its folder must exist).")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot (.png) of attention time vs context (its "
               "folder must exist).")
@@ -150,7 +160,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
     B.POLICIES = None  # every policy of this backend, unless --policies names some
     if policies is not None:
         B.POLICIES = _policies(policies, B._policies(), B.backend())
-    shape = shape or ("llama3-8b" if cuda else "smollm2-135m")
+    shape = ("llama3-8b" if cuda else "smollm2-135m") if shape is None else shape
     if shape not in B.SHAPES:
         raise InputError(f"unknown shape {shape!r}; known: {', '.join(B.SHAPES)}")
     e2e = None
@@ -165,10 +175,11 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
     result = B.run(ctx, names, shape, e2e, e2e_ctx, repeats,
                    progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names)
     click.echo(_table(result))
-    if json_path:
-        write_file(json_path, lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
+    # the plot first: it can fail (matplotlib, a folder removed meanwhile) where the JSON text cannot
     if plot_path:
         write_file(plot_path, lambda tmp: _plot(B, result, tmp))
+    if json_path:
+        write_file(json_path, lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
     sys.stdout.flush()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cartridge.atomic import write_file
-from cartridge.errors import InputError, OutputExistsError
+from cartridge.errors import InputError, OutputExistsError, WriteError
 from cartridge.writer import check_output_folder, check_utf8_path
 
 from .eval_report import markdown_table, text_table, write_plot
@@ -37,7 +37,10 @@ def check_output_file(path, option, force):
         raise OutputExistsError(f"{option} {path} exists and is not a regular file; refusing to replace it")
     if path.exists() and not force:
         raise OutputExistsError(f"{option} {path} exists; pass --force to replace it")
-    check_output_folder(path)  # the folder can be written (probed), before any work
+    try:
+        check_output_folder(path)  # the folder can be written (probed), before any work
+    except WriteError as e:
+        raise WriteError(f"{option} {path}: {e}") from None
     return path
 
 

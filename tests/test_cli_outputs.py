@@ -81,16 +81,23 @@ KNOWN = ", ".join(["fused", "portable", "dequantize-once"] if B.backend() == "cu
 
 
 @pytest.mark.parametrize("args, code, expect", [
-    (["--contexts", "0"], 1, "--contexts 0: a context must be from 1 to 524,288 tokens"),
-    (["--contexts", "-5"], 1, "--contexts -5: a context must be from 1 to 524,288 tokens"),
+    (["--contexts", "0"], 1, "--contexts 0: a context must be from 1 to 524288 tokens"),
+    (["--contexts", "-5"], 1, "--contexts must be comma-separated token counts in plain digits"),
+    (["--contexts", "5_12"], 1, "--contexts must be comma-separated token counts in plain digits (8192, not"),
+    (["--contexts", "\u0665\u0661\u0662"], 1, "--contexts must be comma-separated token counts in plain"),
+    (["--contexts", "512,,1024"], 1, "--contexts '512,,1024' has an empty item; separate token counts with"),
     (["--contexts", "100000000"], 1, "--contexts 100000000: a context must be"),
     (["--contexts", "524289"], 1, "--contexts 524289: a context must be"),
     (["--contexts", "256,x"], 1, "--contexts must be comma-separated token counts"),
     (["--contexts", ","], 1, "--contexts names no token count"),
     (["--e2e-contexts", "0"], 1, "--e2e-contexts 0: a context must be"),
     (["--e2e-contexts", "2000000"], 1, "--e2e-contexts 2000000: a context must be"),
-    (["--repeats", "0"], 2, "'--repeats': 0 is not in the range x>=1"),
-    (["--repeats", "-3"], 2, "'--repeats': -3 is not in the range x>=1"),
+    (["--repeats", "0"], 2, "'--repeats': 0 is not in the range 1<=x<=1000"),
+    (["--repeats", "-3"], 2, "'--repeats': -3 is not in the range 1<=x<=1000"),
+    (["--repeats", "99999999999999999999"], 2, "is not in the range 1<=x<=1000"),
+    (["--policies", "portable,portable"], 1, "--policies names portable twice"),
+    (["--policies", "auto"], 1, "bench measures policies one by one, not the auto choice; choose from"),
+    (["--shape", ""], 1, "unknown shape ''; known:"),
     (["--policies", "portable,foo"], 1, f"unknown attention policy 'foo'; choose from: {KNOWN}"),
     (["--policies", ","], 1, "--policies names no policy"),
     (["--contexts", ""], 1, "--contexts names no token count"),
@@ -151,7 +158,7 @@ def test_bench_help_states_limits(capsys):
     status, out, _ = cli(capsys, "bench", "--help")
     assert status == 0
     flat = " ".join(out.split())
-    assert "1 to 524,288" in flat and "x>=1" in flat and "--force" in flat
+    assert "1 to 524288" in flat and "1<=x<=1000" in flat and "--force" in flat
 
 
 @pytest.fixture
@@ -282,3 +289,15 @@ def test_chained_gpu_timing_is_the_cost_of_one_more_step(monkeypatch):
     assert B.timeit(lambda x: Step(x.n + 1), 5, chain=Step(0)) == pytest.approx(3e-6)
     monkeypatch.setattr(B, "backend", lambda: "cpu")
     assert B.timeit(lambda x: Step(x.n + 1), 5, chain=Step(0)) == pytest.approx(43e-6)
+
+
+def test_bench_unwritable_folder_names_the_option(capsys, bench_calls):
+    status, out, err = cli(capsys, "bench", "--contexts", "256", "--plot", "/proc/x.png")
+    assert status == 1 and bench_calls == []
+    assert len(err) == 1 and err[0].startswith("error: --plot /proc/x.png: cannot write in folder /proc"), err
+
+
+def test_missing_cartridge_is_named_as_missing(capsys, tmp_path):
+    for command in ("inspect", "verify"):
+        status, out, err = cli(capsys, command, str(tmp_path / "nope.cart"))
+        assert status == 1 and err == [f"error: {tmp_path / 'nope.cart'} does not exist"], err
