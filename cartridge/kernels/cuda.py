@@ -50,9 +50,11 @@ SINGLE_LAUNCH = True  # finish in pass 1's last block where it applies (benchmar
 SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 per warp)
 SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
 TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
-# pass-1 blocks of the tensor-core variant: 264 (2 per SM) was fastest of 132-594 on an H200 at 32K-128K
-# tokens (benchmarks/results/h200-blocks-sweep.json)
+# pass-1 blocks of the tensor-core variant, measured on an H200 (benchmarks/results/h200-blocks-sweep.json):
+# head_dim 128: 264 (2 per SM) was fastest of 132-594 at 32K-128K tokens; head_dim 64: 528 (45.1-45.8 us
+# against 49.2-49.4 for 264 at 128K, equal at 64K)
 MMA_TARGET_BLOCKS = 264
+MMA_TARGET_BLOCKS_D64 = 528
 MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
 MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
@@ -245,7 +247,8 @@ class FusedAttention:
     def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single):
         R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
         if self.uses_tensor_cores(R, D):
-            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, MMA_TARGET_BLOCKS)
+            target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, target)
             kind, inputs, threads = "mma", [*self.k_in, *self.v_in], MMA_WARPS * 32
             consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
                       ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG)]
@@ -294,7 +297,7 @@ class FusedAttention:
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
                   and tail_len <= chunk_size and self.v_spec[0] != TURBO)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
-               MMA_TARGET_BLOCKS, MMA_STAGES, MMA_WARPS, MMA_DIAG)
+               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single)
