@@ -55,6 +55,16 @@ def prefix(name, k, v, P):
     return LayerPrefix(stub, kp, stub, vp, k.shape[1], {}, {}, cuda.FusedAttention(p))
 
 
+def decode_cache(name, k, v, q, P=256):
+    """A CartridgeCache over `name` pages of k, v (n_kv, N, D) with one tail token (the first n_kv query
+    heads of q), evaluated: one layer at its first decode step."""
+    n_kv = k.shape[0]
+    cache = CartridgeCache(prefix(name, k, v, P))
+    cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
+    mx.eval(cache.state)
+    return cache
+
+
 def reference(q, k, v, tk, tv, scale):
     n_q, L, D = q.shape
     n_kv, N, _ = k.shape
@@ -135,15 +145,12 @@ def timing():
         for name in ("fp16", "mlx4g32", "int8", "fp8"):
             for epl, unr, blocks in (variants if name in ("fp16", "mlx4g32") else variants[:1]):
                 cuda.DECODE_EPL, cuda.UNROLL, cuda.TARGET_BLOCKS = epl, unr, blocks
-                pre = prefix(name, k, v, 256)
-                cache = CartridgeCache(pre)
-                cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
-                mx.eval(cache.state)
+                cache = decode_cache(name, k, v, q)
                 t = timeit(lambda: cache.attention(q, D ** -0.5))
                 key = f"{name}_e{epl}u{unr}b{blocks}"
                 row[key + "_us"] = round(t * 1e6, 1)
-                row[key + "_TBps"] = round(pre.nbytes / t / 1e12, 3)
-                del cache, pre
+                row[key + "_TBps"] = round(cache.prefix.nbytes / t / 1e12, 3)
+                del cache
         cuda.DECODE_EPL, cuda.UNROLL, cuda.TARGET_BLOCKS = variants[0]
         rows.append(row)
         print(json.dumps(row), flush=True)

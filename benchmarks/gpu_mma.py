@@ -17,7 +17,7 @@ from cartridge.cache import CartridgeCache
 from cartridge.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
-from gpu_check import check, prefix  # noqa: E402
+from gpu_check import check, decode_cache, prefix  # noqa: E402
 
 BASE = {"SINGLE_LAUNCH": True, "MMA_TARGET_BLOCKS": cuda.MMA_TARGET_BLOCKS, "MMA_STAGES": cuda.MMA_STAGES}
 VARIANTS = {
@@ -118,11 +118,9 @@ def timing():
             x, k[None], v[None], scale=D ** -0.5), 50, chain=q) * 1e6, 1)}
         if N == 131072:
             row["mlx_lm_quantized_us"] = round(bench._mlx_lm_quantized(q, k[None], v[None], N, 20)["us"], 1)
-        pre = prefix("mlx4g32", k, v, 256)
+        cache = decode_cache("mlx4g32", k, v, q)
+        pre = cache.prefix
         row["bytes"] = pre.nbytes
-        cache = CartridgeCache(pre)
-        cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
-        mx.eval(cache.state)
         for name in VARIANTS:
             use(name)
             row[f"{name}_us"] = round(bench.timeit(lambda x: cache.attention(x, D ** -0.5), 50, chain=q) * 1e6, 1)

@@ -18,13 +18,18 @@ import sys
 import time
 
 import mlx.core as mx
+import numpy as np
 
 from cartridge import bench
-from cartridge.cache import CartridgeCache
 from cartridge.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
-from gpu_check import prefix  # noqa: E402
+from gpu_check import check, decode_cache  # noqa: E402
+
+
+def random_kv(n_kv, N, D):
+    """K and V (n_kv, N, D) float16, standard normal."""
+    return [mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2)]
 
 VARIANTS = {"single": {}, "two-launch": {"SINGLE_LAUNCH": False}, "stages4": {"MMA_STAGES": 4},
             "blocks1056": {"MMA_TARGET_BLOCKS": 1056}, "blocks264": {"MMA_TARGET_BLOCKS": 264}}
@@ -57,8 +62,7 @@ def both(fn, x, repeats=20, inner=None):
 
 def sweep(out):
     result = {"device": mx.device_info(), "mlx": mx.__version__, "rows": []}
-    from gpu_check import check
-    rng = __import__("numpy").random.default_rng(1)
+    rng = np.random.default_rng(1)
     for warps in (4, 8):  # the 8-warp block is checked against float64 before it is timed
         cuda.MMA_WARPS, cuda.MMA_TARGET_BLOCKS = warps, 528 * 4 // warps
         for shape in [(32, 8, 128, 5003, 256, 1, 1), (8, 2, 64, 3001, 256, 1, 1), (4, 4, 128, 70001, 256, 7, 1)]:
@@ -75,13 +79,8 @@ def sweep(out):
     n_q, n_kv, D = 32, 8, 128
     q = mx.random.normal((1, n_q, 1, D)).astype(mx.float16)
     for N in (32768, 131072, 262144):
-        k, v = (mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2))
-        pre = prefix("mlx4g32", k, v, 256)
-        del k, v
-        cache = CartridgeCache(pre)
-        cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
-        mx.eval(cache.state)
-        row = {"N": N, "bytes": pre.nbytes}
+        cache = decode_cache("mlx4g32", *random_kv(n_kv, N, D), q)
+        row = {"N": N, "bytes": cache.prefix.nbytes}
         for warps, stages in ((4, 3), (4, 4), (8, 3)):
             for diag in ((0, 1, 2, 3) if (warps, stages) == (4, 3) else (0,)):
                 use("single")
@@ -97,7 +96,7 @@ def sweep(out):
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         json.dump(result, open(f"{out}/gpu_sweep.json", "w"), indent=1, default=str)
-        del pre, cache
+        del cache
         mx.clear_cache()
 
 
@@ -107,12 +106,7 @@ def blocks(out):
     result = {"device": mx.device_info(), "mlx": mx.__version__, "rows": []}
     for N, counts in ((32768, (132, 198, 264, 528)), (65536, (132, 198, 264, 528)),
                       (131072, (132, 198, 264, 330, 396, 462, 528, 594))):
-        k, v = (mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2))
-        pre = prefix("mlx4g32", k, v, 256)
-        del k, v
-        cache = CartridgeCache(pre)
-        cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
-        mx.eval(cache.state)
+        cache = decode_cache("mlx4g32", *random_kv(n_kv, N, D), q)
         for _ in range(2):
             row = {"N": N}
             for b in counts:
@@ -120,15 +114,14 @@ def blocks(out):
                 row[b] = round(bench.timeit(lambda x: cache.attention(x, D ** -0.5), 10, chain=q) * 1e6, 1)
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-        del pre, cache
+        del cache
         mx.clear_cache()
     json.dump(result, open(f"{out}/gpu_blocks.json", "w"), indent=1, default=str)
 
 
 def stages(out):
     """Pipeline depth at fewer blocks per SM: bytes in flight per SM without more warps competing."""
-    from gpu_check import check
-    rng = __import__("numpy").random.default_rng(2)
+    rng = np.random.default_rng(2)
     result = {"device": mx.device_info(), "mlx": mx.__version__, "checks": [], "rows": []}
     for st in (5, 8):
         cuda.MMA_STAGES = st
@@ -142,12 +135,7 @@ def stages(out):
     n_q, n_kv, D = 32, 8, 128
     q = mx.random.normal((1, n_q, 1, D)).astype(mx.float16)
     for N in (32768, 131072):
-        k, v = (mx.random.normal((n_kv, N, D)).astype(mx.float16) for _ in range(2))
-        pre = prefix("mlx4g32", k, v, 256)
-        del k, v
-        cache = CartridgeCache(pre)
-        cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
-        mx.eval(cache.state)
+        cache = decode_cache("mlx4g32", *random_kv(n_kv, N, D), q)
         for _ in range(2):
             row = {"N": N}
             for b, st in ((264, 3), (264, 4), (264, 5), (264, 6), (264, 8), (396, 3), (396, 5), (528, 3)):
@@ -160,7 +148,7 @@ def stages(out):
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             json.dump(result, open(f"{out}/gpu_stages.json", "w"), indent=1, default=str)
-        del pre, cache
+        del cache
         mx.clear_cache()
     cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = BASE["MMA_TARGET_BLOCKS"], BASE["MMA_STAGES"]
 
@@ -194,20 +182,17 @@ def main(out):
         if N == 131072:
             row["mlx_lm"] = bench._mlx_lm_quantized(q, k[None], v[None], N, 10)
             print(N, "mlx-lm", row["mlx_lm"], flush=True)
-        pre = prefix("mlx4g32", k, v, 256)
-        row["bytes"] = pre.nbytes
-        cache = CartridgeCache(pre)
-        cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
-        mx.eval(cache.state)
+        cache = decode_cache("mlx4g32", k, v, q)
+        row["bytes"] = cache.prefix.nbytes
         for name in VARIANTS:
             use(name)
             row[name] = both(lambda x: cache.attention(x, D ** -0.5), q)
-            row[name]["TBps"] = round(pre.nbytes / row[name]["steady_us"] / 1e6, 3)
+            row[name]["TBps"] = round(cache.prefix.nbytes / row[name]["steady_us"] / 1e6, 3)
             print(N, name, row[name], flush=True)
         use("single")
         result["rows"].append(row)
         save()
-        del k, v, pre, cache
+        del k, v, cache
         mx.clear_cache()
 
 
