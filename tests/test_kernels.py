@@ -166,6 +166,16 @@ def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
     assert np.abs(two - outs[0]).max() <= 1e-5 * np.abs(two).max()
 
 
+def test_split_plan_rounds_splits_to_the_granule():
+    from cartridge.kernels.cuda import split_plan
+
+    # 264 target blocks over 8 KV heads: 33 splits; 64-token rounding leaves the last split half the work
+    assert split_plan(131072, 8, 1, 64, 264) == (4032, 33)
+    assert split_plan(131072, 8, 1, 64, 264, granule=16) == (3984, 33)  # 32 x 3984 + 3584
+    assert split_plan(1000, 8, 1, 64, 264, granule=16) == (256, 4)  # at least 4 rounds of 64 tokens a split
+    assert split_plan(17, 1, 1, 64, 264, granule=16) == (32, 1)
+
+
 def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
     """MLX hashes each kernel's source on every call and caches compiled kernels by name: the source it
     gets is a short body after an #include of the .cuh, and the .cuh's digest is in every name."""

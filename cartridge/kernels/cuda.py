@@ -181,12 +181,13 @@ def _side_inputs(spec, parts, params):
     return arrays, mx.zeros((16,), dtype=mx.float32), mx.zeros((1,), dtype=mx.float32)
 
 
-def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks=None):
+def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks=None, granule=None):
     """(tokens per split, number of splits): about `target_blocks` (default TARGET_BLOCKS) blocks, each
-    split a multiple of `slots` tokens and at least 4 rounds of them."""
+    split at least 4 rounds of `slots` tokens and a multiple of `granule` tokens (default `slots`)."""
     target = TARGET_BLOCKS if target_blocks is None else target_blocks
+    granule = granule or slots
     n_splits = max(1, min(math.ceil(target / (n_kv * row_blocks)), math.ceil(n_tokens / (4 * slots))))
-    per = math.ceil(math.ceil(n_tokens / n_splits) / slots) * slots
+    per = math.ceil(math.ceil(n_tokens / n_splits) / granule) * granule
     return per, math.ceil(n_tokens / per)
 
 
@@ -248,7 +249,9 @@ class FusedAttention:
         R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
         if self.uses_tensor_cores(R, D):
             target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
-            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, target)
+            # splits of whole 16-token tiles, equal within a tile: at 131072 tokens, 32 x 3984 + 3584 tokens
+            # rather than 32 x 4032 + 2048 (a block with half the work, and the others longer)
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, target, granule=16)
             kind, inputs, threads = "mma", [*self.k_in, *self.v_in], MMA_WARPS * 32
             consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
                       ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG)]
