@@ -83,9 +83,7 @@ def stamps(result, q, N, out):
     mx.eval(cache.attention(q, scale))
     plan = next(iter(fa._plans.values()))
     us = bench.timeit(lambda x: cache.attention(x, scale), 10, chain=q) * 1e6
-    consts = (("T", mx.float16), ("HD", D), ("NKV", n_kv), ("PAGE", fa.page), ("WARPS", cuda.MMA_WARPS),
-              ("STAGES", cuda.MMA_STAGES), ("DIAG", 0), ("SCALE", float(scale)), ("CH", cache.chunk_size))
-    name, inputs, outputs, body = stamped_spec(consts)
+    name, inputs, outputs, body = stamped_spec(plan.consts)
     kern = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
                                header=cuda._header()[0])
     n_splits = plan.grid[0] // plan.threads

@@ -196,6 +196,7 @@ class _Plan:
     """Everything about one call that depends only on its shape: kernels, fixed inputs, grids, sizes."""
 
     kernel: object  # pass 1; with the finish when `single`
+    consts: tuple  # its compile-time constants (kernel_spec)
     inputs: list  # fixed pass-1 inputs between the queries and `prm`
     grid: tuple
     threads: int  # per pass-1 block
@@ -269,13 +270,14 @@ class FusedAttention:
             grid = (n_splits * threads, self.n_kv, row_blocks)
         consts.append(("SCALE", float(scale)))
         if single and threads == 128:
-            consts.append(("CH", chunk_size))
+            consts = (*consts, ("CH", chunk_size))
             work = n_splits * self.n_kv * R * (D + 2) + self.n_kv
-            return _Plan(_kernel(kind + "+finish", 1, tuple(consts)), inputs, grid, threads, True, None, R, per,
+            return _Plan(_kernel(kind + "+finish", 1, consts), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
         finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
                   ("VTURBO", self.v_spec[0] == TURBO), ("SCALE", float(scale))]
-        return _Plan(_kernel(kind, 0, tuple(consts)), inputs, grid, threads, False,
+        consts = tuple(consts)
+        return _Plan(_kernel(kind, 0, consts), consts, inputs, grid, threads, False,
                      _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
 
     def __call__(self, cache, queries, scale):
