@@ -31,7 +31,7 @@ def stamped_spec(consts):
     start = ("const int blk = blockIdx.y * gridDim.x + blockIdx.x;\nunsigned long long t_now;\n" + STAMP +
              "if (threadIdx.x == 0) {\n  ts[4 * blk] = t_now;\n  unsigned s;\n"
              '  asm("mov.u32 %0, %%smid;" : "=r"(s));\n  ts[4 * blk + 3] = s;\n}\n')
-    finish = "  cart::finish_rows<T, HD, NKV, CH>(O, M, L, q, SCALE, prm, tk0, tv0, out, blockIdx.y);\n"
+    finish = "  cart::finish_rows<T, HD, NKV>(O, M, L, prm, out, blockIdx.y);\n"
     for old, new in (("cart::flash_pass1_mma<", start + "cart::flash_pass1_mma<"),
                      ("if (cart::last_block", "__syncthreads();\n" + STAMP +
                       "if (threadIdx.x == 0) ts[4 * blk + 1] = t_now;\nif (cart::last_block"),

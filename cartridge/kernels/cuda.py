@@ -3,10 +3,11 @@
 The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
 in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; the finish merges the splits,
 attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
-rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch: the last block
-of each KV head finishes it (`SINGLE_LAUNCH`); otherwise the finish is a second kernel. When both sides
-are mlx4g32, a block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or
-newer), pass 1 is the tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
+rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch (`SINGLE_LAUNCH`):
+the block of the last split also attends over the tail, as one more partial, and the last block of each
+KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
+block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the
+tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
 `cartridge.kernels.portable` (tests compare them against float64).
 
 Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX
@@ -76,15 +77,18 @@ MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG>(
     (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
     (const __half*)(const void*)v2, prm, O, M, L);
 """
-# single launch: the partials live in the cache's `work` buffer, followed by the block counters
-SINGLE_SCRATCH = """const int n_part = prm[3] * NKV * prm[1];  // splits x KV heads x query rows
+# single launch: the partials (prefix splits, then the tail's slot) live in the cache's `work` buffer,
+# followed by the block counters
+SINGLE_SCRATCH = """const int n_part = (prm[3] + 1) * NKV * prm[1];  // (splits + tail) x KV heads x query rows
 float* O = const_cast<float*>(work);
 float* M = O + (size_t)n_part * HD;
 float* L = M + n_part;
 const int32_t* counter = reinterpret_cast<const int32_t*>(L + n_part);
 """
-SINGLE_FINISH = """if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
-  cart::finish_rows<T, HD, NKV, CH>(O, M, L, q, SCALE, prm, tk0, tv0, out, blockIdx.y);
+SINGLE_FINISH = """if (blockIdx.x == gridDim.x - 1 && blockIdx.z == 0)
+  cart::tail_rows<T, HD, NKV, CH>(q, SCALE, prm, tk0, tv0, O, M, L, blockIdx.y);
+if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
+  cart::finish_rows<T, HD, NKV>(O, M, L, prm, out, blockIdx.y);
 """
 
 
@@ -116,8 +120,9 @@ def _constants(consts):
 def kernel_spec(kind, n_chunks=0, consts=()):
     """(name, input names, output names, body) of one kernel: "pass1" or "mma" (pass 1 alone), "finish"
     (merge, tail and output; `n_chunks` tail chunks), or "pass1+finish" / "mma+finish" (one launch: pass 1,
-    then `finish_rows` in each KV head's last block). `consts` are (name, value) pairs compiled into the
-    body, so the call passes no template arguments; the name carries them (hashed) and the .cuh digest."""
+    `tail_rows` in the last split's block, then `finish_rows` in each KV head's last block). `consts` are
+    (name, value) pairs compiled into the body, so the call passes no template arguments; the name carries
+    them (hashed) and the .cuh digest."""
     if kind == "finish":
         tails = [name for i in range(n_chunks) for name in (f"tk{i}", f"tv{i}")]
         tks, tvs = ", ".join(tails[0::2]), ", ".join(tails[1::2])
@@ -271,7 +276,7 @@ class FusedAttention:
         consts.append(("SCALE", float(scale)))
         if single and threads == 128:
             consts = (*consts, ("CH", chunk_size))
-            work = n_splits * self.n_kv * R * (D + 2) + self.n_kv
+            work = (n_splits + 1) * self.n_kv * R * (D + 2) + self.n_kv
             return _Plan(_kernel(kind + "+finish", 1, consts), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
         finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),

@@ -6,9 +6,10 @@
 // token's slice in registers, and keeps an online softmax per row (flash-decoding; Dao et al. 2023, and
 // shared/reference/kv-quant-algorithms.md 5.1). A lane owns EPL consecutive elements of head_dim;
 // D / EPL lanes share a token and reduce its scores with warp shuffles. The finish merges the splits by
-// log-sum-exp, attends over the dense tail, and writes the normalized output (`finish_row`): either a
-// second kernel (one block per KV head and query row), or, in a single launch, the block of each KV
-// head that completes last (`last_block`). For mlx4g32 K and V with at most 4 query rows per KV head,
+// log-sum-exp, attends over the dense tail, and writes the normalized output: either a second kernel
+// (`finish_row`, one block per KV head and query row), or, in a single launch, the block of each KV head
+// that completes last (`last_block`, `finish_rows`), after the last split's block has added the tail as
+// one more partial (`tail_rows`). For mlx4g32 K and V with at most 4 query rows per KV head,
 // `flash_pass1_mma` replaces pass 1 with a tensor-core version (integer mma.m16n8k32 scores, mma.m16n8k16
 // output; see the comment above it).
 #pragma once
@@ -831,45 +832,19 @@ __device__ __forceinline__ void ldcg_floats(const float* p, float (&x)[N]) {
   }
 }
 
-// The finish of every query row (at most 8) of KV head h in one block of 4 warps, for the single launch:
-// warp w takes rows w and w + 4, so rows proceed in parallel and no block-wide barrier is needed. Per row:
-// log-sum-exp merge of the S prefix splits, the dense tail (one chunk, causal), normalize, write. A lane
-// owns the EPT consecutive head_dim elements from EPT lane (one vector load per split). Loads are unrolled
-// so that many splits / tail tokens are in flight at once: this block runs after all others, so its
-// latency adds directly to the step.
+// The dense tail's share of every query row (at most 8) of KV head h, for the single launch: attention over
+// tail tokens 0 .. qpos (causal among the new tokens; one chunk) as one more partial, slot S = prm[3] of
+// O, M, L, after the S prefix splits. The block of the last split computes it before it arrives at the
+// counter (that split is the shortest when the tokens do not divide evenly), so the finish only merges.
+// Warp w takes rows w and w + 4; a lane owns EPT consecutive head_dim elements.
 template <typename T, int D, int NKV, int CH>
-__device__ void finish_rows(const float* O, const float* M, const float* L, const T* q, float scale,
-                            const int32_t* prm, const T* tk, const T* tv, T* out, int h) {
+__device__ void tail_rows(const T* q, float scale, const int32_t* prm, const T* tk, const T* tv, float* O,
+                          float* M, float* L, int h) {
   constexpr int EPT = D / 32;
   const int R = prm[1], S = prm[3], tail_len = prm[4], Lq = prm[5];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, e0 = EPT * lane;
   for (int row = warp; row < R; row += 4) {
-    const size_t r0 = (size_t)h * R + row;  // (split 0, head h, row) in the (S, NKV, R) partials
-    float mp = NEG_INF;
-    for (int s = lane; s < S; s += 32) mp = fmaxf(mp, __ldcg(M + s * NKV * R + r0));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mp = fmaxf(mp, __shfl_xor_sync(0xffffffffu, mp, off));
-    float acc[EPT], lp = 0.f;
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) acc[i] = 0.f;
-    for (int base = 0; base < S; base += 32) {
-      const int s = base + lane;
-      const float w = s < S ? safe_exp(__ldcg(M + s * NKV * R + r0), mp) : 0.f;
-      lp = fmaf(w, s < S ? __ldcg(L + s * NKV * R + r0) : 0.f, lp);
-      const int n = min(32, S - base);
-#pragma unroll 16
-      for (int j = 0; j < n; ++j) {
-        const float wj = __shfl_sync(0xffffffffu, w, j);
-        float x[EPT];
-        ldcg_floats<EPT>(O + ((size_t)(base + j) * NKV * R + r0) * D + e0, x);
-#pragma unroll
-        for (int i = 0; i < EPT; ++i) acc[i] = fmaf(wj, x[i], acc[i]);
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) lp += __shfl_xor_sync(0xffffffffu, lp, off);
-
-    // tail tokens 0 .. qpos of this row's query token, online softmax
+    const size_t r0 = (size_t)h * R + row;
     float qv[EPT], ot[EPT], mt = NEG_INF, lt = 0.f;
 #pragma unroll
     for (int i = 0; i < EPT; ++i) {
@@ -895,26 +870,81 @@ __device__ void finish_rows(const float* O, const float* M, const float* L, cons
       for (int i = 0; i < EPT; ++i) ot[i] = fmaf(ot[i], c, p * vj[i]);
       mt = mn;
     }
-    const float m = fmaxf(mp, mt), a = safe_exp(mp, m), b = safe_exp(mt, m);
-    const float inv = 1.f / (a * lp + b * lt);
+    const size_t b = (size_t)S * NKV * R + r0;
 #pragma unroll
-    for (int i = 0; i < EPT; ++i) out[r0 * D + e0 + i] = (T)((a * acc[i] + b * ot[i]) * inv);
+    for (int i = 0; i < EPT; ++i) O[b * D + e0 + i] = ot[i];
+    if (lane == 0) {
+      M[b] = mt;
+      L[b] = lt;
+    }
   }
 }
 
-// True in the one block of KV head h (of n blocks) that finishes last; that block also resets the
-// counter to zero for the next launch (threadFenceReduction pattern, CUDA samples).
+// The finish of every query row (at most 8) of KV head h in one block of 4 warps, for the single launch:
+// warp w takes rows w and w + 4. Per row: log-sum-exp merge of the S + 1 partials (prefix splits, then the
+// tail, `tail_rows`), normalize, write in the queries' dtype. The partials come in batches of B with every
+// load of a batch in flight at once (lane j holds split j's M and L, a lane the EPT consecutive head_dim
+// elements from EPT lane of each O), merged online; this block runs after all others of its head, so each
+// round trip to L2 adds to the step (at 128K tokens and head_dim 128: 34 partials, two batches).
+template <typename T, int D, int NKV>
+__device__ void finish_rows(const float* O, const float* M, const float* L, const int32_t* prm, T* out, int h) {
+  constexpr int EPT = D / 32, B = 96 / EPT < 32 ? 96 / EPT : 32;
+  const int R = prm[1], S = prm[3] + 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, e0 = EPT * lane;
+  const size_t stride = (size_t)NKV * R;  // between splits in the (S + 1, NKV, R) partials
+  for (int row = warp; row < R; row += 4) {
+    const size_t r0 = (size_t)h * R + row;
+    float m = NEG_INF, lp = 0.f, acc[EPT];
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) acc[i] = 0.f;
+    for (int base = 0; base < S; base += B) {
+      const bool mine = lane < B && base + lane < S;
+      const float ms = mine ? __ldcg(M + (base + lane) * stride + r0) : NEG_INF;
+      const float ls = mine ? __ldcg(L + (base + lane) * stride + r0) : 0.f;
+      float x[B][EPT];
+#pragma unroll
+      for (int j = 0; j < B; ++j)  // past the last split: split S again, weighted 0 below
+        ldcg_floats<EPT>(O + (min(base + j, S - 1) * stride + r0) * D + e0, x[j]);
+      float mn = ms;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+      mn = fmaxf(mn, m);
+      const float c = safe_exp(m, mn), w = safe_exp(ms, mn);
+      lp = fmaf(lp, c, w * ls);
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) acc[i] *= c;
+#pragma unroll
+      for (int j = 0; j < B; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) acc[i] = fmaf(wj, x[j][i], acc[i]);
+      }
+      m = mn;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) lp += __shfl_xor_sync(0xffffffffu, lp, off);
+    const float inv = 1.f / lp;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) out[r0 * D + e0 + i] = (T)(acc[i] * inv);
+  }
+}
+
+// True in the one block of KV head h (of n blocks) that finishes last; that block also resets the counter to
+// zero for the next launch. Thread 0 arrives with an acq_rel atomic after a barrier: release for the partials
+// every thread of the block wrote before the barrier, acquire of all earlier blocks' partials for the last
+// one (the inter-block semaphore of CUTLASS, include/cutlass/barrier.h, arrive_inc: barrier, then one
+// thread's release; PTX ISA memory model, release and acquire patterns).
 __device__ bool last_block(const int32_t* counter, int h, int n) {
   __shared__ bool is_last;
-  __threadfence();  // this block's partial is visible to the block that finishes
   __syncthreads();
   if (threadIdx.x == 0) {
     int* c = const_cast<int*>(reinterpret_cast<const int*>(counter)) + h;
-    is_last = atomicAdd(c, 1) == n - 1;
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
+    is_last = old == n - 1;
     if (is_last) *c = 0;
   }
   __syncthreads();
-  if (is_last) __threadfence();  // acquire: read the other blocks' partials after their release
   return is_last;
 }
 }  // namespace cart
