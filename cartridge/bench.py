@@ -30,12 +30,12 @@ def timeit(fn, repeats=20, warmup=3, inner=None, chain=None):
     one before, as the layers of a decode step do (independent calls can run concurrently on a GPU,
     which flatters small kernels). On CPU a chained round is `inner` calls (default 1). On a GPU each
     round times a chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference
-    per call: the
-    cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA graphs of up to
-    100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp, get_graph_limits) and
-    launches each graph while it encodes the next, as in a decode loop; a short chain evaluated at once
-    would instead pay the host's encoding and the device's time one after the other. So the chained GPU
-    time is max(host encoding, device time) per call, the device's when the kernel is the slower part.
+    per call: the cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA
+    graphs of up to 100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp,
+    get_graph_limits) and launches each graph while it encodes the next, as in a decode loop; a short
+    chain evaluated at once would instead pay the host's encoding and the device's time one after the
+    other. So the chained GPU time is max(host encoding, device time) per call, the device's when the
+    kernel is the slower part.
     """
     gpu_chain = chain is not None and backend() != "cpu"
     inner = inner or (50 if gpu_chain else 10 if backend() != "cpu" else 1)
