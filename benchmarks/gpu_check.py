@@ -11,6 +11,7 @@ import cartridge  # noqa: F401
 import mlx.core as mx
 import numpy as np
 
+from cartridge import bench
 from cartridge.cache import CartridgeCache, LayerPrefix
 from cartridge.kernels import cuda
 from cartridge.policy import DEQUANTIZED
@@ -63,6 +64,17 @@ def decode_cache(name, k, v, q, P=256):
     cache.update_and_fetch(q[:, :n_kv], q[:, :n_kv])
     mx.eval(cache.state)
     return cache
+
+
+def session_start(**lists):
+    """A result dict (device, MLX version, copy bandwidth in bytes/s, printed, and `lists`) and a query
+    (1, 32, 1, 128) float16, standard normal: the start of the profiling scripts."""
+    result = {"device": mx.device_info(), "mlx": mx.__version__, **lists}
+    result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
+    print(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
+    mx.eval(q)
+    return result, q
 
 
 def reference(q, k, v, tk, tv, scale):

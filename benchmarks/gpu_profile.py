@@ -1,10 +1,10 @@
 """Where a fused mlx4g32 decode step spends its time on the GPU machine (32 q / 8 kv heads, head_dim 128,
 fp16, one layer): the single-launch kernel rebuilt with %globaltimer stamps per block (start, end of pass
 1, end of the finish in each KV head's last block), so a step splits into block start skew, the spread of
-pass-1 ends across blocks, and the finish after a head's last pass-1 block; with "read", also a plain
-streaming read of the prefix's bytes (16-byte loads, grid-stride), chained like the bench, as the rate
-this access could reach.
-                                           python3 benchmarks/gpu_profile.py OUT_DIR [read]
+pass-1 ends across blocks, and the finish after a head's last pass-1 block. (Plain streaming reads of the
+same bytes, which this script's "read" option timed before, are in gpu_floor.py: its unroll-1 rows run
+that kernel.)
+                                           python3 benchmarks/gpu_profile.py OUT_DIR
 Results: results/h200-profile.json.
 """
 
@@ -18,7 +18,7 @@ from cartridge import bench
 from cartridge.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
-from gpu_check import decode_cache  # noqa: E402
+from gpu_check import decode_cache, session_start  # noqa: E402
 from gpu_timing import random_kv  # noqa: E402
 
 STAMP = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_now));\n'
@@ -40,39 +40,6 @@ def stamped_spec(consts):
         assert body.count(old) == 1, old
         body = body.replace(old, new)
     return name + "_stamped", inputs, outputs + ["ts"], body
-
-
-READ_SRC = """
-const size_t n = n_vec[0];
-const uint4* p = reinterpret_cast<const uint4*>(buf);
-uint32_t acc = 0;
-for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-  const uint4 u = __ldcs(p + i);
-  acc ^= u.x ^ u.y ^ u.z ^ u.w;
-}
-if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;  // keeps the loads; practically never taken
-if (blockIdx.x == 0) for (int i = threadIdx.x; i < 4096; i += blockDim.x) out[i] = q[i];
-"""
-
-
-def stream_read(result, q):
-    read = mx.fast.cuda_kernel(name="stream_read", input_names=["buf", "n_vec", "q"], output_names=["out", "sink"],
-                               source=READ_SRC)
-    result["stream_read"] = []
-    for nbytes in (167772160, 536870912):
-        buf = mx.zeros((nbytes // 4,), dtype=mx.uint32)
-        nv = mx.array([nbytes // 16], dtype=mx.int64)
-        mx.eval(buf, nv)
-        for blocks in (528, 2112):
-            us = bench.timeit(lambda x: read(inputs=[buf, nv, x], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
-                                             output_shapes=[x.shape, (blocks,)],
-                                             output_dtypes=[x.dtype, mx.uint32])[0], 10, chain=q) * 1e6
-            row = {"bytes": nbytes, "blocks": blocks, "threads": 256, "us": round(us, 1),
-                   "TBps": round(nbytes / us / 1e6, 3)}
-            result["stream_read"].append(row)
-            print(json.dumps(row), flush=True)
-        del buf
-        mx.clear_cache()
 
 
 def stamps(result, q, N, out):
@@ -131,13 +98,7 @@ def stamps(result, q, N, out):
 
 
 def main(out):
-    result = {"device": mx.device_info(), "mlx": mx.__version__, "stamps": []}
-    result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
-    print(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
-    q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
-    mx.eval(q)
-    if sys.argv[2:] == ["read"]:
-        stream_read(result, q)
+    result, q = session_start(stamps=[])
     for N in (32768, 131072):
         stamps(result, q, N, out)
         json.dump(result, open(f"{out}/gpu_profile.json", "w"), indent=1, default=str)
