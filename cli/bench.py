@@ -82,7 +82,9 @@ def _check_memory(B, model, dtype, contexts):
     import mlx.core as mx
 
     n_layers, n_kv, D = B._geometry(model)
-    total = mx.device_info().get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info = mx.device_info()  # Metal names the device's memory "memory_size", CUDA "total_memory"
+    total = (info.get("memory_size") or info.get("total_memory")
+             or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # CPU: the host's memory
     for n in contexts:
         need = 2 * n_layers * 2 * n_kv * D * n * dtype.size
         if need > 0.8 * total:

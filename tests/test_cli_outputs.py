@@ -268,6 +268,10 @@ def test_bench_refuses_end_to_end_contexts_that_cannot_fit(monkeypatch):
         _check_memory(B, None, mx.float32, [1024])
     monkeypatch.setattr(B, "_geometry", lambda model: (1, 1, 64))
     _check_memory(B, None, mx.float32, [1024])  # 1 MiB: fits anywhere
+    # on CUDA the GPU's memory counts ("total_memory"), not the host's: 1 MiB does not fit in 1 MiB
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 2**20})
+    with pytest.raises(InputError, match=r"needs about 0.0 GiB .* this device has 0.0 GiB"):
+        _check_memory(B, None, mx.float32, [1024])
 
 
 def test_chained_gpu_timing_is_the_cost_of_one_more_step(monkeypatch):
