@@ -5,16 +5,14 @@ mxfp8) and dense fp16/bf16/fp32, against float64; then a small timing table. Run
 
 import json
 import sys
-import time
 
-import cartridge  # noqa: F401
 import mlx.core as mx
 import numpy as np
 
+import cartridge  # noqa: F401
 from cartridge import bench
-from cartridge.cache import CartridgeCache, LayerPrefix
-from cartridge.kernels import cuda
-from cartridge.policy import DEQUANTIZED
+from cartridge.attention.cache import CartridgeCache, LayerPrefix
+from cartridge.attention.kernels import cuda
 
 
 class Stub:
@@ -140,7 +138,7 @@ def main(out):
 
 
 def timing():
-    from cartridge.bench import copy_bandwidth, timeit
+    from cartridge.eval.bench import copy_bandwidth, timeit
 
     bw = copy_bandwidth(1 << 30)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

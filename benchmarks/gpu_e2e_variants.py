@@ -13,7 +13,7 @@ import sys
 import mlx.core as mx
 
 from cartridge import bench
-from cartridge.kernels import cuda
+from cartridge.attention.kernels import cuda
 
 
 def main(out):

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from cartridge import bench
-from cartridge.cache import CartridgeCache
-from cartridge.kernels import cuda
+from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import check, decode_cache, prefix  # noqa: E402

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from cartridge import bench
-from cartridge.kernels import cuda
+from cartridge.attention.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import decode_cache, session_start  # noqa: E402

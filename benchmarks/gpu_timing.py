@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from cartridge import bench
-from cartridge.kernels import cuda
+from cartridge.attention.kernels import cuda
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import check, decode_cache  # noqa: E402

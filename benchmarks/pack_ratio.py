@@ -16,7 +16,7 @@ from pathlib import Path
 
 import cartridge  # loads OpenBLAS before mlx
 from cartridge.errors import CartridgeError
-from cartridge.pack import pack, unpack
+from cartridge.format.pack import pack, unpack
 from cartridge.tiers import TIERS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ the fp16 cartridge's for the sample questions. Also compares turbo's raw and cor
 
     python benchmarks/tiers.py [--questions 5] [--tokens 20] [--attention portable] [--json out/tiers.json]
 
-`--attention` is the load policy (cartridge.policy); the default, "portable", attends over the stored
+`--attention` is the load policy (cartridge.attention.policy); the default, "portable", attends over the stored
 pages with MLX ops, so the agreement column measures the tier and not a dequantized copy.
 """
 
@@ -19,12 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import cartridge  # loads OpenBLAS before mlx
 import mlx.core as mx
 import mlx_lm
 import numpy as np
+
+import cartridge  # loads OpenBLAS before mlx
 from cartridge.build import prefill
-from cartridge.prompt import prefix_tokens, prompt_mode
+from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,10 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import cartridge  # loads OpenBLAS before mlx
 import mlx.core as mx
 import mlx_lm
-from cartridge.prompt import full_prompt_tokens
+
+import cartridge  # loads OpenBLAS before mlx
+from cartridge.models.prompt import full_prompt_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 

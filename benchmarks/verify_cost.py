@@ -18,12 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import cartridge  # loads OpenBLAS before mlx
 import numpy as np
-from cartridge.container import CartridgeWriter
-from cartridge.load import open_cartridge
-from cartridge.model import architecture_config
-from cartridge.verify import verify_cartridge
+
+import cartridge  # loads OpenBLAS before mlx
+from cartridge.format.reader import open_cartridge, verify_cartridge
+from cartridge.format.writer import CartridgeWriter
+from cartridge.models.loader import architecture_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -15,9 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from .build import BuildResult, build  # noqa: E402
 from .errors import CartridgeError  # noqa: E402
-from .load import Cartridge, load, open_cartridge  # noqa: E402
-from .model import load_model  # noqa: E402
-from .verify import verify_cartridge  # noqa: E402
+from .format.reader import open_cartridge, verify_cartridge  # noqa: E402
+from .load import Cartridge, load  # noqa: E402
+from .models.loader import load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["build", "load", "load_model", "open_cartridge", "verify_cartridge", "Cartridge", "BuildResult",

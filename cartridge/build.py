@@ -11,12 +11,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from . import keys as K
-from .container import FORMAT_MAJOR, FORMAT_MINOR, CartridgeWriter, check_output_path
+from .attention.pages import encode_pages
 from .errors import InputError
-from .model import LoadedModel, architecture_config, load_model
-from .pages import encode_pages
-from .prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
+from .format import keys as K
+from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
+from .format.writer import CartridgeWriter, check_output_path
+from .models.loader import LoadedModel, architecture_config, load_model
+from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
 from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256

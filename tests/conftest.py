@@ -5,14 +5,14 @@ import json
 import os
 from pathlib import Path
 
-import cartridge  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from cartridge.gguf import tokenizer_from_metadata
-from cartridge.model import LoadedModel, default_gguf_path, fingerprint
+import cartridge  # noqa: F401  (loads OpenBLAS before mlx)
+from cartridge.models.gguf import tokenizer_from_metadata
+from cartridge.models.loader import LoadedModel, default_gguf_path, fingerprint
 
 if os.environ.get("DEVICE") == "gpu":  # run the same suite on the GPU (as MLX's MLXTestCase does)
     mx.set_default_device(mx.gpu)

@@ -27,15 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zstandard  # noqa: E402
-
-from cartridge.container import (  # noqa: E402
-    DATA_NAME, INDEX_NAME, MANIFEST_NAME, parse_manifest, read_index, read_manifest,
-)
-from cartridge.errors import CartridgeError  # noqa: E402
-from cartridge.header import parse_header  # noqa: E402
-from cartridge.lmdbfile import read_records  # noqa: E402
-
 from cartfiles import forge_index_bytes, redigest_manifest, write  # noqa: E402
+
+from cartridge.errors import CartridgeError  # noqa: E402
+from cartridge.format.container import parse_manifest, read_index, read_manifest  # noqa: E402
+from cartridge.format.header import parse_header  # noqa: E402
+from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME  # noqa: E402
+from cartridge.format.lmdbfile import read_records  # noqa: E402
 
 HANG_SECONDS = 5.0
 BOUNDARY_INTS = [0, 1, -1, 2, 7, 255, 256, 4096, 16384, 65535, 65536, 2 ** 31 - 1, 2 ** 31, 2 ** 32,
@@ -125,7 +123,7 @@ class Corpus:
     """Valid inputs to start from, built once in a temporary folder."""
 
     def __init__(self, folder):
-        from cartridge.pack import pack
+        from cartridge.format.pack import pack
 
         self.folder = Path(folder)
         self.cart = write(self.folder / "base.cart")
@@ -156,7 +154,7 @@ def fuzz_header(rng, corpus):
 
 
 def fuzz_pack(rng, corpus):
-    from cartridge.pack import unpack
+    from cartridge.format.pack import unpack
 
     if rng.random() < 0.5:
         data = mutate_bytes(rng, corpus.cartz)
@@ -169,7 +167,7 @@ def fuzz_pack(rng, corpus):
 
 
 def fuzz_open(rng, corpus):
-    from cartridge.load import open_cartridge
+    from cartridge.format.reader import open_cartridge
 
     folder = corpus.folder / "o.cart"
     shutil.rmtree(folder, ignore_errors=True)

@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from cartridge.atomic import STALE_NEW_SECONDS, TempDir, clean_stale
-from cartridge.container import DATA_NAME
-from cartridge.load import open_cartridge
-
 from cartfiles import pages, write
+
+from cartridge.format.atomic import STALE_NEW_SECONDS, TempDir, clean_stale
+from cartridge.format.layout import DATA_NAME
+from cartridge.format.reader import open_cartridge
 
 HERE = Path(__file__).resolve().parent
 

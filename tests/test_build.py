@@ -1,11 +1,10 @@
 """build(): options are checked before any prefill; what it writes is what inspect and load report."""
 
 import pytest
+from conftest import make_tiny
 
 import cartridge
 from cartridge.errors import InputError, OutputExistsError
-
-from conftest import make_tiny
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 6
 
@@ -72,8 +71,8 @@ def test_wrong_model_refused(smol_tokenizer, tiny, tmp_path):
 def _fresh_tokenizer():
     import mlx.core as mx
 
-    from cartridge.gguf import tokenizer_from_metadata
-    from cartridge.model import default_gguf_path
+    from cartridge.models.gguf import tokenizer_from_metadata
+    from cartridge.models.loader import default_gguf_path
 
     _, meta = mx.load(str(default_gguf_path()), return_metadata=True)
     return tokenizer_from_metadata(meta)
@@ -82,7 +81,7 @@ def _fresh_tokenizer():
 @pytest.mark.parametrize("change, part", [("tokenizer", "tokenizer"), ("chat template", "chat_template")])
 def test_same_weights_other_tokenizer_or_template_refused(tiny, tmp_path, change, part):
     from cartridge.errors import ModelMismatchError
-    from cartridge.model import fingerprint
+    from cartridge.models.loader import fingerprint
 
     r = cartridge.build(DOC, tmp_path / "d.cart", model=tiny)
     tok = _fresh_tokenizer()

@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import cartridge
-from cartridge.cache import CartridgeCache
+from cartridge.attention.cache import CartridgeCache
 from cartridge.errors import CartridgeError
-from cartridge.prompt import full_prompt_tokens
+from cartridge.models.prompt import full_prompt_tokens
 
 DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. "
        "Claims are sent to Kettle Co, 12 Harbour Road. ") * 12
@@ -81,7 +81,7 @@ def test_prompt_caches_are_independent_and_prefix_is_not_mutated(cart):
 
 
 def test_tail_grows_in_fixed_chunks_and_trims():
-    from cartridge.cache import LayerPrefix
+    from cartridge.attention.cache import LayerPrefix
     from cartridge.tiers import get_tier
 
     fp16 = get_tier("fp16")

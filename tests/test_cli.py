@@ -10,7 +10,7 @@ DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 e
 
 
 def run(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], input=stdin,
+    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", *map(str, args)], input=stdin,
                           capture_output=True, timeout=300)
 
 
@@ -150,13 +150,13 @@ def test_inspect_says_same_as_fp16(built):
 def test_interrupt_while_importing_exits_130(monkeypatch, capsys):
     import types
 
-    from cli import entry
+    from cartridge.cli import entry
 
     class Interrupting(types.ModuleType):
         def __getattr__(self, name):
             raise KeyboardInterrupt
 
-    monkeypatch.setitem(sys.modules, "cli.main", Interrupting("cli.main"))
+    monkeypatch.setitem(sys.modules, "cartridge.cli.main", Interrupting("cartridge.cli.main"))
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from test_cli import run
 
 DOC = "".join(f"Clause {i}: the tenant pays {100 + i} euros on day {i}.\n\n" for i in range(1, 9))

@@ -2,7 +2,7 @@
 refused in one stderr line before any work; --json/--plot are never created in a missing folder, never
 replace a file without --force, and are written atomically with the mode open() would give.
 
-Runs the real entry point (`cli.main.main`) in-process with the measuring parts replaced by fakes, so
+Runs the real entry point (`cartridge.cli.main.main`) in-process with the measuring parts replaced by fakes, so
 nothing is prefilled or timed.
 """
 
@@ -13,11 +13,11 @@ import stat
 import pytest
 
 import cartridge
-import cartridge.bench as B
-import cartridge.evaluate
-import cli.eval as eval_cli
-from cartridge.atomic import TempDir, write_file
-from cli.main import main
+import cartridge.cli.eval as eval_cli
+import cartridge.eval.bench as B
+import cartridge.eval.evaluate
+from cartridge.cli.main import main
+from cartridge.format.atomic import TempDir, write_file
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -176,7 +176,7 @@ def eval_files(tmp_path, monkeypatch):
         with open(path, "wb") as f:
             f.write(PNG)
 
-    monkeypatch.setattr(cartridge.evaluate, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cartridge.eval.evaluate, "evaluate", fake_evaluate)
     monkeypatch.setattr(eval_cli, "text_table", lambda report: "table")
     monkeypatch.setattr(eval_cli, "write_plot", fake_plot)
     return tmp_path, calls
@@ -260,7 +260,7 @@ def test_bench_refuses_end_to_end_contexts_that_cannot_fit(monkeypatch):
     kill would lose every result of the run)."""
     import mlx.core as mx
 
-    from cli.bench import _check_memory
+    from cartridge.cli.bench import _check_memory
     from cartridge.errors import InputError
 
     monkeypatch.setattr(B, "_geometry", lambda model: (10**6, 64, 128))  # absurdly large: never fits

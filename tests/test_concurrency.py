@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cartridge.verify import verify_cartridge
+from cartridge.format.reader import verify_cartridge
 
 HERE = Path(__file__).resolve().parent
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month, due monthly. " * 3
@@ -17,7 +17,7 @@ QUESTION = "How much is the rent?"
 
 
 def _cli(*args):
-    return [sys.executable, "-m", "cli.main", *map(str, args)]
+    return [sys.executable, "-m", "cartridge.cli.main", *map(str, args)]
 
 
 def _answer(cart):

@@ -6,18 +6,21 @@ import struct
 
 import numpy as np
 import pytest
-
-from cartridge import keys as K
-from cartridge.container import (
-    ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE, CartridgeWriter, read_index, read_manifest,
-)
-from cartridge.errors import (
-    ChecksumError, CorruptCartridgeError, NotACartridgeError, OutputExistsError, UnsupportedVersionError,
-)
-from cartridge.header import parse_header
-from cartridge.load import open_cartridge
-
 from cartfiles import pages, write
+
+from cartridge.errors import (
+    ChecksumError,
+    CorruptCartridgeError,
+    NotACartridgeError,
+    OutputExistsError,
+    UnsupportedVersionError,
+)
+from cartridge.format import keys as K
+from cartridge.format.container import read_index, read_manifest
+from cartridge.format.header import parse_header
+from cartridge.format.layout import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE
+from cartridge.format.reader import open_cartridge
+from cartridge.format.writer import CartridgeWriter
 
 N_LAYERS, N_KV, HEAD_DIM, PAGE, N_TOKENS = 2, 2, 8, 4, 7
 N_PAGES = 2
@@ -137,7 +140,6 @@ def test_header_matches_json_schema(tmp_path):
     import json
 
     import jsonschema
-
     from conftest import ROOT
 
     path = write(tmp_path / "a.cart")

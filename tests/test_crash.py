@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cartridge.atomic import CRASH_ENV
-from cartridge.verify import verify_cartridge
-
 from cartfiles import files, write
+
+from cartridge.format.atomic import CRASH_ENV
+from cartridge.format.reader import verify_cartridge
 
 HERE = Path(__file__).resolve().parent
 WRITER = HERE / "crash_writer.py"
@@ -146,7 +145,7 @@ def test_cli_build_killed_or_out_of_space_keeps_the_previous_cartridge(tiny_dir,
     corpus = tmp_path / "doc.txt"
     corpus.write_text("The tenant may terminate this lease with 60 days of notice. " * 4)
     dest = tmp_path / "doc.cart"
-    cmd = [sys.executable, "-m", "cli.main", "build", str(corpus), "-o", str(dest), "--model", str(tiny_dir),
+    cmd = [sys.executable, "-m", "cartridge.cli.main", "build", str(corpus), "-o", str(dest), "--model", str(tiny_dir),
            "--page-size", "16"]
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
     assert subprocess.run(cmd, env=env, capture_output=True, timeout=300).returncode == 0

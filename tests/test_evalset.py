@@ -3,11 +3,10 @@
 import json
 
 import pytest
+from conftest import QUESTIONS, ROOT
 
 from cartridge.errors import InputError
-from cartridge.evalset import load_needles, load_questions, paragraph_starts, plant_needles, split_heldout
-
-from conftest import QUESTIONS, ROOT
+from cartridge.eval.dataset import load_needles, load_questions, paragraph_starts, plant_needles, split_heldout
 
 NEEDLES = ROOT / "samples" / "needles.jsonl"
 

@@ -5,8 +5,17 @@ import json
 import pytest
 
 from cartridge.errors import InputError
-from cartridge.evalspec import (REFERENCE, Spec, build_or_reuse, cache_key, cartridge_path, check_supported,
-                                load_schemas, parse_entry, parse_tiers)
+from cartridge.eval.spec import (
+    REFERENCE,
+    Spec,
+    build_or_reuse,
+    cache_key,
+    cartridge_path,
+    check_supported,
+    load_schemas,
+    parse_entry,
+    parse_tiers,
+)
 
 DOC = "The deposit is 1,200 euros.\n\nThe lease ends on 30 June 2031.\n"
 

@@ -1,4 +1,4 @@
-"""`cartridge.evaluate` on a tiny random-weight model: rows, exact self-agreement, and perplexity
+"""`cartridge.eval.evaluate` on a tiny random-weight model: rows, exact self-agreement, and perplexity
 checked against a plain forward pass over the whole text (no cache at all)."""
 
 import math
@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cartridge.errors import InputError
-from cartridge.evalset import split_heldout
-from cartridge.evalspec import Spec, parse_entry
-from cartridge.evaluate import FRESH, EvalConfig, evaluate, teacher_forced_logprobs
-from cartridge.prompt import SEPARATOR, prefix_tokens
+from cartridge.eval.dataset import split_heldout
+from cartridge.eval.evaluate import FRESH, EvalConfig, evaluate, teacher_forced_logprobs
+from cartridge.eval.spec import Spec, parse_entry
+from cartridge.models.prompt import SEPARATOR, prefix_tokens
 
 DOC = "".join(f"Clause {i}: the tenant pays {100 + i} euros on day {i}.\n\n" for i in range(1, 9))
 QUESTIONS = [{"id": 1, "question": "What is paid on day 3?"}, {"id": 2, "question": "Which clause is last?"}]
@@ -62,7 +62,7 @@ def test_perplexity_matches_a_plain_forward_pass(report, tiny):
     cont = list(tok.encode(SEPARATOR + tail.strip(), add_special_tokens=False))
     assert report["documents"]["heldout_tokens_scored"] == len(cont) - 1
     # the probe document holds the needles; rebuild its prefix the way evaluate does
-    from cartridge.evalset import plant_needles
+    from cartridge.eval.dataset import plant_needles
     prefix = prefix_tokens(tok, plant_needles(head, NEEDLES))
     assert report["documents"]["probe_tokens"] == len(prefix)
     logits = tiny.model(mx.array(prefix + cont)[None])[0].astype(mx.float32)  # (T, vocab), no cache

@@ -1,14 +1,13 @@
 """`cartridge eval` on the real default model and the sample, kept small for CI (3 questions x 20
 tokens, no needles, a short --heldout text so one cartridge per spec serves both uses): two fp16 cartridges built apart agree exactly, and the fp16
 cartridge answers exactly like a fresh prefill of the full prompt. Needle recall on the real model is
-measured by the README's `make eval` run."""
+measured by the `make eval` run (docs/evaluation.md)."""
 
 import pytest
-
-from cartridge.evalspec import Spec
-from cartridge.evaluate import FRESH, EvalConfig, evaluate
-
 from conftest import SAMPLE, sample_questions
+
+from cartridge.eval.evaluate import FRESH, EvalConfig, evaluate
+from cartridge.eval.spec import Spec
 
 pytestmark = pytest.mark.slow
 HELDOUT = ("This license is a set of additional permissions added to the GNU General Public License. "

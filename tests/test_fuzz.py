@@ -3,7 +3,6 @@ exception other than CartridgeError. CI runs 200 inputs per target; `--fuzz-iter
 10,000-input run."""
 
 import pytest
-
 from fuzz_parsers import TARGETS, Corpus, run
 
 

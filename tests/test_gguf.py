@@ -11,14 +11,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-
-import cartridge.gguf as gguf_module
-from cartridge.errors import ModelLoadError
-from cartridge.gguf import load_gguf, model_args
-from cartridge.gguf_check import GGML_TYPES, check_gguf
-from cartridge.model import default_gguf_path
-
 from cartfiles import peak_bytes
+
+import cartridge.models.gguf as gguf_module
+from cartridge.errors import ModelLoadError
+from cartridge.models.gguf import load_gguf, model_args
+from cartridge.models.gguf_check import GGML_TYPES, check_gguf
+from cartridge.models.loader import default_gguf_path
 
 
 def test_smollm2_config():
@@ -141,7 +140,7 @@ def test_random_bytes_do_not_kill_the_process(tmp_path):
     """The reported crash: mx.load segfaults on this file; load_gguf must exit with a Python error."""
     p = tmp_path / "trunc.gguf"
     p.write_bytes(b"GGUF\x03\x00\x00\x00" + random.Random(0).randbytes(5000))
-    code = ("import sys\nfrom cartridge.errors import ModelLoadError\nfrom cartridge.gguf import load_gguf\n"
+    code = ("import sys\nfrom cartridge.errors import ModelLoadError\nfrom cartridge.models.gguf import load_gguf\n"
             "try:\n    load_gguf(sys.argv[1])\nexcept ModelLoadError as e:\n    print(e, file=sys.stderr)\n"
             "    sys.exit(1)\n")
     r = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -5,18 +5,23 @@ import os
 import struct
 
 import pytest
-
-import cartridge.container as container
-from cartridge import keys as K
-from cartridge.container import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME
-from cartridge.errors import (
-    CartridgeError, ChecksumError, DigestError, FieldError, IndexFormatError, LayoutError, NotACartridgeError,
-    TruncatedError, UnsupportedVersionError,
-)
-from cartridge.load import open_cartridge
-from cartridge.verify import verify_cartridge
-
 from cartfiles import flip, forge_index_bytes, forge_records, pages, peak_bytes, redigest_manifest, write
+
+import cartridge.format.container as container
+from cartridge.errors import (
+    CartridgeError,
+    ChecksumError,
+    DigestError,
+    FieldError,
+    IndexFormatError,
+    LayoutError,
+    NotACartridgeError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from cartridge.format import keys as K
+from cartridge.format.layout import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME
+from cartridge.format.reader import open_cartridge, verify_cartridge
 
 N_LAYERS, N_PAGES, PAGE_BYTES = 2, 2, 2 * 4 * 8 * 2  # synthetic cartridge: 2 heads x 4 tokens x 8 x fp16
 

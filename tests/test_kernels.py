@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cartridge.cache import CartridgeCache, LayerPrefix
-from cartridge.pages import make_prefix
-from cartridge.policy import DEQUANTIZED, dequantize
+from cartridge.attention.cache import CartridgeCache, LayerPrefix
+from cartridge.attention.pages import make_prefix
+from cartridge.attention.policy import DEQUANTIZED, dequantize
 from cartridge.tiers import TIERS
 
 HAS_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -119,7 +119,7 @@ def _fused_cases():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
 @pytest.mark.parametrize("tier, shape, tensor_cores, single", list(_fused_cases()))
 def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, monkeypatch):
-    from cartridge.kernels import cuda
+    from cartridge.attention.kernels import cuda
 
     if tier not in cuda.FUSED_TIERS:
         pytest.skip(f"no fused kernel for {tier}")
@@ -149,7 +149,7 @@ def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, monkeypat
 def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
     """The single launch keeps per-KV-head block counters in the cache and resets them itself: repeated
     decode steps on one cache give identical outputs, equal to the two-kernel finish up to rounding."""
-    from cartridge.kernels import cuda
+    from cartridge.attention.kernels import cuda
 
     prefix, q, tk, tv = _case(tier, (32, 8, 128, 5003, 256, 1, 1), seed=11)
     fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
@@ -167,7 +167,7 @@ def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
 
 
 def test_split_plan_rounds_splits_to_the_granule():
-    from cartridge.kernels.cuda import split_plan
+    from cartridge.attention.kernels.cuda import split_plan
 
     # 264 target blocks over 8 KV heads: 33 splits; 64-token rounding leaves the last split half the work
     assert split_plan(131072, 8, 1, 64, 264) == (4032, 33)
@@ -181,7 +181,7 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
     gets is a short body after an #include of the .cuh, and the .cuh's digest is in every name."""
     import hashlib
 
-    from cartridge.kernels import cuda
+    from cartridge.attention.kernels import cuda
 
     header, digest = cuda._header()
     assert header == f'#include "{cuda.SOURCE.resolve()}"\n'

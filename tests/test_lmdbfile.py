@@ -9,8 +9,8 @@ import lmdb
 import pytest
 
 from cartridge.errors import IndexFormatError
-from cartridge.lmdbfile import DB, META_DBS_AT, META_TAIL_AT, NODE, PAGE_HEADER, read_records
-from cartridge.writer import _write_index
+from cartridge.format.lmdbfile import DB, META_DBS_AT, META_TAIL_AT, NODE, PAGE_HEADER, read_records
+from cartridge.format.writer import _write_index
 
 
 def _lmdb_file(tmp_path, records):
@@ -185,10 +185,9 @@ def test_crafted_base_file_is_valid(deep):
 
 
 def test_liblmdb_never_reads_a_cartridge(tmp_path, monkeypatch):
-    from cartridge.load import open_cartridge
-    from cartridge.verify import verify_cartridge
-
     from cartfiles import write
+
+    from cartridge.format.reader import open_cartridge, verify_cartridge
 
     path = write(tmp_path / "a.cart")
 

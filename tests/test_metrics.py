@@ -4,8 +4,16 @@ import math
 
 import pytest
 
-from cartridge.metrics import (BLEU_NAME, compare_answers, first_divergence, first_token_agrees, needle_found,
-                               perplexity, recall_by_depth, sentence_bleu)
+from cartridge.eval.metrics import (
+    BLEU_NAME,
+    compare_answers,
+    first_divergence,
+    first_token_agrees,
+    needle_found,
+    perplexity,
+    recall_by_depth,
+    sentence_bleu,
+)
 
 
 @pytest.mark.parametrize("a, b, want", [

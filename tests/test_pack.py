@@ -11,16 +11,21 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from cartfiles import files, flip, write
 
 import cartridge
-from cartridge import pack as P
-from cartridge.container import DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE
 from cartridge.errors import (
-    CartridgeError, ChecksumError, DigestError, OutputExistsError, PackError, UnsupportedVersionError, WriteError,
+    CartridgeError,
+    ChecksumError,
+    DigestError,
+    OutputExistsError,
+    PackError,
+    UnsupportedVersionError,
+    WriteError,
 )
-from cartridge.load import open_cartridge
-
-from cartfiles import files, flip, write
+from cartridge.format import pack as P
+from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE
+from cartridge.format.reader import open_cartridge
 
 HERE = Path(__file__).resolve().parent
 
@@ -143,7 +148,7 @@ def test_hostile_pack_refused_and_nothing_left(packed, tmp_path, case):
 
 
 def run_cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=300, **kw)
 
 
@@ -200,7 +205,7 @@ def test_open_cartz_unpacks_once_and_reverifies(packed, cache, monkeypatch):
 def test_load_cartz_answers_like_the_directory(tiny, tmp_path, cache):
     import mlx_lm
 
-    from cartridge.pack import pack
+    from cartridge.format.pack import pack
 
     doc = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month. " * 3
     r = cartridge.build(doc, tmp_path / "d.cart", model=tiny, page_size=16)
@@ -218,8 +223,8 @@ CONCURRENT_OPEN = """
 import sys, types
 sys.path.insert(0, {tests!r})
 pkg = types.ModuleType("cartridge"); pkg.__path__ = [{pkg!r}]; sys.modules["cartridge"] = pkg
-from cartridge.pack import open_packed
-from cartridge.load import _open_dir
+from cartridge.format.pack import open_packed
+from cartridge.format.reader import _open_dir
 info, data = open_packed({cartz!r}, lambda d: _open_dir(d, "pages"))
 print(len(info.tokens))
 """

@@ -3,7 +3,7 @@
 import pytest
 
 from cartridge.errors import InputError
-from cartridge.prompt import CHAT, PLAIN, full_prompt_tokens, prefix_tokens, question_tokens
+from cartridge.models.prompt import CHAT, PLAIN, full_prompt_tokens, prefix_tokens, question_tokens
 
 DOCS = [
     "A short document.",

@@ -6,11 +6,10 @@ token, what mlx-lm generates from the full prompt (document + question) with no 
 
 import mlx_lm
 import pytest
+from conftest import SAMPLE, sample_questions
 
 import cartridge
-from cartridge.prompt import full_prompt_tokens
-
-from conftest import SAMPLE, sample_questions
+from cartridge.models.prompt import full_prompt_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -4,14 +4,13 @@ import importlib
 import json
 
 import pytest
-
-import cartridge
-from cartridge.errors import InputError
-from cartridge.tiers import read_schema, schema_for
-from cli.report import fold_tiers, inspect_dict, inspect_table
-
 from conftest import make_tiny
 from test_cli import run
+
+import cartridge
+from cartridge.cli.report import fold_tiers, inspect_dict, inspect_table
+from cartridge.errors import InputError
+from cartridge.tiers import read_schema, schema_for
 
 build_module = importlib.import_module("cartridge.build")
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 4
@@ -203,7 +202,7 @@ def test_cli_bad_tier_options_one_line(tiny_dir, tmp_path, monkeypatch, args, ex
 
 
 def _records(path):
-    from cartridge.container import read_index, read_manifest
+    from cartridge.format.container import read_index, read_manifest
 
     manifest = read_manifest(path)
     return read_index(path, manifest), manifest
@@ -211,7 +210,6 @@ def _records(path):
 
 def test_quantized_headers_match_the_json_schema(tiny64, tmp_path):
     import jsonschema
-
     from conftest import ROOT
 
     spec = json.loads((ROOT / "spec" / "header.schema.json").read_text())
@@ -233,7 +231,7 @@ def test_quantized_headers_match_the_json_schema(tiny64, tmp_path):
 ])
 def test_reader_refuses_params_its_tier_cannot_use(tiny64, tmp_path, key, change, match):
     from cartridge.errors import CorruptCartridgeError
-    from cartridge.header import parse_header
+    from cartridge.format.header import parse_header
 
     rows = [{"layer": i, "k": "nvfp4", "v": "mlx4g32" if i == 0 else "turbo3"} for i in range(4)]
     r = cartridge.build(DOC, tmp_path / "p.cart", model=tiny64, schema=rows)

@@ -7,17 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from cartfiles import write
 
 import cartridge
-from cartridge import pack as P
-from cartridge.container import MANIFEST_NAME
+from cartridge.cli.common import check_output_file, read_corpus
 from cartridge.errors import CorruptCartridgeError, InputError, OutputExistsError
-from cartridge.prompt import check_text
-from cartridge.writer import check_output_path
-from cli.eval import check_output_file
-from cli.main import _read_corpus
-
-from cartfiles import write
+from cartridge.format import pack as P
+from cartridge.format.layout import MANIFEST_NAME
+from cartridge.format.writer import check_output_path
+from cartridge.models.prompt import check_text
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 
@@ -76,7 +74,7 @@ def test_a_fifo_member_is_refused_without_blocking(tmp_path):
     cart = write(tmp_path / "a.cart")
     (cart / MANIFEST_NAME).unlink()
     os.mkfifo(cart / MANIFEST_NAME)
-    code = ("import sys; from cartridge.load import open_cartridge\n"
+    code = ("import sys; from cartridge.format.reader import open_cartridge\n"
             "try:\n    open_cartridge(sys.argv[1], verify='header')\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     r = subprocess.run([sys.executable, "-c", code, str(cart)], capture_output=True, timeout=60, text=True)
@@ -98,10 +96,10 @@ def test_text_that_is_not_a_prompt_is_refused(text, what):
 def test_cli_corpus_reads_like_python_open(tmp_path):
     p = tmp_path / "c.txt"
     p.write_bytes(b"\xef\xbb\xbfline one\r\nline two\rline three\n")
-    assert _read_corpus(str(p)) == "line one\nline two\nline three\n"
+    assert read_corpus(str(p)) == "line one\nline two\nline three\n"
     p.write_bytes(b"\xef\xbb\xbf\xe2\x80\x8b\r\n")
     with pytest.raises(InputError, match=r"corpus .* is empty \(or only whitespace\)"):
-        _read_corpus(str(p))
+        read_corpus(str(p))
 
 
 @pytest.mark.parametrize("kwargs, what", [({"page_size": 2.5}, "page size must be an integer"),

@@ -11,14 +11,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import cartridge
-from cartridge.cache import LayerPrefix
-from cartridge.kernels import merge, prefix_partial
-from cartridge.tiers import TIERS
-
 from conftest import make_tiny
 from test_cache import _decoded_kv_cache, _logits
+
+import cartridge
+from cartridge.attention.cache import LayerPrefix
+from cartridge.attention.kernels import merge, prefix_partial
+from cartridge.tiers import TIERS
 
 # (tokens, page size): one token; a page - 1, exactly one page, a page + 1; several pages, odd tail
 SHAPES = [(1, 16), (15, 16), (16, 16), (17, 16), (75, 32)]

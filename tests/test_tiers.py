@@ -9,13 +9,12 @@ RMSE ~ 0.095 / 0.183 / 0.338) plus fp16 norm rounding.
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiers_reference as ref
 
 from cartridge.errors import CorruptCartridgeError, InputError
 from cartridge.tiers import TIERS, bitpack
 from cartridge.tiers.affine import affine_encode
 from cartridge.tiers.codebook import lloyd_max, mse
-
-import tiers_reference as ref
 
 # tier -> bytes per token per layer-side, as a function of (n_kv_heads H, head_dim D): spec section 6
 FORMULAS = {

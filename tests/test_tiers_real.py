@@ -8,13 +8,12 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from conftest import SAMPLE, sample_questions
 
 import cartridge
 from cartridge.build import prefill
-from cartridge.prompt import prefix_tokens, prompt_mode
+from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS
-
-from conftest import SAMPLE, sample_questions
 
 pytestmark = pytest.mark.slow
 

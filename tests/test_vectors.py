@@ -11,17 +11,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cartridge import keys as K
-from cartridge.container import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, PAGE_RECORD, PageData, read_index, read_manifest
-from cartridge.errors import (
-    CartridgeError, ChecksumError, DigestError, FieldError, IndexFormatError, LayoutError,
-    ModelMismatchError, NotACartridgeError, TruncatedError, UnsupportedVersionError,
-)
-from cartridge.load import check_fingerprint, open_cartridge
-from cartridge.verify import verify_cartridge
-
 from cartfiles import files, flip, forge_index_bytes, forge_records, redigest_manifest
+
+from cartridge.errors import (
+    CartridgeError,
+    ChecksumError,
+    DigestError,
+    FieldError,
+    IndexFormatError,
+    LayoutError,
+    ModelMismatchError,
+    NotACartridgeError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from cartridge.format import keys as K
+from cartridge.format.container import PageData, read_index, read_manifest
+from cartridge.format.layout import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, PAGE_RECORD
+from cartridge.format.reader import open_cartridge, verify_cartridge
+from cartridge.load import check_fingerprint
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
 sys.path.insert(0, str(VECTORS))
@@ -61,9 +69,9 @@ def test_vector_parses_to_known_values():
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_round_trip_through_every_read_path(tmp_path, seed):
     """Random geometry -> write -> read back through the mmap view, copied bytes, and a .cartz trip."""
-    from cartridge.pack import pack, unpack
-
     from cartfiles import pages, write
+
+    from cartridge.format.pack import pack, unpack
 
     rng = random.Random(seed)
     geo = dict(n_layers=rng.randint(1, 3), n_kv=rng.randint(1, 3), head_dim=rng.randint(1, 9),

@@ -7,21 +7,20 @@ import subprocess
 import sys
 
 import pytest
+from cartfiles import flip, forge_records, write
 
 import cartridge
-from cartridge import keys as K
-from cartridge.container import ALIGN, DATA_NAME
 from cartridge.errors import ChecksumError, FieldError
+from cartridge.format import keys as K
+from cartridge.format.layout import ALIGN, DATA_NAME
+from cartridge.format.reader import verify_cartridge
 from cartridge.tiers import TIERS
-from cartridge.verify import verify_cartridge
-
-from cartfiles import flip, forge_records, write
 
 PAGE_BYTES = 2 * 4 * 8 * 2
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "cli.main", "verify", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", "verify", *map(str, args)], capture_output=True,
                           text=True, timeout=300)
 
 
@@ -80,7 +79,7 @@ def test_load_verify_modes(tiny, tmp_path):
 
 
 def test_verify_a_cartz(tmp_path):
-    from cartridge.pack import pack
+    from cartridge.format.pack import pack
 
     path = write(tmp_path / "a.cart")
     pack(path, tmp_path / "a.cartz")

@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from cartfiles import header  # noqa: E402
 
-from cartridge.container import CartridgeWriter  # noqa: E402
+from cartridge.format.writer import CartridgeWriter  # noqa: E402
 
 # 1 layer, 1 KV head, head_dim 4, pages of 2 tokens, 3 tokens -> 2 pages of 16 bytes per (layer, side)
 N_TOKENS, PAGE, N_KV, HEAD_DIM = 3, 2, 1, 4

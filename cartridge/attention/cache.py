@@ -1,0 +1,200 @@
+"""`CartridgeCache`: mlx-lm's cache protocol over a frozen compressed prefix plus a dense tail.
+
+The prefix is the cartridge's pages for one layer, shared by every cache made from one loaded
+cartridge and never written. New tokens (the question, then generated tokens) go to a dense tail
+preallocated in fixed chunks, so nothing grows by concatenation. Attention is computed as
+prefix part (+) tail part, merged exactly by log-sum-exp (`cartridge.attention.kernels`).
+"""
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from ..errors import CartridgeError
+from .kernels import merge, prefix_partial, tail_partial
+
+
+@dataclass(frozen=True)
+class LayerPrefix:
+    """The read-only prefix of one layer.
+
+    Attributes:
+        k_codec, v_codec (TierCodec): tiers of the K and V pages.
+        k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
+        n_tokens (int): valid tokens (the last page may be padded).
+        k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
+        kernel (callable | None): fused attention of this layer, called as
+            kernel(cache, queries, scale) -> output or None (`cartridge.attention.kernels.cuda.FusedAttention`);
+            None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
+    """
+
+    k_codec: object
+    k_parts: dict
+    v_codec: object
+    v_parts: dict
+    n_tokens: int
+    k_params: dict = field(default_factory=dict)
+    v_params: dict = field(default_factory=dict)
+    kernel: object = None
+
+    @property
+    def n_kv_heads(self):
+        """KV heads (axis 1 of every page array)."""
+        return next(iter(self.k_parts.values())).shape[1]
+
+    @property
+    def nbytes(self):
+        """Bytes of the stored pages of this layer (K and V)."""
+        return sum(a.nbytes for a in (*self.k_parts.values(), *self.v_parts.values()))
+
+
+class CartridgeCache(_BaseCache):
+    """One layer's cache: frozen prefix pages + dense tail in chunks of `chunk_size` tokens.
+
+    Args:
+        prefix (LayerPrefix): the shared prefix of this layer.
+        chunk_size (int): tail tokens per preallocated chunk. Default: 256.
+
+    Models use it through `offset` and `update_and_fetch`; attention goes through
+    `cartridge.attention.route.scaled_dot_product_attention`, which calls `attention()`.
+    """
+
+    def __init__(self, prefix, chunk_size=256):
+        self.prefix = prefix
+        self.chunk_size = chunk_size
+        self._k_chunks, self._v_chunks = [], []
+        self.tail_len = 0
+        self.scratch = {}  # device state a prefix kernel keeps per cache (cartridge.attention.kernels.cuda)
+
+    @property
+    def offset(self):
+        """Tokens held: prefix + tail (the position of the next token)."""
+        return self.prefix.n_tokens + self.tail_len
+
+    def _write(self, chunks, x, start):
+        B, n_kv, L, D = x.shape
+        done = 0
+        while done < L:
+            index, at = divmod(start + done, self.chunk_size)
+            if index == len(chunks):
+                chunks.append(mx.zeros((B, n_kv, self.chunk_size, D), dtype=x.dtype))
+            n = min(L - done, self.chunk_size - at)
+            # the whole of x when it fits (every decode step): one op fewer per side and layer
+            chunks[index][..., at:at + n, :] = x if n == L else x[..., done:done + n, :]
+            done += n
+
+    def update_and_fetch(self, keys, values):
+        """Append new K/V (1, n_kv_heads, L, head_dim) to the tail.
+
+        Returns:
+            tuple: the tail chunk lists (see `state`). Models hand them to the attention function,
+            which reads prefix and tail from the cache itself; plain `mx.fast` attention refuses them.
+        """
+        if keys.shape[0] != 1:
+            raise CartridgeError(f"a cartridge holds one sequence; got batch size {keys.shape[0]}")
+        self._write(self._k_chunks, keys, self.tail_len)
+        self._write(self._v_chunks, values, self.tail_len)
+        self.tail_len += keys.shape[2]
+        return self.state
+
+    def _tail_parts(self):
+        """[(k, v)] per used chunk, each (n_kv_heads, tokens_in_chunk, head_dim)."""
+        out = []
+        for i, (k, v) in enumerate(zip(self._k_chunks, self._v_chunks)):
+            n = min(self.chunk_size, self.tail_len - i * self.chunk_size)
+            if n > 0:
+                out.append((k[0, :, :n, :], v[0, :, :n, :]))
+        return out
+
+    def attention(self, queries, scale, mask=None):
+        """Attention of `queries` over prefix + tail.
+
+        Args:
+            queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
+            scale (float): softmax scale, usually head_dim ** -0.5.
+            mask (None | str | mx.array): None, "causal", or a bool array broadcastable to
+                (1, n_q_heads, L, offset); the causal structure among new tokens always applies.
+
+        Returns:
+            mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
+
+        Raises:
+            CartridgeError: for a mask that hides prefix tokens or is not boolean.
+        """
+        p = self.prefix
+        if p.kernel is not None and (mask is None or isinstance(mask, str)):
+            out = p.kernel(self, queries, scale)
+            if out is not None:
+                return out
+        _, n_q, L, D = queries.shape
+        n_kv = p.n_kv_heads
+        group = n_q // n_kv
+        # (1, n_q, L, D) -> (n_kv, group * L, D): the query heads of one KV head side by side
+        q = (queries.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
+        keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
+        parts = [prefix_partial(q, p, p.n_tokens)]
+        start = 0
+        for k, v in self._tail_parts():
+            end = start + k.shape[1]
+            parts.append(tail_partial(q, k, v, keep[..., start:end]))
+            start = end
+        # (n_kv, group * L, D) -> (1, n_q, L, D)
+        return merge(parts).reshape(1, n_q, L, D).astype(queries.dtype)
+
+    def _tail_keep(self, mask, n_kv, group, L):
+        """Which tail keys each query row sees: causal among the new tokens, and `mask` if given."""
+        qpos = mx.arange(group * L) % L + (self.tail_len - L)
+        keep = (qpos[:, None] >= mx.arange(self.tail_len)[None, :])[None]
+        if mask is None or isinstance(mask, str):
+            return keep
+        if mask.dtype != mx.bool_:
+            raise CartridgeError(f"only boolean masks are supported over a cartridge prefix, got {mask.dtype}")
+        # (..., L, offset) -> (n_kv, group * L, offset)
+        full = mx.broadcast_to(mask, (1, n_kv * group, L, self.offset)).reshape(n_kv, group * L, self.offset)
+        if not mx.all(full[..., : self.prefix.n_tokens]).item():
+            raise CartridgeError("a mask that hides cartridge prefix tokens is not supported")
+        return keep & full[..., self.prefix.n_tokens:]
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        """Mask for N new tokens, as mlx-lm's KVCache gives it ("causal", None or a bool array)."""
+        if window_size is not None:
+            raise CartridgeError("sliding-window attention is not supported over a cartridge prefix")
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=None)
+
+    @property
+    def state(self):
+        """Tail chunks: ([k chunks], [v chunks]), each (1, n_kv_heads, chunk_size, head_dim)."""
+        return self._k_chunks, self._v_chunks
+
+    @state.setter
+    def state(self, v):
+        raise CartridgeError("a CartridgeCache is made by Cartridge.prompt_cache(), not from saved state")
+
+    @property
+    def meta_state(self):
+        """(prefix tokens, tail tokens, chunk size) as strings."""
+        return str(self.prefix.n_tokens), str(self.tail_len), str(self.chunk_size)
+
+    def is_trimmable(self):
+        """The tail can be trimmed; the shared prefix cannot."""
+        return True
+
+    def trim(self, n):
+        """Drop up to n tokens from the end of the tail; returns how many were dropped."""
+        n = min(self.tail_len, n)
+        self.tail_len -= n
+        return n
+
+    def size(self):
+        """Tokens held (prefix + tail)."""
+        return self.offset
+
+    def empty(self):
+        """Never empty: the prefix always holds at least one token."""
+        return False
+
+    @property
+    def nbytes(self):
+        """Bytes held: prefix pages + allocated tail chunks."""
+        return self.prefix.nbytes + sum(c.nbytes for c in self._k_chunks + self._v_chunks)

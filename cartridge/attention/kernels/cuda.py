@@ -1,0 +1,332 @@
+"""Fused flash-decoding attention over compressed pages on MLX's CUDA backend (`mx.fast.cuda_kernel`).
+
+The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
+in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; the finish merges the splits,
+attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
+rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch (`SINGLE_LAUNCH`):
+the block of the last split also attends over the tail, as one more partial, and the last block of each
+KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
+block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the
+tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
+`cartridge.attention.kernels.portable` (tests compare them against float64).
+
+Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX
+builds and hashes the kernel source on every call. The source handed to MLX is therefore a few lines
+that `#include` the .cuh by path (its content digest is part of the kernel name, so MLX's compile
+cache never serves a stale build) after the shape's constants (no template arguments), and kernels,
+grids, output shapes and decode parameters are made once per shape (`_Plan`, `_params`).
+"""
+
+import functools
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO = range(7)
+# tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
+FUSED_TIERS = {
+    "fp16": (FP16, 0, ("values",)),
+    "bf16": (BF16, 0, ("values",)),
+    "int8": (AFF8, 0, ("codes", "scales", "biases")),
+    "mlx4g32": (AFF4, 0, ("codes", "scales", "biases")),
+    "fp8": (MXFP8, 0, ("codes", "scales")),
+    "turbo4": (TURBO, 4, ("codes", "norms")),
+    "turbo3": (TURBO, 3, ("codes", "norms")),
+    "turbo2": (TURBO, 2, ("codes", "norms")),
+}
+DENSE_IDS = {mx.float16: FP16, mx.bfloat16: BF16, mx.float32: F32}
+HEAD_DIMS = (64, 128, 256)
+WARPS = 4  # warps per pass-1 block
+# Launch shape, tuned on an H200 (benchmarks/gpu_check.py, 2026-11-30): 8 head_dim elements per lane,
+# 4 tokens fetched at once per lane, about 4 blocks per SM.
+TARGET_BLOCKS = 528  # pass-1 blocks to aim for (132 SMs x 4)
+UNROLL = 4  # tokens each lane fetches at once in pass 1 (bytes in flight)
+MAX_CHUNKS = 8  # tail chunks the finish reads directly; more falls back to the portable path
+SINGLE_LAUNCH = True  # finish in pass 1's last block where it applies (benchmarks switch it off)
+SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 per warp)
+SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
+TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
+# pass-1 blocks of the tensor-core variant, measured on an H200 (benchmarks/results/h200-blocks-sweep.json):
+# head_dim 128: 264 (2 per SM) was fastest of 132-594 at 32K-128K tokens; head_dim 64: 528 (45.1-45.8 us
+# against 49.2-49.4 for 264 at 128K, equal at 64K)
+MMA_TARGET_BLOCKS = 264
+MMA_TARGET_BLOCKS_D64 = 528
+MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
+MMA_WARPS = 4  # warps per tensor-core pass-1 block
+MMA_HEAD_DIMS = (64, 128)
+MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
+# 3 = no finish in the single launch (outputs are then garbage)
+POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
+DECODE_EPL = 8  # elements of head_dim per lane when a block holds <= 4 query rows
+SOURCE = Path(__file__).with_name("flash_decode.cuh")
+
+CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+PASS1_INPUTS = ["q", "sgk", "k0", "k1", "k2", "v0", "v1", "v2", "cbk", "cbv", "prm"]
+PASS1_CALL = """cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, WARPS, UNR>(
+    q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
+    (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
+"""
+MMA_INPUTS = ["q", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
+MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG>(
+    q, SCALE, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
+    (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
+    (const __half*)(const void*)v2, prm, O, M, L);
+"""
+# single launch: the partials (prefix splits, then the tail's slot) live in the cache's `work` buffer,
+# followed by the block counters
+SINGLE_SCRATCH = """const int n_part = (prm[3] + 1) * NKV * prm[1];  // (splits + tail) x KV heads x query rows
+float* O = const_cast<float*>(work);
+float* M = O + (size_t)n_part * HD;
+float* L = M + n_part;
+const int32_t* counter = reinterpret_cast<const int32_t*>(L + n_part);
+"""
+SINGLE_FINISH = """if (blockIdx.x == gridDim.x - 1 && blockIdx.z == 0)
+  cart::tail_rows<T, HD, NKV, CH>(q, SCALE, prm, tk0, tv0, O, M, L, blockIdx.y);
+if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
+  cart::finish_rows<T, HD, NKV>(O, M, L, prm, out, blockIdx.y);
+"""
+
+
+@functools.cache
+def _header():
+    """(header, digest): an #include of `SOURCE` (the whole text where the path cannot be quoted)."""
+    text = SOURCE.read_text()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = str(SOURCE.resolve())
+    quotable = path.isascii() and path.isprintable() and not any(c in path for c in '"\\')
+    return (f'#include "{path}"\n' if quotable else text), digest
+
+
+def _constants(consts):
+    """C++ lines defining a kernel's compile-time constants (types, ints, bools, the float SCALE)."""
+    lines = []
+    for name, value in consts:
+        if isinstance(value, mx.Dtype):
+            lines.append(f"using {name} = {CUDA_TYPES[value]};")
+        elif isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, float):
+            lines.append(f"constexpr float {name} = {float(np.float32(value)).hex()}f;")
+        else:
+            lines.append(f"constexpr int {name} = {int(value)};")
+    return "\n".join(lines) + "\n"
+
+
+def kernel_spec(kind, n_chunks=0, consts=()):
+    """(name, input names, output names, body) of one kernel: "pass1" or "mma" (pass 1 alone), "finish"
+    (merge, tail and output; `n_chunks` tail chunks), or "pass1+finish" / "mma+finish" (one launch: pass 1,
+    `tail_rows` in the last split's block, then `finish_rows` in each KV head's last block). `consts` are
+    (name, value) pairs compiled into the body, so the call passes no template arguments; the name carries
+    them (hashed) and the .cuh digest."""
+    if kind == "finish":
+        tails = [name for i in range(n_chunks) for name in (f"tk{i}", f"tv{i}")]
+        tks, tvs = ", ".join(tails[0::2]), ", ".join(tails[1::2])
+        inputs, outputs = ["O", "M", "L", "q", "prm", "sgv", *tails], ["out"]
+        body = (f"const T* tks[{n_chunks}] = {{{tks}}};\nconst T* tvs[{n_chunks}] = {{{tvs}}};\n"
+                "cart::finish_row<T, HD, NKV, NCH, CH, VTURBO>(O, M, L, q, SCALE, prm, sgv, tks, tvs, out, "
+                "blockIdx.y, blockIdx.z);\n")
+    else:
+        base = kind.split("+")[0]
+        inputs = list(PASS1_INPUTS if base == "pass1" else MMA_INPUTS)
+        body = PASS1_CALL if base == "pass1" else MMA_CALL
+        outputs = ["O", "M", "L"]
+        if kind.endswith("+finish"):
+            inputs += ["work", "tk0", "tv0"]
+            outputs = ["out"]
+            body = SINGLE_SCRATCH + body + SINGLE_FINISH
+    tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
+    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{_header()[1]}_{tag}"
+    return name, inputs, outputs, _constants(consts) + body
+
+
+@functools.cache
+def _kernel(kind, n_chunks, consts):
+    """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`."""
+    name, inputs, outputs, body = kernel_spec(kind, n_chunks, consts)
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
+                               header=_header()[0])
+
+
+@functools.cache
+def has_tensor_cores():
+    """True if the default device is an NVIDIA GPU of compute capability 8.0 or newer (mma.m16n8k16
+    with fp16 operands, mma.m16n8k32 with 8-bit integers and cp.async need sm_80)."""
+    found = re.fullmatch(r"sm_(\d+)\w*", str(mx.device_info().get("architecture", "")))
+    return found is not None and int(found.group(1)) >= 80
+
+
+def tier_spec(codec, parts):
+    """(kernel tier id, bits, component names) for a stored side, or None if no fused kernel reads it."""
+    if codec.name == "dequantized":
+        tid = DENSE_IDS.get(parts["values"].dtype)
+        return None if tid is None else (tid, 0, ("values",))
+    return FUSED_TIERS.get(codec.name)
+
+
+def supported(prefix, head_dim):
+    """True if both sides' tiers and the head_dim have a fused kernel."""
+    return (head_dim in HEAD_DIMS and tier_spec(prefix.k_codec, prefix.k_parts) is not None
+            and tier_spec(prefix.v_codec, prefix.v_parts) is not None)
+
+
+def _side_inputs(spec, parts, params):
+    """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy."""
+    tid, _, names = spec
+    arrays = [parts[n] for n in names] + [mx.zeros((4,), dtype=mx.uint32)] * (3 - len(names))
+    if tid == TURBO:
+        cb = np.zeros(16, dtype=np.float32)
+        cb[: len(params["codebook"])] = params["codebook"]
+        signs = mx.array(np.asarray(params["signs"], dtype=np.float32))  # (n_kv, D)
+        return arrays, mx.array(cb), signs
+    return arrays, mx.zeros((16,), dtype=mx.float32), mx.zeros((1,), dtype=mx.float32)
+
+
+def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks=None, granule=None):
+    """(tokens per split, number of splits): about `target_blocks` (default TARGET_BLOCKS) blocks, each
+    split at least 4 rounds of `slots` tokens and a multiple of `granule` tokens (default `slots`)."""
+    target = TARGET_BLOCKS if target_blocks is None else target_blocks
+    granule = granule or slots
+    n_splits = max(1, min(math.ceil(target / (n_kv * row_blocks)), math.ceil(n_tokens / (4 * slots))))
+    per = math.ceil(math.ceil(n_tokens / n_splits) / granule) * granule
+    return per, math.ceil(n_tokens / per)
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: a key of the cache's scratch
+class _Plan:
+    """Everything about one call that depends only on its shape: kernels, fixed inputs, grids, sizes."""
+
+    kernel: object  # pass 1; with the finish when `single`
+    consts: tuple  # its compile-time constants (kernel_spec)
+    inputs: list  # fixed pass-1 inputs between the queries and `prm`
+    grid: tuple
+    threads: int  # per pass-1 block
+    single: bool
+    finish: object  # the finish kernel when not `single`
+    R: int
+    per: int
+    n_splits: int
+    work_size: int  # float32 elements of the single launch's scratch: partials and block counters
+
+
+class FusedAttention:
+    """Fused attention of one layer: the prefix pages as stored, plus the cache's dense tail.
+
+    Args:
+        prefix (LayerPrefix): the layer's pages (tiers in `FUSED_TIERS`, or dense pages).
+    """
+
+    def __init__(self, prefix):
+        self.k_spec = tier_spec(prefix.k_codec, prefix.k_parts)
+        self.v_spec = tier_spec(prefix.v_codec, prefix.v_parts)
+        self.k_in, self.cbk, self.sgk = _side_inputs(self.k_spec, prefix.k_parts, prefix.k_params)
+        self.v_in, self.cbv, self.sgv = _side_inputs(self.v_spec, prefix.v_parts, prefix.v_params)
+        _, self.n_kv, self.page, _ = self.k_in[0].shape
+        self.n_tokens = prefix.n_tokens
+        self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0
+        self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (6,) device row per tail length]
+        self._plans = {}
+
+    def _params(self, plan, L, tail_len, chunk_size):
+        """Kernel parameters [n_tokens, R, per split, splits, tail length, query tokens] (int32 (6,)) on the
+        device. Decode steps (L = 1) take a row made and evaluated once per tail length, so a step adds
+        no operation for them."""
+        if L > 1:
+            return mx.array([self.n_tokens, plan.R, plan.per, plan.n_splits, tail_len, L], dtype=mx.int32)
+        key = (plan.R, plan.per, plan.n_splits, chunk_size)
+        rows = self._rows.get(key)
+        if rows is None:
+            table = np.zeros((MAX_CHUNKS * chunk_size + 1, 6), dtype=np.int32)
+            table[:] = [self.n_tokens, plan.R, plan.per, plan.n_splits, 0, 1]
+            table[:, 4] = np.arange(len(table))
+            rows = self._rows[key] = list(mx.array(table))
+            mx.eval(rows)
+        return rows[tail_len]
+
+    def uses_tensor_cores(self, R, D):
+        """True if pass 1 runs `flash_pass1_mma` for R query rows per KV head and head_dim D."""
+        return TENSOR_CORES and self.mma and R <= 4 and D in MMA_HEAD_DIMS and has_tensor_cores()
+
+    def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single):
+        R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
+        if self.uses_tensor_cores(R, D):
+            target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
+            # splits of whole 16-token tiles, equal within a tile: at 131072 tokens, 32 x 3984 + 3584 tokens
+            # rather than 32 x 4032 + 2048 (a block with half the work, and the others longer)
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, target, granule=16)
+            kind, inputs, threads = "mma", [*self.k_in, *self.v_in], MMA_WARPS * 32
+            consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
+                      ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG)]
+            grid = (n_splits * threads, self.n_kv, 1)
+        else:
+            rows, epl = (R, DECODE_EPL) if R <= 4 else (8, 8)
+            slots = (32 // (D // epl)) * WARPS * UNROLL  # tokens a block consumes per round
+            row_blocks = -(-R // rows)
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, row_blocks, slots)
+            (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
+            kind, inputs, threads = "pass1", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], WARPS * 32
+            consts = [("T", dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D), ("EPL", epl),
+                      ("ROWS", rows), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", WARPS), ("UNR", UNROLL),
+                      ("DIAG", 0)]
+            grid = (n_splits * threads, self.n_kv, row_blocks)
+        consts.append(("SCALE", float(scale)))
+        if single and threads == 128:
+            consts = (*consts, ("CH", chunk_size))
+            work = (n_splits + 1) * self.n_kv * R * (D + 2) + self.n_kv
+            return _Plan(_kernel(kind + "+finish", 1, consts), consts, inputs, grid, threads, True, None, R, per,
+                         n_splits, work)
+        finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
+                  ("VTURBO", self.v_spec[0] == TURBO), ("SCALE", float(scale))]
+        consts = tuple(consts)
+        return _Plan(_kernel(kind, 0, consts), consts, inputs, grid, threads, False,
+                     _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
+
+    def __call__(self, cache, queries, scale):
+        """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
+
+        Args:
+            cache (CartridgeCache): supplies the dense tail chunks, their length, and `scratch`, where
+                the single launch keeps its work buffer (float32 partials, then int32 block counters that
+                the kernel returns to zero). Two calls on one cache must therefore run one after the
+                other: each decode step's queries depend on the previous step's output, so mlx-lm's
+                generate loop always orders them; two independent calls in one graph could overlap on
+                the device and share the buffer. (An explicit edge, the previous output as an input,
+                cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py.)
+            queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
+            scale (float): softmax scale.
+        """
+        _, n_q, L, D = queries.shape
+        tail_len, chunk_size = cache.tail_len, cache.chunk_size
+        n_chunks = -(-tail_len // chunk_size)
+        if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
+            return None
+        single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
+                  and tail_len <= chunk_size and self.v_spec[0] != TURBO)
+        key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
+               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single)
+        prm = self._params(plan, L, tail_len, chunk_size)
+        if plan.single:
+            work = cache.scratch.get(plan)
+            if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
+                work = cache.scratch[plan] = mx.array(np.zeros(plan.work_size, dtype=np.float32))
+            return plan.kernel(
+                inputs=[queries, *plan.inputs, prm, work, cache._k_chunks[0], cache._v_chunks[0]],
+                grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
+                output_dtypes=[queries.dtype], init_value=POISON)[0]
+        partial = [(plan.n_splits, self.n_kv, plan.R)]
+        O, M, Lsum = plan.kernel(
+            inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
+            output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
+            init_value=POISON)
+        tails = [c for pair in zip(cache._k_chunks[:n_chunks], cache._v_chunks[:n_chunks]) for c in pair]
+        return plan.finish(
+            inputs=[O, M, Lsum, queries, prm, self.sgv, *tails], grid=(128, self.n_kv, plan.R),
+            threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+            init_value=POISON)[0]

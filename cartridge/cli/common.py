@@ -1,0 +1,56 @@
+"""Helpers shared by the CLI commands: reading a corpus, checking an output file before any work."""
+
+import sys
+from pathlib import Path
+
+from cartridge.errors import InputError, OutputExistsError, WriteError
+from cartridge.format.writer import check_output_folder
+from cartridge.models.prompt import check_text
+
+
+def read_corpus(corpus, what="corpus"):
+    """Read CORPUS (a path or "-" for stdin) as strict UTF-8 text, the way Python's open() would give it
+    to `cartridge.build`: a leading byte-order mark dropped, CRLF and CR line ends read as LF."""
+    if corpus == "-":
+        raw = sys.stdin.buffer.read()
+        name = "stdin"
+    else:
+        path = Path(corpus)
+        if not path.is_file():
+            raise InputError(f"{what} {corpus} does not exist or is not a file")
+        raw, name = path.read_bytes(), corpus
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {name} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
+    text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    check_text(text, f"{what} {name}")
+    return text
+
+
+def check_output_file(path, option, force):
+    """Refuse, before hours of work, an output file (of `option`, e.g. "--json") that cannot be written:
+    its folder does not exist, it is a directory, or it exists and `force` is False.
+
+    Returns:
+        Path | None: `path` as a Path (None if not given).
+    """
+    if path is None:
+        return None
+    if not str(path).strip():
+        raise InputError(f"{option} is empty; give a file name")
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        problem = f"{path.parent} is not a folder" if path.parent.exists() else f"folder {path.parent} does not exist"
+        raise InputError(f"{option} {path}: {problem}")
+    if (path.exists() or path.is_symlink()) and not (path.is_file() and not path.is_symlink()):
+        raise OutputExistsError(f"{option} {path} exists and is not a regular file; refusing to replace it")
+    if path.exists() and not force:
+        raise OutputExistsError(f"{option} {path} exists; pass --force to replace it")
+    try:
+        check_output_folder(path)  # the folder can be written (probed), before any work
+    except WriteError as e:
+        raise WriteError(f"{option} {path}: {e}") from None
+    return path

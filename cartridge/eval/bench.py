@@ -1,0 +1,387 @@
+"""`cartridge bench`: decode-step attention and end-to-end decode speed per context length, tier and
+attention policy, with MLX dense fp16 attention and mlx-lm's QuantizedKVCache path as baselines in
+the same run. K/V are synthetic (random) of a real model's shape; speed does not depend on values.
+"""
+
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+
+from ..attention.cache import CartridgeCache
+from ..attention.pages import make_prefix
+from ..attention.policy import backend, dequantize, kernel_for
+from ..tiers import TIERS
+
+SHAPES = {  # name -> (n_q_heads, n_kv_heads, head_dim)
+    "llama3-8b": (32, 8, 128),
+    "llama3.2-1b": (32, 8, 64),
+    "smollm2-135m": (9, 3, 64),
+}
+PAGE_SIZE = 256
+
+
+def timeit(fn, repeats=20, warmup=3, inner=None, chain=None):
+    """Median seconds per call of `fn`.
+
+    Without `chain`, each round queues `inner` independent calls (10 on a GPU, 1 on CPU) and times their
+    evaluation. With `chain` (an array), the calls are fn(chain), fn(result), ...: each depends on the
+    one before, as the layers of a decode step do (independent calls can run concurrently on a GPU,
+    which flatters small kernels). On CPU a chained round is `inner` calls (default 1). On a GPU each
+    round times a chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference
+    per call: the cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA
+    graphs of up to 100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp,
+    get_graph_limits) and launches each graph while it encodes the next, as in a decode loop; a short
+    chain evaluated at once would instead pay the host's encoding and the device's time one after the
+    other. So the chained GPU time is max(host encoding, device time) per call, the device's when the
+    kernel is the slower part.
+    """
+    gpu_chain = chain is not None and backend() != "cpu"
+    inner = inner or (50 if gpu_chain else 10 if backend() != "cpu" else 1)
+
+    def queue(n):
+        if chain is None:
+            return [fn() for _ in range(n)]
+        x = chain
+        for _ in range(n):
+            x = fn(x)
+        return [x]
+
+    def seconds(n):
+        outs = queue(n)
+        t = time.perf_counter()
+        mx.eval(outs)
+        return time.perf_counter() - t
+
+    for _ in range(warmup):
+        mx.eval(queue(inner))
+        if gpu_chain:
+            mx.eval(queue(5 * inner))
+    times = []
+    for _ in range(repeats):
+        if gpu_chain:
+            times.append((seconds(5 * inner) - seconds(inner)) / (4 * inner))
+        else:
+            times.append(seconds(inner) / inner)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes=1 << 30):
+    """Bytes/s of an MLX device copy (read + write) of `nbytes` float16 bytes."""
+    x = mx.random.normal((nbytes // 2,)).astype(mx.float16)
+    mx.eval(x)
+    t = timeit(lambda: x + 0, repeats=10)
+    del x
+    return 2 * nbytes / t
+
+
+def _kv(n_kv, n, head_dim, seed):
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    return (mx.random.normal((n_kv, n, head_dim), key=k1).astype(mx.float16),
+            mx.random.normal((n_kv, n, head_dim), key=k2).astype(mx.float16))
+
+
+POLICIES = None  # restrict the policies measured (None: every policy this backend has)
+
+
+def _policies():
+    found = ["fused", "portable", "dequantize-once"] if backend() == "cuda" else ["portable", "dequantize-once"]
+    return [p for p in found if POLICIES is None or p in POLICIES]
+
+
+def _layer_cache(prefix, policy, dtype, head_dim):
+    p = dequantize(prefix, dtype) if policy == "dequantize-once" else prefix
+    kernel = kernel_for(policy, p, head_dim)
+    if policy == "fused" and kernel is None:
+        return None
+    from ..attention.cache import LayerPrefix
+
+    return CartridgeCache(LayerPrefix(p.k_codec, p.k_parts, p.v_codec, p.v_parts, p.n_tokens,
+                                      p.k_params, p.v_params, kernel))
+
+
+def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
+    """Decode-step attention (one layer, one query token) in microseconds, per tier and policy.
+
+    Queries, the tail and the dense baseline use `dtype` (default float16 on a GPU, float32 on CPU,
+    where MLX's float16 matmul is slow and models run in float32).
+
+    Returns:
+        list[dict]: rows {"kind", "tier", "policy", "context", "us", "prefix_bytes", "error"}.
+    """
+    n_q, n_kv, D = shape
+    dtype = dtype or (mx.float32 if backend() == "cpu" else mx.float16)
+    k, v = _kv(n_kv, n_tokens, D, seed=n_tokens)
+    q = mx.random.normal((1, n_q, 1, D)).astype(dtype)
+    new_k = mx.random.normal((1, n_kv, 1, D)).astype(dtype)
+    rows = []
+    dense_k, dense_v = k[None].astype(dtype), v[None].astype(dtype)  # (1, n_kv, N, D)
+    mx.eval(q, new_k, dense_k, dense_v)
+    us = timeit(lambda x: mx.fast.scaled_dot_product_attention(x, dense_k, dense_v, scale=D ** -0.5), repeats,
+                chain=q) * 1e6
+    rows.append({"kind": "baseline", "tier": f"dense {str(dtype)[9:]}", "policy": "mlx-sdpa", "context": n_tokens, "us": us,
+                 "prefix_bytes": dense_k.nbytes * 2, "error": None})
+    rows.append(_mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats))
+    for tier in tiers:
+        codec = TIERS[tier]
+        try:
+            codec.check(n_kv, D)
+            prefix = make_prefix(codec, k, codec, v, PAGE_SIZE)
+        except Exception as e:  # a tier that cannot store this shape
+            rows.append({"kind": "cartridge", "tier": tier, "policy": None, "context": n_tokens, "us": None,
+                         "prefix_bytes": None, "error": str(e)})
+            continue
+        for policy in _policies():
+            row = {"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
+                   "prefix_bytes": prefix.nbytes, "us": None, "error": None}
+            try:
+                cache = _layer_cache(prefix, policy, dtype, D)
+                if cache is None:
+                    row["error"] = "no fused kernel for this tier"
+                else:
+                    row["prefix_bytes"] = cache.prefix.nbytes  # as held: dequantize-once holds dense pages
+                    cache.update_and_fetch(new_k, new_k)
+                    mx.eval(cache.state)
+                    row["us"] = timeit(lambda x: cache.attention(x, D ** -0.5), repeats, chain=q) * 1e6
+            except Exception as e:  # recorded, e.g. an out-of-memory or an unsupported shape
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+        del prefix
+    return rows
+
+
+def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    row = {"kind": "baseline", "tier": "mlx-lm q4g32", "policy": "mlx-lm-quantized", "context": n_tokens,
+           "us": None, "prefix_bytes": None, "error": None}
+    try:
+        qk = mx.quantize(dense_k, group_size=32, bits=4)
+        qv = mx.quantize(dense_v, group_size=32, bits=4)
+        mx.eval(qk, qv)
+        row["prefix_bytes"] = sum(a.nbytes for a in (*qk, *qv))
+        D = q.shape[-1]
+        row["us"] = timeit(lambda x: quantized_scaled_dot_product_attention(
+            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats, inner=10 if backend() != "cpu" else None,
+            chain=q) * 1e6  # on a GPU its steps are slow: chains of 10 and 50
+    except Exception as e:  # e.g. "No implementation for problem shape" on CUDA with head_dim 64
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def random_model(shape_name, dtype=mx.float16, seed=0):
+    """A random-weight mlx-lm llama of a real model's shape (weights do not change decode speed)."""
+    from mlx_lm.models import llama
+
+    configs = {
+        "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                            rope_theta=500000.0, tie_word_embeddings=True),
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict({"model_type": "llama", "rms_norm_eps": 1e-5,
+                                                   "max_position_embeddings": 1 << 20, **configs[shape_name]}))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
+    """Greedy decode speed (tokens/s) after a 1-token prompt, through mlx-lm's generate_step: the median
+    time between tokens of each round, best of `rounds` rounds (default 3 on a GPU, whose host may be
+    shared and slow whole rounds; 1 on CPU, where a round takes seconds). Each round continues the same
+    caches (their tails grow by n_tokens + 1 per round)."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array([1], dtype=mx.uint32)
+    best = 0.0
+    for _ in range(rounds or (1 if backend() == "cpu" else 3)):
+        times = []
+        t = time.perf_counter()
+        for i, _ in enumerate(generate_step(prompt, model, prompt_cache=caches, max_tokens=n_tokens)):
+            now = time.perf_counter()
+            if i:
+                times.append(now - t)
+            t = now
+        best = max(best, 1.0 / statistics.median(times))
+    return best
+
+
+def _geometry(model):
+    attn = model.layers[0].self_attn
+    return len(model.layers), attn.n_kv_heads, attn.head_dim
+
+
+def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
+    """Decode tokens/s and peak memory with a dense fp16 KVCache, mlx-lm's QuantizedKVCache, and cartridge
+    caches of every tier and policy, all with a prefix of `n_tokens` synthetic tokens."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    n_layers, n_kv, D = _geometry(model)
+    rows = []
+
+    def run(label, tier, policy, make):
+        row = {"kind": label, "tier": tier, "policy": policy, "context": n_tokens, "tokens_per_s": None,
+               "peak_bytes": None, "prefix_bytes": None, "error": None}
+        try:
+            mx.clear_cache()
+            caches, nbytes = make()
+            mx.clear_cache()
+            mx.reset_peak_memory()  # decode-time peak: the resident prefix plus what decoding allocates
+            row["prefix_bytes"] = nbytes
+            row["tokens_per_s"] = decode_tokens_per_s(model, caches, n_decode)
+            row["peak_bytes"] = mx.get_peak_memory()
+            del caches
+        except Exception as e:  # recorded: unsupported shape, out of memory
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+
+    def dense():
+        caches = []
+        for i in range(n_layers):
+            c = KVCache()
+            k, v = _kv(n_kv, n_tokens, D, seed=i)
+            c.keys, c.values, c.offset = k[None].astype(dtype), v[None].astype(dtype), n_tokens
+            caches.append(c)
+        mx.eval([c.state for c in caches])
+        return caches, sum(c.nbytes for c in caches)
+
+    def quantized():
+        caches = []
+        for i in range(n_layers):
+            c = QuantizedKVCache(group_size=32, bits=4)
+            k, v = _kv(n_kv, n_tokens, D, seed=i)
+            c.keys = mx.quantize(k[None].astype(dtype), group_size=32, bits=4)
+            c.values = mx.quantize(v[None].astype(dtype), group_size=32, bits=4)
+            c.offset = n_tokens
+            caches.append(c)
+        mx.eval([c.state for c in caches])
+        return caches, sum(c.nbytes for c in caches)
+
+    def cartridge(tier, policy):
+        def make():
+            from ..attention.route import install
+
+            install()
+            caches = []
+            for i in range(n_layers):
+                k, v = _kv(n_kv, n_tokens, D, seed=i)
+                prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, PAGE_SIZE, layer=i)
+                cache = _layer_cache(prefix, policy, dtype, D)
+                if cache is None:
+                    raise RuntimeError("no fused kernel for this tier")
+                caches.append(cache)
+            mx.eval([[list(c.prefix.k_parts.values()), list(c.prefix.v_parts.values())] for c in caches])
+            return caches, sum(c.prefix.nbytes for c in caches)
+        return make
+
+    run("baseline", f"dense {str(dtype)[9:]}", "mlx-kvcache", dense)
+    run("baseline", "mlx-lm q4g32", "mlx-lm-quantized", quantized)
+    for tier in tiers:
+        for policy in _policies():
+            run("cartridge", tier, policy, cartridge(tier, policy))
+    return rows
+
+
+def environment():
+    """Machine, backend and versions, stated with every result."""
+    info = {"machine": platform.machine(), "platform": platform.platform(), "backend": backend(),
+            "mlx": mx.__version__}
+    if backend() == "cuda":
+        try:
+            info["device"] = mx.device_info().get("device_name")
+        except Exception:  # device_info is absent on some MLX builds
+            info["device"] = "cuda"
+    else:
+        info["processor"] = platform.processor()
+    return info
+
+
+def speedups(rows):
+    """Per context: each cartridge row's time relative to MLX's dense attention row ("vs_dense": fp16 on
+    a GPU, float32 on CPU; below 1 is faster), its speedup over mlx-lm's quantized path, and the prefix
+    bytes it holds per second of attention."""
+    out = []
+    for ctx in sorted({r["context"] for r in rows}):
+        at = [r for r in rows if r["context"] == ctx]
+        base = {r["policy"]: r["us"] for r in at if r["kind"] == "baseline"}
+        for r in at:
+            if r["kind"] == "cartridge" and r["us"]:
+                out.append({"context": ctx, "tier": r["tier"], "policy": r["policy"], "us": r["us"],
+                            "vs_dense": r["us"] / base["mlx-sdpa"] if base.get("mlx-sdpa") else None,
+                            "speedup_vs_mlx_lm_quantized": (base["mlx-lm-quantized"] / r["us"]
+                                                            if base.get("mlx-lm-quantized") else None),
+                            "effective_bytes_per_s": r["prefix_bytes"] / (r["us"] * 1e-6)})
+    return out
+
+
+def plot(result, path):
+    """Attention microseconds vs context: one colour per tier, one line style per policy; PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"fused": "-", "portable": "--", "dequantize-once": ":", "mlx-sdpa": "-", "mlx-lm-quantized": "-."}
+    lines = {}
+    for r in result["attention"]:
+        if r["us"]:
+            lines.setdefault((r["tier"], r["policy"]), []).append((r["context"], r["us"]))
+    tiers = sorted({t for t, _ in lines})
+    colors = {t: plt.get_cmap("tab20")(i % 20) for i, t in enumerate(tiers)}
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for (tier, policy), pts in sorted(lines.items()):
+        pts.sort()
+        baseline = policy in ("mlx-sdpa", "mlx-lm-quantized")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(policy, "-"), marker="o",
+                color="black" if baseline else colors[tier], linewidth=2.5 if baseline else 1.2,
+                label=f"{tier} · {policy}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix tokens")
+    ax.set_ylabel("decode-step attention, one layer (µs)")
+    env, shape = result["environment"], result["shape"]
+    ax.set_title(f"{env.get('device') or env['machine']} ({env['backend']}), MLX {env['mlx']}: {shape['name']} "
+                 f"({shape['n_q_heads']} q / {shape['n_kv_heads']} kv heads, head_dim {shape['head_dim']})", fontsize=9)
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, repeats=20, progress=None,
+        e2e_tiers=None):
+    """Everything `cartridge bench` measures, in one run.
+
+    Args:
+        contexts (list[int]): prefix lengths in tokens for the attention microbenchmark.
+        tiers (list[str]): tiers to measure.
+        shape (str): a key of SHAPES for the microbenchmark.
+        e2e_model (tuple | None): (model, dtype) for end-to-end decode, or None to skip it.
+        e2e_contexts (list[int] | None): prefix lengths for end-to-end decode (default: `contexts`).
+        e2e_tiers (list[str] | None): tiers for end-to-end decode (default: `tiers`).
+        progress (callable | None): called with a short description before each step.
+
+    Returns:
+        dict: {"environment", "shape", "copy_bytes_per_s", "attention": [...], "speedups": [...],
+        "end_to_end": [...]}.
+    """
+    say = progress or (lambda *_: None)
+    say("copy bandwidth")
+    result = {"environment": environment(), "shape": {"name": shape, "n_q_heads": SHAPES[shape][0],
+              "n_kv_heads": SHAPES[shape][1], "head_dim": SHAPES[shape][2]},
+              "copy_bytes_per_s": copy_bandwidth(1 << 30 if backend() == "cuda" else 1 << 27),
+              "attention": [], "end_to_end": []}
+    for n in contexts:
+        say(f"attention at {n} tokens")
+        result["attention"] += attention_step(SHAPES[shape], n, tiers, repeats=repeats)
+        mx.clear_cache()
+    result["speedups"] = speedups(result["attention"])
+    if e2e_model is not None:
+        model, dtype = e2e_model
+        for n in e2e_contexts or contexts:
+            say(f"end-to-end decode at {n} tokens")
+            result["end_to_end"] += end_to_end(model, n, e2e_tiers or tiers, dtype)
+    return result

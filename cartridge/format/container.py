@@ -1,0 +1,304 @@
+"""The on-disk container, format v1 (spec/FORMAT.md is normative; this module follows it).
+
+A cartridge is a directory holding three files:
+
+    MANIFEST    96 bytes: magic, version, sizes, SHA-256 of index.lmdb, SHA-256 of itself
+    index.lmdb  LMDB environment (one file): header keys, token ids, tier schema, page tables
+    pages.bin   page payloads: one extent per (layer, side, component), each 16 KiB-aligned
+
+It is written into a hidden sibling directory and renamed into place only when complete
+(`cartridge.format.atomic`). Reading takes the three files from one directory inode (a concurrent rebuild of
+the same path cannot mix old and new files), reads index.lmdb once into memory, checks its SHA-256 and
+walks it with the bounded reader of `cartridge.format.lmdbfile` (liblmdb never parses a file on reading).
+"""
+
+import hashlib
+import mmap
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import (
+    ChecksumError,
+    CorruptCartridgeError,
+    DigestError,
+    FieldError,
+    LayoutError,
+    NotACartridgeError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from . import keys as K
+from .layout import (
+    ALIGN,
+    DATA_NAME,
+    FORMAT_MAJOR,
+    INDEX_NAME,
+    MAGIC,
+    MANIFEST_NAME,
+    MANIFEST_SIZE,
+    MANIFEST_STRUCT,
+    MAX_INDEX_BYTES,
+    MAX_VALUE_BYTES,
+    PAGE_RECORD,
+)
+from .lmdbfile import read_records
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where one (layer, side, component) lives in pages.bin.
+
+    Attributes:
+        layer (int), side (str "k"|"v"), component (str): what it holds.
+        dtype (str): storage dtype name. shape (tuple): (n_pages, n_kv_heads, page_size, width).
+        offset (int): byte offset in pages.bin (multiple of 16384). page_bytes (int): bytes per page.
+        checksums (tuple[bytes]): SHA-256 of each page.
+    """
+
+    layer: int
+    side: str
+    component: str
+    dtype: str
+    shape: tuple
+    offset: int
+    page_bytes: int
+    checksums: tuple
+
+
+def parse_manifest(raw, where=MANIFEST_NAME):
+    """Parse and check the bytes of a MANIFEST (spec section 2, in the order it gives).
+
+    Args:
+        raw (bytes): the file's bytes (a reader passes at most MANIFEST_SIZE + 1 of them).
+        where (str): the file's name, for messages.
+
+    Returns:
+        dict: major, minor, index_size, data_size, index_sha256 (bytes), digest (hex of the last 32 bytes).
+
+    Raises:
+        NotACartridgeError, UnsupportedVersionError, TruncatedError, DigestError, FieldError.
+    """
+    if len(raw) < 12 or raw[:8] != MAGIC:
+        raise NotACartridgeError(f"{where}: bad magic {bytes(raw[:8])!r}, expected {MAGIC!r}")
+    major, minor = struct.unpack_from("<HH", raw, 8)
+    if major != FORMAT_MAJOR:
+        raise UnsupportedVersionError(f"cartridge file is format {major}; this cartridge reads up to {FORMAT_MAJOR}")
+    if len(raw) != MANIFEST_SIZE:
+        raise TruncatedError(f"{where}: size {len(raw)} bytes, expected {MANIFEST_SIZE}")
+    body = raw[: MANIFEST_STRUCT.size]
+    if hashlib.sha256(body).digest() != raw[MANIFEST_STRUCT.size:]:
+        raise DigestError(f"{where}: manifest checksum mismatch")
+    _, _, _, msize, index_size, data_size, index_sha = MANIFEST_STRUCT.unpack(body)
+    if msize != MANIFEST_SIZE or index_size > MAX_INDEX_BYTES or data_size % ALIGN:
+        raise FieldError(f"{where}: manifest fields out of range (size {msize}, index {index_size}, "
+                                    f"data {data_size}; allowed {MANIFEST_SIZE}, <= {MAX_INDEX_BYTES}, multiple of {ALIGN})")
+    return {"major": major, "minor": minor, "index_size": index_size, "data_size": data_size,
+            "index_sha256": index_sha, "digest": raw[MANIFEST_STRUCT.size:].hex()}
+
+
+def check_index(raw, manifest, where=INDEX_NAME):
+    """Check index.lmdb's bytes against the manifest digest, then walk them (never the other way round).
+
+    Returns:
+        dict[str, bytes]: every record, raw.
+
+    Raises:
+        TruncatedError: a size other than the manifest's. DigestError: a SHA-256 mismatch.
+        IndexFormatError: a malformed LMDB file (only once the digest matched).
+    """
+    if len(raw) != manifest["index_size"]:
+        raise TruncatedError(f"{where}: size {len(raw)}, manifest says {manifest['index_size']}")
+    if hashlib.sha256(raw).digest() != manifest["index_sha256"]:
+        raise DigestError(f"{where}: SHA-256 does not match the manifest; the index is damaged")
+    return read_records(raw, K.MAX_KEY_BYTES, MAX_VALUE_BYTES)
+
+
+@dataclass
+class Snapshot:
+    """The three files of one cartridge directory, opened together.
+
+    Attributes:
+        manifest (dict): from `parse_manifest`. index (bytes): all of index.lmdb.
+        data (file): pages.bin, open for reading (size checked against the manifest).
+        manifest_raw (bytes): the 96 bytes of MANIFEST.
+    """
+
+    manifest: dict
+    index: bytes
+    data: object
+    manifest_raw: bytes = b""
+
+
+class _Moved(Exception):
+    """The directory was replaced while its files were being opened: try again."""
+
+
+def _open_member(path, dfd, name, missing):
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dfd)  # a FIFO must not block the open
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCartridgeError(f"{path / name} is not a regular file")
+        os.set_blocking(fd, True)
+        return fd
+    except FileNotFoundError:
+        try:
+            now, then = os.stat(path), os.fstat(dfd)
+            moved = (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+        except FileNotFoundError:
+            moved = False
+        if moved:
+            raise _Moved() from None
+        raise missing from None
+
+
+def _read_fd(fd, limit):
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit)
+
+
+def _snapshot(path, dfd):
+    raw = _read_fd(_open_member(path, dfd, MANIFEST_NAME,
+                                NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file)")),
+                   MANIFEST_SIZE + 1)
+    manifest = parse_manifest(raw, str(path / MANIFEST_NAME))
+    fds = {}
+    try:
+        for name, key in ((INDEX_NAME, "index_size"), (DATA_NAME, "data_size")):
+            fds[name] = _open_member(path, dfd, name, TruncatedError(f"{path / name} is missing"))
+            have = os.fstat(fds[name]).st_size
+            if have != manifest[key]:
+                raise TruncatedError(f"{path / name}: size {have}, manifest says {manifest[key]}")
+        index = _read_fd(fds.pop(INDEX_NAME), manifest["index_size"] + 1)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return Snapshot(manifest, index, os.fdopen(fds.pop(DATA_NAME), "rb"), raw)
+
+
+def open_snapshot(path, attempts=3):
+    """Open MANIFEST, index.lmdb and pages.bin of one cartridge directory and check the manifest.
+
+    The files are opened relative to one directory handle, so a rebuild that swaps the directory in
+    the meantime is noticed (a file vanishes) and the open is retried on the new directory.
+
+    Args:
+        path (str | Path): the cartridge directory.
+        attempts (int): opens tried while the directory keeps being replaced. Default: 3.
+
+    Returns:
+        Snapshot
+
+    Raises:
+        NotACartridgeError, UnsupportedVersionError, DigestError, TruncatedError, CorruptCartridgeError.
+    """
+    path = Path(path)
+    for _ in range(attempts):
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise NotACartridgeError(f"{path} does not exist") from None
+        except NotADirectoryError:
+            packed = path.suffix == ".cartz" and path.is_file()
+            hint = "; it is a .cartz pack: unpack it, or load it directly" if packed else ""
+            raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file){hint}") from None
+        try:
+            return _snapshot(path, dfd)
+        except _Moved:
+            continue
+        finally:
+            os.close(dfd)
+    raise CorruptCartridgeError(f"{path} was replaced {attempts} times while being opened; try again")
+
+
+def read_manifest(path):
+    """Parse and check MANIFEST against the sizes of the files beside it (see `open_snapshot`)."""
+    snap = open_snapshot(path)
+    snap.data.close()
+    return snap.manifest
+
+
+def read_index(path, manifest):
+    """Read index.lmdb of the cartridge at `path` and check it against `manifest` (see `check_index`)."""
+    ipath = Path(path) / INDEX_NAME
+    with open(ipath, "rb") as f:
+        return check_index(f.read(manifest["index_size"] + 1), manifest, str(ipath))
+
+
+def parse_page_table(raw, key, n_pages):
+    """Decode a binary page table into (offsets, lengths, checksums).
+
+    Raises:
+        LayoutError: if its length is not n_pages records.
+    """
+    if raw is None or len(raw) != n_pages * PAGE_RECORD.size:
+        raise LayoutError(f"page table {key}: {0 if raw is None else len(raw)} bytes, expected {n_pages * PAGE_RECORD.size}")
+    recs = list(PAGE_RECORD.iter_unpack(raw))
+    return [r[0] for r in recs], [r[1] for r in recs], tuple(r[2] for r in recs)
+
+
+class PageData:
+    """Read-only memory map of pages.bin.
+
+    Args:
+        source (str | Path | file): the cartridge directory, or pages.bin already open for reading
+            (`Snapshot.data`).
+    """
+
+    def __init__(self, source):
+        self._file = source if hasattr(source, "fileno") else open(Path(source) / DATA_NAME, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    @property
+    def size(self):
+        """Bytes mapped."""
+        return 0 if self._map is None else len(self._map)
+
+    def view(self, extent, dtype):
+        """The extent as a read-only numpy array shaped `extent.shape`, without a copy."""
+        count = int(np.prod(extent.shape))
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=extent.offset).reshape(extent.shape)
+
+    def read(self, start, end):
+        """A copy of bytes start..end of pages.bin."""
+        return self._map[start:end] if self._map is not None else b""
+
+    def bad_pages(self, extent):
+        """Indices of the pages of `extent` whose SHA-256 differs from the page table's."""
+        bad = []
+        with memoryview(self._map) as mv:
+            for i, want in enumerate(extent.checksums):
+                start = extent.offset + i * extent.page_bytes
+                if hashlib.sha256(mv[start:start + extent.page_bytes]).digest() != want:
+                    bad.append(i)
+        return bad
+
+    def verify(self, extent):
+        """Check every page checksum of `extent`.
+
+        Raises:
+            ChecksumError: naming the first bad (layer, side, component, page).
+        """
+        bad = self.bad_pages(extent)
+        if bad:
+            raise page_error(extent, bad[0])
+
+    def close(self):
+        """Release the mapping (arrays viewing it must be gone)."""
+        if self._map is not None:
+            self._map.close()
+        self._file.close()
+
+
+def page_error(extent, page):
+    """The ChecksumError for page `page` of `extent`."""
+    return ChecksumError(f"page checksum mismatch: layer {extent.layer}, side {extent.side}, "
+                         f"component {extent.component}, page {page}",
+                         extent.layer, extent.side, extent.component, page)

