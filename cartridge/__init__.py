@@ -2,6 +2,7 @@
 
     cartridge.build(text, "doc.cart")                 # prefill once, write pages
     cart = cartridge.load("doc.cart")                 # verify, map pages
+    cartridge.extend("doc.cart", more_text)           # prefill only the new text
     mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("..."),
                     prompt_cache=cart.prompt_cache())
 """
@@ -17,8 +18,9 @@ from .build import BuildResult, build  # noqa: E402
 from .errors import CartridgeError  # noqa: E402
 from .format.reader import open_cartridge, verify_cartridge  # noqa: E402
 from .load import Cartridge, load  # noqa: E402
+from .extend import ExtendResult, extend  # noqa: E402
 from .models.loader import load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["build", "load", "load_model", "open_cartridge", "verify_cartridge", "Cartridge", "BuildResult",
-           "CartridgeError"]
+           "CartridgeError", "extend", "ExtendResult"]

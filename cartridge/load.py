@@ -85,6 +85,19 @@ class Cartridge:
         """
         return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
 
+    def save(self, path, cache, tokens=None, force=False):
+        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.extend.save`).
+
+        Example:
+            >>> cache = cart.prompt_cache()  # doctest: +SKIP
+            >>> answer = [r.token for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt,
+            ...                                                  prompt_cache=cache)]  # doctest: +SKIP
+            >>> cart.save("chat.cart", cache, tokens=prompt + answer)  # doctest: +SKIP
+        """
+        from .extend import save  # extend builds on load
+
+        return save(self, path, cache, tokens, force)
+
     def prompt_cache(self):
         """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer."""
         route.install()
