@@ -16,6 +16,7 @@ from cartridge.errors import CartridgeError, InputError
 from .bench import bench as bench_command
 from .common import read_corpus
 from .eval import eval_command
+from .extend import extend
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
 
@@ -99,12 +100,18 @@ def inspect(path, as_json):
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True,
               help="Attention path: auto, fused (CUDA), portable or dequantize-once.")
-def ask(path, question, max_tokens, model, attention):
+@click.option("--save-as", default=None, metavar="FILE",
+              help="Also write the cartridge + this question and answer as a new cartridge (resume with ask FILE).")
+@click.option("--force", is_flag=True, help="Replace an existing cartridge at --save-as.")
+def ask(path, question, max_tokens, model, attention, save_as, force):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout)."""
     import mlx_lm
 
     from cartridge.build import context_length
+    from cartridge.format.writer import check_output_path
 
+    if save_as is not None:
+        check_output_path(save_as, force)  # before any work
     if not question.strip():
         raise InputError("the question is empty")
     if max_tokens < 1:
@@ -123,12 +130,12 @@ def ask(path, question, max_tokens, model, attention):
         raise InputError(f"--max-tokens {max_tokens} does not fit the model's context of {limit:,} tokens: "
                          f"{len(cart.tokens):,} cached + {len(prompt)} question tokens leave {room:,}")
     t1 = time.perf_counter()
-    ttft, n = None, 0
-    for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens,
-                                    prompt_cache=cart.prompt_cache()):
+    ttft, n, answer, cache = None, 0, [], cart.prompt_cache()
+    for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
         if ttft is None:
             ttft = time.perf_counter() - t1
         n = r.generation_tokens
+        answer.append(r.token)
         click.echo(r.text, nl=False)
         sys.stdout.flush()
     click.echo()
@@ -138,6 +145,9 @@ def ask(path, question, max_tokens, model, attention):
     click.echo(f"load {load_s:.2f} s, TTFT {ttft or 0:.3f} s ({len(prompt)} question tokens over "
                f"{len(cart.tokens)} cached), decode {rate:.1f} tokens/s ({n} tokens), "
                f"attention {cart.attention}", err=True)
+    if save_as is not None:
+        saved = cart.save(save_as, cache, tokens=prompt + answer, force=force)
+        click.echo(f"saved {saved.path}: {saved.tokens} tokens ({saved.new_tokens} of this conversation)", err=True)
 
 
 cli.add_command(bench_command, name="bench")
@@ -145,6 +155,7 @@ cli.add_command(verify)
 cli.add_command(pack)
 cli.add_command(unpack)
 cli.add_command(eval_command)
+cli.add_command(extend)
 
 
 def main(argv=None):
