@@ -126,7 +126,14 @@ def _source_records(cart):
         snap.data.close()
     if records.get(K.TOKENS_IDS) != np.asarray(cart.tokens, dtype="<u4").tobytes():
         raise InputError(f"cartridge {cart.path} was replaced after it was loaded; load it again")
-    header = {k: json.loads(v) for k, v in records.items() if k != K.TOKENS_IDS and not k.endswith(".pages")}
+    header = {}
+    for key, raw in records.items():
+        if key == K.TOKENS_IDS or key.endswith(".pages"):
+            continue  # written anew
+        try:
+            header[key] = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):  # a binary key of a newer minor: its meaning is unknown here
+            continue
     return header, hashlib.sha256(snap.manifest_raw).hexdigest()
 
 

@@ -1,11 +1,15 @@
 """extend(): only the new text is prefilled; the result holds the tokens, pages and answers of a one-shot
 build of the joined text; it is written atomically and records its parts."""
 
+import json
+import shutil
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import make_tiny
+from cartfiles import forge_records
+from conftest import ROOT, make_tiny
 
 import cartridge
 from cartridge.errors import InputError, OutputExistsError
@@ -177,3 +181,50 @@ def test_extend_beyond_context_refused(tiny, tmp_path):
     with pytest.raises(InputError, match="the model's context is 512 tokens"):
         cartridge.extend(tmp_path / "a.cart", NEW * 40, model=tiny)
     assert cartridge.open_cartridge(tmp_path / "a.cart")[0].parts == []
+
+
+def test_extended_header_follows_the_schema(carts):
+    import jsonschema
+
+    from cartridge.format.container import read_index, read_manifest
+    from cartridge.format.keys import TOKENS_IDS
+
+    _, ext, _ = carts
+    records = read_index(ext.path, read_manifest(ext.path))
+    header = {k: json.loads(v) for k, v in records.items() if k != TOKENS_IDS and not k.endswith(".pages")}
+    jsonschema.validate(header, json.loads((ROOT / "spec" / "header.schema.json").read_text()))
+    assert read_manifest(ext.path)["minor"] == header["cartridge.format_minor"] == 1
+
+
+def _forged(path, tmp_path, change):
+    out = tmp_path / "forged.cart"
+    shutil.copytree(path, out)
+    forge_records(out, lambda r: {**r, **{k: json.dumps(v).encode() for k, v in change(r).items()}})
+    return out
+
+
+def _parts(records):
+    return json.loads(records["lineage.parts"])
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("document end 0", lambda r: {"prompt.document_tokens": 0}, "prompt.document_tokens' is 0"),
+    ("parts with a hole", lambda r: {"lineage.parts": [dict(p, start=p["start"] + 1) if i else p for i, p in
+                                                        enumerate(_parts(r))]},
+     r"lineage.parts\[1\]"),
+    ("part digest wrong", lambda r: {"lineage.parts": [dict(p, tokens_sha256="0" * 64) for p in
+                                                        _parts(r)]},
+     r"lineage.parts\[0\]: tokens_sha256 does not match"),
+    ("unknown kind", lambda r: {"lineage.parts": [dict(p, kind="merge") for p in
+                                                   _parts(r)]},
+     r"lineage.parts\[0\] is"),
+    ("short cover", lambda r: {"lineage.parts": _parts(r)[:1]},
+     "lineage.parts cover tokens 0.."),
+    ("bad source", lambda r: {"lineage.source": "XYZ"}, "lineage.source' is 'XYZ'"),
+])
+def test_bad_lineage_keys_refused(carts, tmp_path, name, change, match):
+    from cartridge.errors import FieldError
+
+    _, ext, _ = carts
+    with pytest.raises(FieldError, match=match):
+        cartridge.open_cartridge(_forged(ext.path, tmp_path, change))
