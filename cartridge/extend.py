@@ -10,6 +10,7 @@ tokens' K/V: they were computed attending over the stored (possibly quantized) p
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,7 @@ from .format.pack import is_pack
 from .format.verify import verify_directory
 from .format.writer import CartridgeWriter, check_output_path
 from .load import load
+from .models.loader import load_model
 from .models.prompt import _pieces, check_text, prefix_tokens
 from .tiers import TIERS
 
@@ -234,6 +236,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     """
     t0 = time.perf_counter()
     dest, force = _destination(path, output, force)
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model(model)
     cart = load(path, model=model, attention=attention)
     ids, keep = extended_tokens(cart, text, separator)
     limit = context_length(cart.model)

@@ -228,3 +228,34 @@ def test_bad_lineage_keys_refused(carts, tmp_path, name, change, match):
     _, ext, _ = carts
     with pytest.raises(FieldError, match=match):
         cartridge.open_cartridge(_forged(ext.path, tmp_path, change))
+
+
+@pytest.mark.parametrize("stage", ["before-publish", "after-exchange"])  # every stage: tests/test_crash.py
+def test_extend_in_place_killed_at_stage_leaves_a_whole_cartridge(tiny_dir, tmp_path, stage):
+    """SIGKILL during an in-place extend: the path holds the old cartridge (byte for byte) before the
+    swap and the verified extended one after it; the next extend removes the dead writer's temporary."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cartfiles import files
+
+    from cartridge.format.atomic import CRASH_ENV
+
+    path = tmp_path / "doc.cart"
+    cartridge.build(OLD, path, model=str(tiny_dir), page_size=PAGE)
+    old = files(path)
+    code = f"import cartridge; cartridge.extend({str(path)!r}, {NEW!r})"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, CRASH_ENV: stage}, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert cartridge.verify_cartridge(path).ok
+    info = cartridge.open_cartridge(path)[0]
+    if stage in ("after-exchange", "published"):
+        assert [p["kind"] for p in info.parts] == ["build", "extend"]
+        assert info.parts[0]["end"] < len(info.tokens)
+    else:
+        assert files(path) == old
+    cartridge.extend(path, "Section 9. Notices are written.", model=str(tiny_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cart"]
