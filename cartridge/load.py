@@ -18,7 +18,7 @@ from .errors import InputError, ModelMismatchError
 from .format.header import SIDES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
-from .models.prompt import question_tokens
+from .models.prompt import followup_tokens, question_tokens
 from .tiers import TIERS
 
 
@@ -75,7 +75,8 @@ class Cartridge:
         return self.info.tokens.tolist()
 
     def question_prompt(self, question):
-        """Tokens to feed after the prefix: separator, question, end of turn, assistant header.
+        """Tokens to feed after the prefix: separator, question, end of turn, assistant header (after a
+        saved conversation: the end of the assistant's turn, a new user turn, assistant header).
 
         Returns:
             list[int]: pass as `prompt` to `mlx_lm.generate` together with `prompt_cache()`.
@@ -83,6 +84,9 @@ class Cartridge:
         Raises:
             InputError: if the question is empty.
         """
+        if self.info.document_tokens < len(self.info.tokens):  # a saved conversation: a new user turn
+            return followup_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator,
+                                   int(self.info.tokens[-1]))
         return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
 
     def save(self, path, cache, tokens=None, force=False):

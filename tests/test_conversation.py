@@ -104,3 +104,22 @@ def test_conversation_cartridge_cannot_be_extended(conversation, fp16_model):
     d, _, _, _, saved = conversation
     with pytest.raises(InputError, match="holds a conversation after its document"):
         cartridge.extend(saved.path, "More text.", output=d / "x.cart", model=fp16_model)
+
+
+def test_next_question_after_a_saved_conversation_is_a_new_user_turn(fp16_model, tmp_path):
+    """Saved conversation + question_prompt(q2) == the chat template's tokens of the two user turns and
+    the answer between them (the answer closed by its end-of-turn token, as generation stops)."""
+    from cartridge.models.prompt import SEPARATOR, _encode
+
+    tok = fp16_model.tokenizer
+    cartridge.build(DOC, tmp_path / "doc.cart", model=fp16_model)
+    cart = cartridge.load(tmp_path / "doc.cart", model=fp16_model)
+    q1, a1, q2 = "How much notice?", "Thirty days of written notice.", "And the rent?"
+    turns = cart.question_prompt(q1) + tok.encode(a1, add_special_tokens=False) + [tok.eos_token_id]
+    saved = cart.save(tmp_path / "chat.cart", cart.prompt_cache(), tokens=turns)
+    conv = cartridge.load(saved.path, model=fp16_model)
+    messages = [{"role": "user", "content": DOC.rstrip() + SEPARATOR + q1}, {"role": "assistant", "content": a1},
+                {"role": "user", "content": q2}]
+    want = _encode(tok, tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True)
+    assert conv.tokens + conv.question_prompt(q2) == want
+    assert cart.question_prompt(q2) != conv.question_prompt(q2)
