@@ -116,20 +116,22 @@ def _model_dtype(model):
     return mx.float32
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
-    """Load a cartridge.
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", recompute=16):
+    """Load a cartridge, or several laid out one after another (`cartridge.compose`).
 
     Args:
-        path (str | Path): cartridge directory.
+        path (str | Path | list): cartridge directory; a list of them composes the documents in order.
         model (nn.Module | LoadedModel | None): the model to answer with; None loads the one the
             cartridge records ("default" or its path). Default: None.
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
             (`cartridge.attention.policy`).
+        recompute (int): with a list: document tokens of each later cartridge prefilled again over
+            the ones before it. Default: 16.
 
     Returns:
-        Cartridge
+        Cartridge (ComposedCartridge for a list)
 
     Raises:
         CartridgeError subclasses: a failed check, a model whose fingerprint differs
@@ -140,6 +142,14 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
         >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
+    if isinstance(path, (list, tuple)):
+        from .compose import compose  # compose builds on load
+
+        if model is None and path:
+            first = load(path[0], verify=verify, attention=attention)
+            model, tokenizer = first.model, first.tokenizer
+        carts = [load(p, model, tokenizer, verify, attention) for p in path]
+        return compose(carts, recompute)
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)
