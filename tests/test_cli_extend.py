@@ -45,3 +45,15 @@ def test_cli_errors_are_one_line(tiny_dir, tmp_path):
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "is empty" in r.stderr
     r = run("ask", cart, "Who?", "--save-as", cart)
     assert r.returncode == 1 and r.stderr.strip() == f"error: output {cart} exists; pass --force (Python: force=True) to replace it"
+
+
+def test_ask_over_two_cartridges(tiny_dir, tmp_path):
+    a, b = tmp_path / "a.cart", tmp_path / "b.cart"
+    cartridge.build(DOC, a, model=str(tiny_dir))
+    cartridge.build(MORE, b, model=str(tiny_dir))
+    c = cartridge.load([a, b], recompute=2)
+    r = run("ask", a, b, "Are pets allowed?", "--max-tokens", 3, "--recompute", 2)
+    assert r.returncode == 0, r.stderr
+    assert f"over {len(c.tokens)} cached" in r.stderr
+    r = run("ask", a, b, "Who?", "--save-as", tmp_path / "x.cart")
+    assert r.returncode == 1 and "--save-as takes one cartridge" in r.stderr

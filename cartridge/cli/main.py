@@ -94,7 +94,7 @@ def inspect(path, as_json):
 
 
 @cli.command()
-@click.argument("path")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @click.argument("question")
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
@@ -103,13 +103,18 @@ def inspect(path, as_json):
 @click.option("--save-as", default=None, metavar="FILE",
               help="Also write the cartridge + this question and answer as a new cartridge (resume with ask FILE).")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at --save-as.")
-def ask(path, question, max_tokens, model, attention, save_as, force):
-    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout)."""
+@click.option("--recompute", default=16, show_default=True, metavar="N",
+              help="With several cartridges: tokens of each later document prefilled again over the ones before.")
+def ask(paths, question, max_tokens, model, attention, save_as, force, recompute):
+    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout); several PATHs
+    are laid out one after another in one context."""
     import mlx_lm
 
     from cartridge.build import context_length
     from cartridge.format.writer import check_output_path
 
+    if save_as is not None and len(paths) > 1:
+        raise InputError("--save-as takes one cartridge; several are composed at load and not saved")
     if save_as is not None:
         check_output_path(save_as, force)  # before any work
     if not question.strip():
@@ -118,7 +123,8 @@ def ask(path, question, max_tokens, model, attention, save_as, force):
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     t0 = time.perf_counter()
     lm = cartridge.load_model(_model_ref(model)) if model is not None else None
-    cart = cartridge.load(path, model=lm, attention=attention)
+    cart = cartridge.load(paths[0] if len(paths) == 1 else list(paths), model=lm, attention=attention,
+                          recompute=recompute)
     load_s = time.perf_counter() - t0
     prompt = cart.question_prompt(question)
     limit = context_length(cart.model)
