@@ -149,8 +149,8 @@ class ComposedCartridge:
                 self._layers[layer].append(Part(replace(cart._prefixes[layer], kernel=None), shift, start))
         self.tokens += fresh + cart.tokens[start:]
 
-    def question_prompt(self, question):
-        """Tokens to feed after the composed context (as `Cartridge.question_prompt`)."""
+    def question_prompt(self, question, cache=None):
+        """Tokens to feed after the composed context (as `Cartridge.question_prompt`; `cache` unchecked)."""
         return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
 
     def prompt_cache(self):
