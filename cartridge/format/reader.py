@@ -36,9 +36,21 @@ def open_cartridge(path, verify="pages"):
     """
     if verify not in VERIFY_MODES:
         raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if is_pack(path):
-        return open_packed(path, lambda folder: _open_dir(folder, verify))
-    return _open_dir(Path(path), verify)
+    try:
+        if is_pack(path):
+            return open_packed(path, lambda folder: _open_dir(folder, verify))
+        return _open_dir(Path(path), verify)
+    except CartridgeError as e:
+        name_cartridge(e, path)
+        raise
+
+
+def name_cartridge(error, path):
+    """`error` with its message prefixed by "cartridge PATH: " unless it names PATH already (same
+    exception object and class, so its attributes, e.g. ChecksumError.page, stay)."""
+    if str(path) not in str(error):
+        error.args = (f"cartridge {path}: {error}", *error.args[1:])
+    return error
 
 
 def _open_dir(path, verify):

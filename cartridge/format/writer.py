@@ -5,6 +5,7 @@ atomically (`cartridge.format.atomic`). Named crash points let tests kill a writ
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -185,6 +186,18 @@ def check_output_folder(dest):
         os.rmdir(tempfile.mkdtemp(prefix=".cartridge-probe-", dir=parent))
     except OSError as e:
         raise WriteError(f"cannot write in folder {parent}: {e.strerror or e}") from None
+
+
+def check_space(dest, nbytes):
+    """Refuse, before any expensive work, to write `nbytes` where the output's file system has less free.
+
+    Raises:
+        WriteError: naming the bytes needed, the bytes free and the folder.
+    """
+    parent = Path(dest).absolute().parent
+    free = shutil.disk_usage(parent).free
+    if free < nbytes:
+        raise WriteError(f"cartridge {dest} needs about {nbytes:,} bytes; only {free:,} are free in {parent}")
 
 
 def check_utf8_path(path, what):
