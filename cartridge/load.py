@@ -38,11 +38,11 @@ def check_fingerprint(info, fp, path=None, model_ref=None):
         return
     differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
     which = f"cartridge {path}" if path is not None else "the cartridge"
-    given = f" ({model_ref})" if model_ref else ""
+    given = f" {model_ref}" if model_ref else ""
     ref = info.model_ref
     raise ModelMismatchError(
-        f"{which} was built with model {ref} (fingerprint {info.fingerprint.get('id', '')[:12]}); the model "
-        f"given{given} (fingerprint {fp['id'][:12]}) differs in {', '.join(differ) or 'id'}: answer with "
+        f"{which} was built with model {ref} (fingerprint {info.fingerprint.get('id', '')[:12]}); this "
+        f"model{given} (fingerprint {fp['id'][:12]}) differs in {', '.join(differ) or 'id'}: answer with "
         f"--model {ref} (Python: model={ref!r}), or rebuild the cartridge with this model"
     )
 
