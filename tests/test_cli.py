@@ -80,7 +80,7 @@ def test_inspect_takes_a_cartz(built, tmp_path, monkeypatch):
 
 def test_build_warns_when_little_context_is_left(tiny_dir, tmp_path):
     corpus = tmp_path / "long.txt"
-    corpus.write_text(DOC * 20)  # about 400 tokens of the tiny model's 512
+    corpus.write_text(DOC * 16)  # about 440 tokens of the tiny model's 512
     r = run("build", corpus, "-o", tmp_path / "l.cart", "--model", tiny_dir)
     assert r.returncode == 0, r.stderr.decode()
     warning = [line for line in r.stderr.decode().splitlines() if line.startswith("warning:")]

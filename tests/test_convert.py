@@ -120,3 +120,24 @@ def test_bad_tier_options_refused(tiny32, tmp_path):
     with pytest.raises(InputError, match="boundary_protect 2 protects 4 layers; the model has 2"):
         cartridge.convert(src.path, tmp_path / "o.cart", tier="int8", boundary_protect=2)
     assert not (tmp_path / "o.cart").exists()
+
+
+def test_cli_convert_and_one_line_refusal(tiny32, tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "cartridge.cli.main", "convert", *map(str, args)],
+                              capture_output=True, timeout=300)
+
+    src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny32)
+    r = run(src.path, "-o", tmp_path / "q.cart", "--tier", "mlx4g32", "--boundary-protect", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().startswith(f"converted {src.path} -> {tmp_path / 'q.cart'}: {src.tokens} tokens, ")
+    assert "layers 0-1 K fp16 V fp16" in r.stdout.decode()  # 2 layers, N=1: both protected
+    r = run(tmp_path / "q.cart", "-o", tmp_path / "r.cart", "--k-tier", "int8", "--v-tier", "int8")
+    assert r.returncode == 0, r.stderr.decode()
+    r = run(tmp_path / "r.cart", "-o", tmp_path / "s.cart", "--tier", "turbo4")
+    assert r.returncode == 1 and not (tmp_path / "s.cart").exists()
+    assert r.stderr.decode() == (f"error: cartridge {tmp_path / 'r.cart'} stores layer 0 K as int8; convert "
+                                 "re-encodes fp16 or bf16 pages only (rebuild from the document for another tier)\n")
