@@ -14,7 +14,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 import warnings
 from pathlib import Path
 

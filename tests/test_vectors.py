@@ -159,6 +159,7 @@ def test_handcrafted_corruption_raises_one_exact_class(tmp_path, case):
     assert type(e.value) is expected, (case, repr(e.value))
     assert str(path) in str(e.value), (case, str(e.value))  # every error names the cartridge
     report = verify_cartridge(path)
+    assert str(path) in str(report.error), (case, str(report.error))
     assert not report.ok and type(report.error) is expected
 
 

@@ -83,7 +83,7 @@ def verify_cartridge(path):
         >>> cartridge.verify_cartridge("doc.cart").raise_for_error()  # doctest: +SKIP
     """
     if not is_pack(path):
-        return verify_directory(path)
+        return _named_report(verify_directory(path), path)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".cartridge-verify-") as tmp:
         try:
@@ -92,4 +92,10 @@ def verify_cartridge(path):
         except CartridgeError as e:
             report = VerifyReport(str(path), error=e)
     report.path, report.ok, report.seconds = str(path), report.error is None, time.perf_counter() - t0
+    return _named_report(report, path)
+
+
+def _named_report(report, path):
+    if report.error is not None:
+        name_cartridge(report.error, path)
     return report
