@@ -148,6 +148,9 @@ def _parts(info, keep, end, kind):
 
 def _header(cart, ids, keep, kind, document_tokens):
     header, source = _source_records(cart)
+    if kind == "extend":  # they describe the text first prefilled, no longer the whole document
+        header.pop(K.SOURCE_BYTES, None)
+        header.pop(K.SOURCE_SHA256, None)
     parts = _parts(cart.info, keep, len(ids), kind)
     for p in parts:
         p["tokens_sha256"] = token_sha256(ids[p["start"]:p["end"]])

@@ -69,7 +69,7 @@ def test_extend_tokens_are_the_one_shot_tokens_of_the_joined_text(carts):
     assert ext.tokens == one.tokens and ext.reused_tokens == len(old.tokens)
     assert ext.new_tokens == one.tokens - len(old.tokens) > 0
     assert len(old.tokens) % PAGE != 0  # the stored last page was partial: the splice was exercised
-    assert info.format_version == "1.1" and info.document_tokens == one.tokens
+    assert info.format_version == "1.2" and info.document_tokens == one.tokens
     assert [(p["kind"], p["start"], p["end"]) for p in info.parts] == [
         ("build", 0, len(old.tokens)), ("extend", len(old.tokens), one.tokens)]
     assert info.parts[1]["tokens_sha256"] == token_sha256(info.tokens[len(old.tokens):])
@@ -133,7 +133,7 @@ def test_extend_in_place_replaces_only_the_finished_cartridge(tiny, tmp_path):
     assert r.path == str(path) and len(after.tokens) == r.tokens > len(before.tokens)
     assert after.tokens[: len(before.tokens)].tolist() == before.tokens.tolist()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cart"]  # no temporaries left
-    assert len(after.source) == 64
+    assert len(after.lineage_source) == 64
 
 
 def test_extend_twice_records_three_parts(tiny, tmp_path):
@@ -193,7 +193,7 @@ def test_extended_header_follows_the_schema(carts):
     records = read_index(ext.path, read_manifest(ext.path))
     header = {k: json.loads(v) for k, v in records.items() if k != TOKENS_IDS and not k.endswith(".pages")}
     jsonschema.validate(header, json.loads((ROOT / "spec" / "header.schema.json").read_text()))
-    assert read_manifest(ext.path)["minor"] == header["cartridge.format_minor"] == 1
+    assert read_manifest(ext.path)["minor"] == header["cartridge.format_minor"] == 2
 
 
 def _forged(path, tmp_path, change):

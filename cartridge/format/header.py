@@ -15,6 +15,7 @@ from ..tiers import TIERS
 from . import keys as K
 from .container import Extent, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
+from .source import read_source
 
 LIMITS = {  # key -> (min, max), inclusive
     K.N_LAYERS: (1, 4096),
@@ -41,11 +42,13 @@ class CartridgeInfo:
         prompt_mode (str), separator (str): the prompt split (spec 5.4).
         source_dtype (str): dtype of K/V as the model computed them.
         data_size (int): bytes of pages.bin.
-        params (dict): (layer, side) -> the tier's params.
-        document_tokens (int): leading tokens that are the document (format 1.1; all tokens if absent);
+        params (dict): (layer, side) -> the tier's params object.
+        source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
+            format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
+        document_tokens (int): leading tokens that are the document (format 1.2; all tokens if absent);
             a conversation cartridge holds turns after them.
         parts (list[dict]): lineage.parts, [{kind, start, end, tokens_sha256}] ([] if built at once).
-        source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
+        lineage_source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
     """
 
     format_version: str
@@ -65,9 +68,11 @@ class CartridgeInfo:
     source_dtype: str
     data_size: int
     params: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict, repr=False)
     document_tokens: int = 0
     parts: list = field(default_factory=list)
-    source: str = ""
+    lineage_source: str = ""
 
     @property
     def kv_dim(self):
@@ -225,6 +230,8 @@ def parse_header(records, manifest):
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
         params=_params(records, tiers, geometry[1], geometry[2]),
+        source=read_source(records),
+        records=records,
         **_lineage(records, ids, n_tokens),
     )
 
@@ -251,7 +258,7 @@ def _hex64(value):
 
 
 def _lineage(records, ids, n_tokens):
-    """The format 1.1 keys (all OPTIONAL): document end, parts, source (spec/FORMAT.md 4.2)."""
+    """The format 1.2 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
     doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
     if not 1 <= doc <= n_tokens:
         raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")
@@ -270,4 +277,4 @@ def _lineage(records, ids, n_tokens):
     source = _typed(records, K.LINEAGE_SOURCE, str) if K.LINEAGE_SOURCE in records else ""
     if source and not _hex64(source):
         raise FieldError(f"index key {K.LINEAGE_SOURCE!r} is {source[:70]!r}; expected 64 lowercase hex digits")
-    return {"document_tokens": doc, "parts": parts, "source": source}
+    return {"document_tokens": doc, "parts": parts, "lineage_source": source}

@@ -28,7 +28,7 @@ N_PAGES = "cache.n_pages"
 SOURCE_DTYPE = "cache.source_dtype"
 ROPE = "cache.rope"
 
-# format 1.1 (OPTIONAL; spec/FORMAT.md 4.2): where the document ends, and what the cartridge was made of
+# format 1.2 (OPTIONAL; spec/FORMAT.md 4.5): where the document ends, and what the cartridge was made of
 DOCUMENT_TOKENS = "prompt.document_tokens"  # int: leading tokens that are the document; absent: tokens.count
 LINEAGE_PARTS = "lineage.parts"  # array of {kind, start, end, tokens_sha256}; absent: built at once
 LINEAGE_SOURCE = "lineage.source"  # hex SHA-256 of the MANIFEST of the cartridge this one was written from
@@ -63,3 +63,10 @@ def layer_components(layer, side):
 def page_table(layer, side, component):
     """Binary page table of one component extent: n_pages records of (u64 offset, u64 length, 32-byte sha256)."""
     return f"layer.{layer}.{side}.{component}.pages"
+
+# --- Source document (format 1.1, OPTIONAL; a 1.0 cartridge lacks them and readers show "-") ---
+SOURCE_NAME = "source.name"  # string: file name the document was read from ("stdin", or "" when not given)
+SOURCE_BYTES = "source.bytes"  # integer: bytes of the document's UTF-8 text as prefilled
+SOURCE_SHA256 = "source.sha256"  # string: lowercase hex SHA-256 of those bytes
+SOURCE_FIRST_LINE = "source.first_line"  # string: first non-blank line, stripped, at most 120 characters
+SOURCE_KEYS = (SOURCE_NAME, SOURCE_BYTES, SOURCE_SHA256, SOURCE_FIRST_LINE)

@@ -5,6 +5,7 @@ atomically (`cartridge.format.atomic`). Named crash points let tests kill a writ
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -139,8 +140,8 @@ def _write_error(dest, e, stage="creating a temporary directory"):
 
 
 def write_manifest(folder, data_size, minor=FORMAT_MINOR):
-    """Write MANIFEST for the index.lmdb in `folder` and a pages.bin of `data_size` bytes (spec 2);
-    `minor` is the header's `cartridge.format_minor` (the two agree)."""
+    """Write MANIFEST for the index.lmdb in `folder` and a pages.bin of `data_size` bytes (spec 2); its
+    format_minor is the header's `cartridge.format_minor` (`minor`), so the two always agree."""
     folder = Path(folder)
     index_size = (folder / INDEX_NAME).stat().st_size
     body = MANIFEST_STRUCT.pack(MAGIC, FORMAT_MAJOR, minor, MANIFEST_SIZE, index_size, data_size,
@@ -191,6 +192,18 @@ def check_output_folder(dest):
         os.rmdir(tempfile.mkdtemp(prefix=".cartridge-probe-", dir=parent))
     except OSError as e:
         raise WriteError(f"cannot write in folder {parent}: {e.strerror or e}") from None
+
+
+def check_space(dest, nbytes):
+    """Refuse, before any expensive work, to write `nbytes` where the output's file system has less free.
+
+    Raises:
+        WriteError: naming the bytes needed, the bytes free and the folder.
+    """
+    parent = Path(dest).absolute().parent
+    free = shutil.disk_usage(parent).free
+    if free < nbytes:
+        raise WriteError(f"cartridge {dest} needs about {nbytes:,} bytes; only {free:,} are free in {parent}")
 
 
 def check_utf8_path(path, what):
