@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import cartridge  # noqa: I001  (first: it loads OpenBLAS before mlx; imported after, MLX keeps its reference BLAS)
+
 import mlx.core as mx
 import mlx_lm
-
-import cartridge  # loads OpenBLAS before mlx
 from cartridge.eval.metrics import first_divergence, first_token_agrees, sentence_bleu
 
 ROOT = Path(__file__).resolve().parent.parent

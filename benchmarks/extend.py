@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import cartridge  # noqa: I001  (first: it loads OpenBLAS before mlx; imported after, MLX keeps its reference BLAS)
+
 import mlx.core as mx
 import mlx_lm
-
-import cartridge  # loads OpenBLAS before mlx
 from cartridge.extend import EXTEND_SEPARATOR
 
 ROOT = Path(__file__).resolve().parent.parent
