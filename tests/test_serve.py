@@ -325,3 +325,55 @@ def test_client_gone_mid_stream_frees_its_slot(server, client):
     after = json.loads(_raw(port, "GET", "/stats")[1])
     assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
     assert after["generated_tokens"] - before.get("generated_tokens", 0) < 380 + MAX
+
+
+# In-process pieces: no server needed.
+
+def test_stop_text_holds_back_a_possible_stop_sequence():
+    from cartridge.serve.engine import StopText
+
+    s = StopText(["END", "\n\n"])
+    assert s.feed("abc E") == ("abc ", False)
+    assert s.feed("N") == ("", False)
+    assert s.feed("x") == ("ENx", False)
+    assert s.feed("y\n") == ("y", False)
+    assert s.feed("\nz") == ("", True)
+    assert StopText([]).feed("E") == ("E", False)
+    t = StopText(["END"])
+    t.feed("a EN")
+    assert t.flush() == "EN"
+
+
+def test_pool_finds_cartridges_and_refuses_what_cannot_fit(shelf):
+    from cartridge.errors import InputError
+    from cartridge.serve.pool import Pool, Refused, find_cartridges
+
+    folder, lm = shelf
+    found = find_cartridges([folder])
+    assert list(found) == ["broken", "lease", "other", "wrong"]
+    assert find_cartridges([folder / "lease.cart"]) == {"lease": folder / "lease.cart"}
+    with pytest.raises(InputError, match="two cartridges are named 'lease'"):
+        find_cartridges([folder, folder / "lease.cart"])
+    with pytest.raises(InputError, match="neither a cartridge"):
+        find_cartridges([folder / "missing"])
+    pool = Pool(found, lm, max_bytes=1000)
+    size = pool.entries["lease"].info.data_size
+    with pytest.raises(Refused, match=f"maps {size:,} page bytes; --max-bytes is 1,000") as e:
+        pool.get("lease")
+    assert (e.value.status, e.value.code, pool.loaded_bytes) == (422, "cartridge_too_large", 0)
+
+
+@pytest.mark.parametrize("text, value", [("1000", 1000), ("4G", 4 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)])
+def test_max_bytes_sizes(text, value):
+    from cartridge.cli.serve import parse_bytes
+
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5", "4X", "lots"])
+def test_max_bytes_refuses_non_sizes(text):
+    from cartridge.cli.serve import parse_bytes
+    from cartridge.errors import InputError
+
+    with pytest.raises(InputError, match="is not a size"):
+        parse_bytes(text)

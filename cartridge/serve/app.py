@@ -180,11 +180,10 @@ def make_app(engine, max_body=MAX_BODY):
     """
 
     async def models(request):
-        rows = await asyncio.wrap_future(engine.call(engine.pool.models))
-        return JSONResponse({"object": "list", "data": rows})
+        return JSONResponse({"object": "list", "data": engine.pool.models()})
 
     async def stats(request):
-        return JSONResponse(dict(engine.stats))
+        return JSONResponse(engine.stats())
 
     async def answer(request, parse):
         try:

@@ -151,12 +151,17 @@ class Engine:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cartridge-generate")
         self.pool = self._executor.submit(make_pool).result()
         self.default_max_tokens = default_max_tokens
-        self.stats = Counter()  # requests, answered, cancelled, refused, failed, generated_tokens
+        self._stats, self._stats_lock = Counter(), threading.Lock()
         self._closed = False
 
-    def call(self, fn, *args):
-        """Run fn(*args) on the worker thread, after what is queued; returns a concurrent Future."""
-        return self._executor.submit(fn, *args)
+    def _count(self, key):
+        with self._stats_lock:
+            self._stats[key] += 1
+
+    def stats(self):
+        """Counts since start: requests, answered, cancelled, refused, failed, generated_tokens."""
+        with self._stats_lock:
+            return dict(self._stats)
 
     def submit(self, job):
         """Queue `job` behind every request before it."""
@@ -168,23 +173,23 @@ class Engine:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, job):
-        self.stats["requests"] += 1
+        self._count("requests")
         if job.cancelled.is_set() or self._closed:
-            self.stats["cancelled"] += 1
+            self._count("cancelled")
             return
         try:
             plan = self._plan(job.request)
         except (Refused, APIError, CartridgeError) as e:
-            self.stats["refused"] += 1
+            self._count("refused")
             return self._refuse(job, e)
         except Exception as e:  # a bug must not stop the server: report it, keep serving
-            self.stats["failed"] += 1
+            self._count("failed")
             return job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
         job.emit("start", prompt_tokens=plan.cached + len(plan.prompt), cached_tokens=plan.cached)
         try:
             self._generate(job, plan)
         except Exception as e:
-            self.stats["failed"] += 1
+            self._count("failed")
             job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
 
     @staticmethod
@@ -214,10 +219,10 @@ class Engine:
         for r in mlx_lm.stream_generate(plan.model, plan.tokenizer, plan.prompt, max_tokens=plan.max_tokens,
                                         sampler=sampler, prompt_cache=plan.cache):
             if job.cancelled.is_set() or self._closed:
-                self.stats["cancelled"] += 1
+                self._count("cancelled")
                 return
             n = r.generation_tokens
-            self.stats["generated_tokens"] += 1
+            self._count("generated_tokens")
             text, stopped = stops.feed(r.text)
             job.emit("delta", text=text, token=int(r.token))
             if stopped or r.finish_reason == "stop":
@@ -226,5 +231,5 @@ class Engine:
         tail = stops.flush()  # empty after a stop sequence
         if tail:
             job.emit("delta", text=tail, token=None)
-        self.stats["answered"] += 1
+        self._count("answered")
         job.emit("done", finish_reason=finish, completion_tokens=n)

@@ -5,11 +5,13 @@ was built with another model is refused (`Refused`, with the reason) and the oth
 the refusal is remembered until the cartridge's files change.
 """
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli.report import fold_tiers
 from ..errors import CartridgeError, InputError
 from ..format.layout import MANIFEST_NAME
 from ..format.pack import is_pack
@@ -121,6 +123,7 @@ class Pool:
             raise InputError(f"a cartridge is named {self.base_id!r}, the base model's id; rename it")
         self.entries = {name: self._read_header(name, path) for name, path in paths.items()}
         self._loaded = OrderedDict()  # name -> Cartridge, least recently used first
+        self._lock = threading.Lock()  # models() is read from the event loop while the worker loads
 
     def _read_header(self, name, path):
         entry = Entry(name, path)
@@ -150,10 +153,13 @@ class Pool:
             raise Refused(404, "model_not_found", f"the model {name!r} does not exist; GET /v1/models lists "
                           f"{len(self.entries)} cartridges and the base model {self.base_id!r}")
         if name in self._loaded:
-            self._loaded.move_to_end(name)
+            with self._lock:
+                self._loaded.move_to_end(name)
             return self._loaded[name]
         if entry.error is not None and entry.refused_at == _signature(entry.path):
             raise entry.error
+        if entry.info is not None:
+            self._check_size(name, entry.info.data_size)
         return self._load(entry)
 
     def _load(self, entry):
@@ -162,19 +168,24 @@ class Pool:
                 check_fingerprint(entry.info, self.lm.fingerprint)
             cart = load(entry.path, model=self.lm, verify=self.verify, attention=self.attention)
         except CartridgeError as e:
-            entry.error, entry.refused_at = _refusal(e), _signature(entry.path)
+            with self._lock:
+                entry.error, entry.refused_at = _refusal(e), _signature(entry.path)
             raise entry.error from None
-        entry.info, entry.error = cart.info, None
-        self._make_room(entry.name, cart.info.data_size)
-        self._loaded[entry.name] = cart
+        with self._lock:
+            entry.info, entry.error = cart.info, None
+            self._make_room(entry.name, cart.info.data_size)
+            self._loaded[entry.name] = cart
         return cart
+
+    def _check_size(self, name, size):
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise Refused(422, "cartridge_too_large", f"cartridge {name!r} maps {size:,} page bytes; "
+                          f"--max-bytes is {self.max_bytes:,}")
 
     def _make_room(self, name, size):
         if self.max_bytes is None:
             return
-        if size > self.max_bytes:
-            raise Refused(422, "cartridge_too_large", f"cartridge {name!r} maps {size:,} page bytes; "
-                          f"--max-bytes is {self.max_bytes:,}")
+        self._check_size(name, size)
         while self._loaded and self.loaded_bytes + size > self.max_bytes:
             self._loaded.popitem(last=False)  # the mapping closes once its last array is gone
 
@@ -185,14 +196,13 @@ class Pool:
             list[dict]: OpenAI model objects with `base_model`, `tier`, `tiers`, `tokens`, `bytes`
             (page bytes) and `loaded`; a refused cartridge also has `error`.
         """
-        rows = [self._row(e) for e in self.entries.values()]
+        with self._lock:
+            rows = [self._row(e) for e in self.entries.values()]
         rows.append({"id": self.base_id, "object": "model", "created": int(time.time()), "owned_by": "cartridge",
                      "base_model": self.lm.ref, "cartridge": False, "tokens": 0, "bytes": 0, "loaded": True})
         return rows
 
     def _row(self, entry):
-        from ..cli.report import fold_tiers
-
         row = {"id": entry.name, "object": "model", "created": int(_mtime(entry.path)), "owned_by": "cartridge",
                "cartridge": True, "path": str(entry.path), "loaded": entry.name in self._loaded}
         if entry.info is not None:

@@ -134,8 +134,11 @@ def parse_sampling(body):
             raise bad(f"'{key}' is {body[key]}; it must be at least 1", key)
     if _typed(body, "n", (int,), 1) != 1:
         raise bad(f"'n' is {body['n']}; this server returns one choice (n=1)", "n")
-    return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2, 0.0),
-                    top_p=_number(body, "top_p", 0, 1, 1.0), seed=_typed(body, "seed", (int,)), stop=_stop(body))
+    top_p = _number(body, "top_p", 0, 1, 1.0)
+    if top_p == 0:
+        raise bad("'top_p' is 0; it must be above 0 (1 keeps every token)", "top_p")
+    return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2, 0.0), top_p=top_p,
+                    seed=_typed(body, "seed", (int,)), stop=_stop(body))
 
 
 def _content(message, i):
