@@ -176,14 +176,22 @@ def test_chat_matches_cartridge_ask(client, shelf):
     assert _chat(client, "lease", _user())[0].choices[0].message.content == ask.stdout.removesuffix("\n")
 
 
-def test_system_and_several_turns_follow_the_document(client, carts):
+def test_several_turns_follow_the_document(client, carts):
     cart = carts["lease"]
-    messages = [{"role": "system", "content": "Answer briefly."}, *_user(),
-                {"role": "assistant", "content": "900 euros."}, {"role": "user", "content": "And the notice?"}]
+    messages = [*_user(), {"role": "assistant", "content": "900 euros."}, {"role": "user", "content": "And notice?"}]
     tokens, _ = _greedy(cart.model, cart.tokenizer, cart.chat_prompt(messages), cart.prompt_cache())
     r, ids = _chat(client, "lease", messages)
     assert ids == tokens
     assert r.usage.prompt_tokens == len(cart.tokens) + len(cart.chat_prompt(messages))
+
+
+def test_system_message_where_the_template_cannot_place_it(client, carts, tiny_dir):
+    """SmolLM2's template puts the system message first, before the prefilled document: refused (400);
+    the base model takes it."""
+    messages = [{"role": "system", "content": "Answer briefly."}, *_user()]
+    with pytest.raises(openai.BadRequestError, match="puts the system message before the document"):
+        _chat(client, "lease", messages)
+    assert _chat(client, tiny_dir.name, messages)[0].choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("stream", [False, True])

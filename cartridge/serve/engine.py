@@ -109,8 +109,6 @@ def cartridge_prompt(cart, request):
     """Prompt tokens that follow a cartridge's document: the chat turns (`Cartridge.chat_prompt`), or the
     completion prompt's text continuing the document."""
     if request.kind == "chat":
-        if not hasattr(cart, "chat_prompt"):  # TEMPORARY until Cartridge.chat_prompt lands on main
-            return cart.question_prompt(request.messages[-1]["content"])
         return cart.chat_prompt(request.messages)
     if not request.prompt:
         raise bad("'prompt' is empty; a cartridge needs at least one token after its document", "prompt")
