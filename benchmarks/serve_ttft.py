@@ -11,6 +11,7 @@ mlx_lm.server does for a new document); mlx_lm.server itself cannot load the def
 
 import argparse
 import json
+import os
 import platform
 import socket
 import statistics
@@ -36,6 +37,11 @@ def first_token_s(model, tokenizer, prompt, **kw):
     t0 = time.perf_counter()
     for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=1, **kw):
         return time.perf_counter() - t0
+
+
+def in_process(cart, question):
+    """`cartridge ask`'s TTFT: the question's tokens fed after the loaded cartridge, to the first token."""
+    return first_token_s(cart.model, cart.tokenizer, cart.question_prompt(question), prompt_cache=cart.prompt_cache())
 
 
 def served_first_token_s(client, name, question):
@@ -65,7 +71,19 @@ def start_server(cart, port):
     raise SystemExit("the server did not start")
 
 
-def concurrent(client_url, name, questions, expected, clients=8, requests=20, max_tokens=16):
+def log(*parts):
+    print(time.strftime("%H:%M:%S"), *parts, file=sys.stderr, flush=True)
+
+
+def ask(client, name, question, max_tokens, stream):
+    """The answer's text, streamed or not."""
+    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": question}],
+                                       max_tokens=max_tokens, temperature=0, stream=stream)
+    return "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream \
+        else r.choices[0].message.content
+
+
+def concurrent(client_url, name, questions, expected, clients=8, requests=20, max_tokens=4):
     """clients threads x requests each; returns (errors, answers differing from `expected`, seconds)."""
     errors, differ = [], []
 
@@ -74,11 +92,7 @@ def concurrent(client_url, name, questions, expected, clients=8, requests=20, ma
         for j in range(requests):
             q = questions[(i + j) % len(questions)]
             try:
-                r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": q}],
-                                              max_tokens=max_tokens, temperature=0, stream=bool(j % 2))
-                text = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if j % 2 \
-                    else r.choices[0].message.content
-                if text != expected[q]:
+                if ask(c, name, q, max_tokens, stream=bool(j % 2)) != expected[q]:
                     differ.append(q)
             except Exception as e:
                 errors.append(repr(e))
@@ -94,9 +108,10 @@ def concurrent(client_url, name, questions, expected, clients=8, requests=20, ma
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--copies", type=int, default=4, help="copies of the sample document")
+    ap.add_argument("--copies", type=int, default=2, help="copies of the sample document")
     ap.add_argument("--questions", type=int, default=5)
-    ap.add_argument("--cold", type=int, default=2, help="questions timed with a cold prefill")
+    ap.add_argument("--cold", type=int, default=1, help="questions timed with a cold prefill")
+    ap.add_argument("--max-tokens", type=int, default=4, help="answer length in the concurrency run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     doc = "\n\n".join([(ROOT / "samples" / "lgpl-3.0.txt").read_text()] * args.copies)
@@ -104,7 +119,9 @@ def main():
     questions = [r["question"] for r in rows[: args.questions]]
     lm = cartridge.load_model()
     with tempfile.TemporaryDirectory() as tmp:
+        log("building")
         built = cartridge.build(doc, Path(tmp) / "doc.cart", model=lm)
+        log(f"built {built.tokens} tokens in {built.seconds:.0f} s")
         cart = cartridge.load(built.path, model=lm)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -112,17 +129,24 @@ def main():
         proc, client = start_server(built.path, port)
         try:
             served_first_token_s(client, "doc", questions[0])  # loads the cartridge (first use)
-            first_token_s(cart.model, cart.tokenizer, cart.question_prompt(questions[0]), prompt_cache=cart.prompt_cache())
+            in_process(cart, questions[0])  # warm-up
             res = []
+            log("timing first tokens")
             for q in questions:  # alternate, so that load from other users of the machine hits both alike
-                local = first_token_s(cart.model, cart.tokenizer, cart.question_prompt(q), prompt_cache=cart.prompt_cache())
+                local = in_process(cart, q)
                 served = served_first_token_s(client, "doc", q)
                 res.append({"question": q, "ask_in_process_ttft_s": local, "served_ttft_s": served})
+            log("cold prefills")
             cold = [first_token_s(lm.model, lm.tokenizer, full_prompt_tokens(lm.tokenizer, doc, q))
                     for q in questions[: args.cold]]
-            expected = {q: mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt(q), max_tokens=16,
-                                           prompt_cache=cart.prompt_cache()) for q in questions}
-            errors, differ, conc_s = concurrent(f"http://127.0.0.1:{port}/v1", "doc", questions, expected)
+            log("sequential answers")
+            expected = {q: ask(client, "doc", q, args.max_tokens, stream=False) for q in questions}
+            local = {q: mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt(q),
+                                        max_tokens=args.max_tokens, prompt_cache=cart.prompt_cache())
+                     for q in questions}
+            log("8 concurrent clients")
+            errors, differ, conc_s = concurrent(f"http://127.0.0.1:{port}/v1", "doc", questions, expected,
+                                                max_tokens=args.max_tokens)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -130,12 +154,13 @@ def main():
     med_served = statistics.median(r["served_ttft_s"] for r in res)
     med_cold = statistics.median(cold)
     out = {
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}, cores: {__import__('os').cpu_count()}",
+        "machine": f"{platform.machine()} {platform.platform()}, {os.cpu_count()} cores shared with other users",
         "device": str(mx.default_device()), "model": "default (SmolLM2-135M-Instruct)", "tokens": built.tokens,
         "tier": "fp16", "median_ask_in_process_ttft_s": med_local, "median_served_ttft_s": med_served,
         "served_over_in_process": med_served / med_local, "median_cold_prefill_ttft_s": med_cold,
         "cold_prefill_over_served": med_cold / med_served, "questions": res, "cold_prefill_ttft_s": cold,
-        "concurrent": {"clients": 8, "requests_each": 20, "max_tokens": 16, "errors": len(errors),
+        "sequential_equal_in_process": sum(expected[q] == local[q] for q in questions),
+        "concurrent": {"clients": 8, "requests_each": 20, "max_tokens": args.max_tokens, "errors": len(errors),
                        "differing_from_sequential": len(differ), "seconds": conc_s, "error_samples": errors[:3]},
     }
     print(f"{built.tokens} cached tokens; TTFT median: in-process {med_local * 1000:.1f} ms, served (streamed) "

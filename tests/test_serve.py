@@ -17,7 +17,6 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 import cartridge
-from cartridge.build import context_length
 
 from conftest import TINY_CONFIG, make_tiny
 

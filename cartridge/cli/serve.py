@@ -26,7 +26,8 @@ def parse_bytes(text):
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridges record).")
-@click.option("--max-bytes", default=None, help="Page bytes of cartridges kept loaded (LRU), e.g. 4G; default: no limit.")
+@click.option("--max-bytes", default=None,
+              help="Page bytes of cartridges kept loaded (LRU), e.g. 4G; default: no limit.")
 @click.option("--verify", default="pages", show_default=True, type=click.Choice(["pages", "header"]),
               help="Checks at load: every page checksum, or the header only.")
 @click.option("--attention", default="auto", show_default=True,

@@ -7,10 +7,9 @@
 request in arrival order on one thread, `protocol` checks request bodies, `app` holds the routes.
 """
 
-import sys
 
-from ..format.reader import open_cartridge
 from ..errors import CartridgeError
+from ..format.reader import open_cartridge
 from ..models.loader import DEFAULT_MODEL, load_model
 from .pool import Pool, find_cartridges
 

@@ -192,17 +192,21 @@ def make_app(engine, max_body=MAX_BODY):
             return error_response(e)
         job = Job(req, asyncio.get_running_loop())
         engine.submit(job)
-        pending = {}
+        pending, streaming = {}, False
         try:
             kind, data = await next_event(job, request, pending)
             if kind == "error":
                 return error_response(data["error"])
             out = Answer(req, data)
             if req.stream:
+                streaming = True  # from here the EventStream cancels the job when it ends
                 return EventStream(_stream(job, out), job)
             return await _collect(job, request, out, pending)
         except ClientGone:
             return JSONResponse({}, status_code=499)
+        finally:
+            if not streaming:
+                job.cancel()  # a no-op once answered; frees the queue if this handler failed
 
     async def chat(request):
         return await answer(request, parse_chat)
@@ -219,6 +223,7 @@ def make_app(engine, max_body=MAX_BODY):
     routes = [Route("/v1/models", models, methods=["GET"]), Route("/stats", stats, methods=["GET"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield

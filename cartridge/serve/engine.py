@@ -199,8 +199,8 @@ class Engine:
     def _plan(self, request):
         cart = self.pool.get(request.model)
         if cart is None:
-            lm = self.pool.lm
-            model, tokenizer, prompt, cache, cached = lm.model, lm.tokenizer, base_prompt(lm.tokenizer, request), None, 0
+            model, tokenizer = self.pool.lm.model, self.pool.lm.tokenizer
+            prompt, cache, cached = base_prompt(tokenizer, request), None, 0
         else:
             model, tokenizer, prompt = cart.model, cart.tokenizer, cartridge_prompt(cart, request)
             cache, cached = cart.prompt_cache(), len(cart.tokens)
