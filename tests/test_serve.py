@@ -384,3 +384,16 @@ def test_max_bytes_refuses_non_sizes(text):
 
     with pytest.raises(InputError, match="is not a size"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["/nonexistent/shelf"], "is neither a cartridge"),
+    (["--max-bytes", "4X"], "is not a size"),
+    (["--attention", "nope"], "attention policy 'nope' is unknown"),
+])
+def test_serve_refuses_bad_options_in_one_line(shelf, args, expect):
+    folder, _ = shelf
+    r = subprocess.run([sys.executable, "-m", "cartridge.cli.main", "serve", *([] if args[0].startswith("/") else
+                        [folder]), *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and expect in r.stderr and r.stderr.count("\n") == 1

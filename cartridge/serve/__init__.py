@@ -8,6 +8,7 @@ request in arrival order on one thread, `protocol` checks request bodies, `app` 
 """
 
 
+from ..attention.policy import resolve
 from ..errors import CartridgeError
 from ..format.reader import open_cartridge
 from ..models.loader import DEFAULT_MODEL, load_model
@@ -41,13 +42,15 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
         ready (callable | None): called with the Pool once the model is loaded. Default: None.
 
     Raises:
-        InputError: a path that is no cartridge, two cartridges of one name. ModelLoadError.
+        InputError: a path that is no cartridge, two cartridges of one name, an unknown attention policy.
+        ModelLoadError: the model cannot be loaded.
     """
     import uvicorn
 
     from .app import make_app
     from .engine import Engine
 
+    resolve(attention)  # refuse an unknown policy now, not as every cartridge's refusal
     found = find_cartridges(paths)
     ref = model or recorded_model(found)
     engine = Engine(lambda: Pool(found, load_model(ref), max_bytes, verify, attention), default_max_tokens)
