@@ -14,7 +14,8 @@ from cartridge.errors import CartridgeError
 
 from .ask import ask, chat
 from .bench import bench as bench_command
-from .common import model_ref, read_corpus
+from .common import model_ref, read_corpus, warnings_as_lines
+from .convert import convert as convert_command
 from .eval import eval_command
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
@@ -40,8 +41,11 @@ def cli():
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
+@click.option("--reserve", default=256, show_default=True, metavar="N",
+              help="Warn when fewer than N tokens of the model's context are left for questions.")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
-def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, force):
+def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, reserve,
+          force):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from tqdm import tqdm
 
@@ -62,9 +66,11 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
         bars[0].update(done - bars[0].n)
 
     try:
-        r = cartridge.build(text, output, model=model, tier=tier, k_tier=k_tier, v_tier=v_tier,
-                            boundary_protect=boundary_protect, schema=schema, page_size=page_size,
-                            prefill_step=prefill_step, force=force, progress=progress)
+        with warnings_as_lines():
+            r = cartridge.build(text, output, model=model, tier=tier, k_tier=k_tier, v_tier=v_tier,
+                                boundary_protect=boundary_protect, schema=schema, page_size=page_size,
+                                prefill_step=prefill_step, force=force, progress=progress,
+                                source_name="stdin" if corpus == "-" else corpus, reserve=reserve)
     finally:
         for bar in bars:
             bar.close()
@@ -93,6 +99,7 @@ cli.add_command(verify)
 cli.add_command(pack)
 cli.add_command(unpack)
 cli.add_command(eval_command)
+cli.add_command(convert_command)
 cli.add_command(serve)
 
 

@@ -165,7 +165,7 @@ class Pool:
     def _load(self, entry):
         try:
             if entry.info is not None:  # refuse another model's cartridge before reading its pages
-                check_fingerprint(entry.info, self.lm.fingerprint)
+                check_fingerprint(entry.info, self.lm.fingerprint, entry.path, self.lm.ref)
             cart = load(entry.path, model=self.lm, verify=self.verify, attention=self.attention)
         except CartridgeError as e:
             with self._lock:
