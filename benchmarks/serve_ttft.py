@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+import cartridge  # noqa: I001  (first: it loads OpenBLAS before mlx, or matmul runs on the reference BLAS)
 import mlx.core as mx
 import mlx_lm
 import openai
-
-import cartridge  # loads OpenBLAS before mlx
 from cartridge.models.prompt import full_prompt_tokens
 from cartridge.serve.pool import find_cartridges
 
@@ -212,7 +211,7 @@ def main():
     questions = [r["question"] for r in rows[: args.questions]]
     out = {"machine": f"{platform.machine()} {platform.platform()}, {os.cpu_count()} cores shared with other users",
            "device": str(mx.default_device()), "tier": "fp16",
-           "copies": args.copies}
+           "document": str(args.cart) if args.cart else f"samples/lgpl-3.0.txt x {args.copies}"}
     lm = cartridge.load_model(args.model)
     out["model"] = args.model
     with tempfile.TemporaryDirectory() as tmp:
