@@ -1,4 +1,4 @@
-"""`cartridge` command: build, inspect, ask. Thin: parse options, call the library, print.
+"""`cartridge` command: build, inspect, ask, serve. Thin: parse options, call the library, print.
 
 Every error the library raises on purpose (CartridgeError) and every usage error becomes one line on
 stderr and exit status 1 (2 for usage errors).
@@ -19,6 +19,7 @@ from .convert import convert as convert_command
 from .eval import eval_command
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
+from .serve import serve
 
 
 @click.group()
@@ -99,6 +100,7 @@ cli.add_command(pack)
 cli.add_command(unpack)
 cli.add_command(eval_command)
 cli.add_command(convert_command)
+cli.add_command(serve)
 
 
 def main(argv=None):
