@@ -58,3 +58,16 @@ def layer_components(layer, side):
 def page_table(layer, side, component):
     """Binary page table of one component extent: n_pages records of (u64 offset, u64 length, 32-byte sha256)."""
     return f"layer.{layer}.{side}.{component}.pages"
+
+
+# --- per-head checksums (issue 22, format 1.1; spec/FORMAT.md 4.3.1) ---------------------------------
+HEAD_RECORD_BYTES = 32  # one SHA-256 per (page, KV head)
+
+
+def head_table(layer, side, component):
+    """Binary per-head checksum table of one extent: n_pages * n_kv_heads SHA-256 digests, page-major.
+
+    Optional (format >= 1.1): a reader verifying only some KV heads (a tensor-parallel rank) checks these;
+    without it, it must verify whole pages.
+    """
+    return f"layer.{layer}.{side}.{component}.head_sums"
