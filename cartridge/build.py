@@ -152,6 +152,40 @@ def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
     return read_schema(schema)
 
 
+def check_options(document, options, page_size, prefill_step):
+    """The checks that need no model: corpus text, page size, prefill step, tier options.
+
+    Args:
+        options (tuple): (tier, k_tier, v_tier, boundary_protect, schema) as `build` takes them.
+
+    Raises:
+        InputError: as `build` describes.
+    """
+    check_text(document, "the corpus")
+    _check_options(page_size, prefill_step)
+    _tier_options(*options)
+
+
+def plan(document, lm, geometry, options):
+    """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
+
+    Returns:
+        tuple: (schema list[dict], prompt mode str, tokens list[int]).
+
+    Raises:
+        InputError: a bad schema or tier for this geometry, or a corpus longer than the model's context.
+    """
+    tier, k_tier, v_tier, boundary_protect, _ = options
+    schema = _tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
+    check_schema(schema, *geometry)
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    limit = context_length(lm.model)
+    if limit and len(tokens) >= limit:
+        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
+    return schema, mode, tokens
+
+
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None):
@@ -188,37 +222,57 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    check_text(document, "the corpus")
-    _check_options(page_size, prefill_step)
-    schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
+    options = (tier, k_tier, v_tier, boundary_protect, schema)
+    check_options(document, options, page_size, prefill_step)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     geometry = _geometry(lm.model)
-    schema = schema or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
-    check_schema(schema, *geometry)
-    mode = prompt_mode(lm.tokenizer)
-    tokens = prefix_tokens(lm.tokenizer, document, mode)
-    limit = context_length(lm.model)
-    if limit and len(tokens) >= limit:
-        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
+    schema, mode, tokens = plan(document, lm, geometry, options)
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    source_dtype = str(caches[0].keys.dtype).replace("mlx.core.", "")
-    params = {}
+    path = write_layers(output, lm, tokens, _drain(caches), schema, geometry, page_size, mode, force)
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry)
+
+
+def _drain(caches):
+    for layer, cache in enumerate(caches):
+        caches[layer] = None  # free this layer's dense K/V before encoding the next
+        yield cache.keys, cache.values
+
+
+def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, force=False):
+    """Encode every layer's K/V with its tiers and write the cartridge (atomic).
+
+    Args:
+        output (str | Path): cartridge directory to create.
+        lm (LoadedModel): the model the K/V came from (ref, fingerprint and architecture are recorded).
+        tokens (list[int]): the prefix tokens.
+        layers (iterable): per layer in order, (keys, values), each (1, n_kv_heads, >= len(tokens), head_dim).
+        schema (list[dict]), geometry (tuple): tiers and (n_layers, n_kv_heads, head_dim), already checked.
+        page_size (int): tokens per page. mode (str): the prompt mode.
+        force (bool): replace an existing cartridge at `output`. Default: False.
+
+    Returns:
+        Path: the published cartridge directory.
+    """
+    params, source_dtype = {}, None
     with CartridgeWriter(output, force) as writer:
-        for layer, cache in enumerate(caches):
-            for side, x in (("k", cache.keys), ("v", cache.values)):
+        for layer, (keys, values) in enumerate(layers):
+            source_dtype = source_dtype or str(keys.dtype).replace("mlx.core.", "")
+            for side, x in (("k", keys), ("v", values)):
                 codec = get_tier(schema[layer][side])
                 x = x[0, :, : len(tokens), :]  # (n_kv_heads, T, head_dim)
                 params[(layer, side)] = codec.make_params(x, layer, side)
                 parts = encode_pages(codec, x, params[(layer, side)], page_size)
                 for comp in codec.components(geometry[2]):
                     writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
-            caches[layer] = None  # free this layer's dense K/V before encoding the next
         header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
-        path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
-    seconds = time.perf_counter() - t0
+        return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
+
+
+def build_result(path, tokens, prefill_seconds, seconds, schema, geometry):
+    """The BuildResult of a written cartridge (sizes read from disk)."""
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
-    return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt, schema)
+    return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema)
