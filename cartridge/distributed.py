@@ -35,7 +35,7 @@ from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
 from .tiers import DEFAULT_TIER
 
 MODES = ("tensor", "pipeline")
-RECORD_BYTES = 512  # one rank's agreement record: 2 x 32-byte digests, status, message
+RECORD_BYTES = 1024  # one rank's agreement record: 2 x 32-byte digests, status, message
 _HEAD = struct.Struct("<32s32sBH")
 
 
@@ -183,12 +183,13 @@ def _open_slice(path, model, tokenizer, group, verify):
         elif tokenizer is None:
             raise InputError("pass the model's tokenizer together with the model")
         part = slice_for(model, info.n_layers, info.n_kv_heads, group.rank(), group.size())
+        whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
         fp = fingerprint(model, tokenizer)
         try:
             check_fingerprint(info, fp)
         except ModelMismatchError as e:
             hint = ("; a sharded model must carry the whole model's fingerprint: shard it with "
-                    "cartridge.distributed.shard_model") if part.mode != "replicated" else ""
+                    "cartridge.distributed.shard_model") if part.mode != "replicated" and not whole else ""
             raise ModelMismatchError(f"{e}{hint}") from None
         return snap, info, model, tokenizer, SliceData(info, snap.data, part, verify), fp
     except BaseException:
