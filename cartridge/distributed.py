@@ -345,3 +345,10 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         for _ in layers:  # a failed write still takes part in the remaining gathers
             pass
     return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry)
+
+
+def recorded_model(path):
+    """The model reference a cartridge records ("default" as None), reading only its header."""
+    snap, info = _open_header(path)
+    snap.data.close()
+    return None if info.model_ref == DEFAULT_MODEL else info.model_ref
