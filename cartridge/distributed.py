@@ -106,17 +106,18 @@ def shard_model(lm, group, mode):
             not split in `group.size()`.
     """
     model, n = lm.model, group.size()
+    family = getattr(model, "model_type", type(model).__name__)
     if mode not in MODES:
         raise InputError(f"parallel mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
     model.cartridge_weights_digest = lm.fingerprint["weights"]  # the whole model's, as the cartridge records
     if mode == "tensor":
         n_kv = model.layers[0].self_attn.n_kv_heads
         if not hasattr(model, "shard") or n_kv % n:
-            raise InputError(f"{model.model_type} with {n_kv} KV heads cannot be tensor-sharded over {n} ranks")
+            raise InputError(f"{family} with {n_kv} KV heads cannot be tensor-sharded over {n} ranks")
         model.shard(group)
     else:
         if not hasattr(getattr(model, "model", None), "pipeline") or len(model.layers) < n:
-            raise InputError(f"{model.model_type} ({len(model.layers)} layers) has no mlx-lm pipeline over {n} ranks; "
+            raise InputError(f"{family} ({len(model.layers)} layers) has no mlx-lm pipeline over {n} ranks; "
                              f"use tensor parallel")
         model.model.pipeline(group)
     mx.eval(model.parameters())
@@ -228,7 +229,7 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
     try:
         opened = _open_slice(path, model, tokenizer, group, verify)
         digests = (bytes.fromhex(opened[0].manifest["digest"]), _digest_bytes(opened[5]["id"]))
-    except CartridgeError as e:
+    except (CartridgeError, OSError) as e:  # reported through the agreement, so no rank waits for this one
         error = str(e).splitlines()[0] if str(e) else type(e).__name__
     try:
         agree(group, ("cartridge", "model fingerprint"), digests, error)
@@ -240,7 +241,8 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
     prefixes = [_layer_prefix(info, data, i) for i in range(*data.part.layers)]
     prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
     cart = ShardedCartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
-    cart.part, cart.bytes_read, cart.bytes_held, cart.verified = data.part, data.bytes_read, data.bytes_held, data.verified
+    cart.part, cart.verified = data.part, data.verified
+    cart.bytes_read, cart.bytes_held = data.bytes_read, data.bytes_held
     cart._data = data  # MLX may wrap the slabs without a copy: keep them alive with the cartridge
     snap.data.close()
     return cart

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 # qwen2: mlx-lm shards it both ways (Model.shard and PipelineMixin); untied head, so greedy answers vary
-QWEN = {**{k: v for k, v in TINY_CONFIG.items() if k != "head_dim"}, "model_type": "qwen2", "tie_word_embeddings": False}
+QWEN = {**{k: v for k, v in TINY_CONFIG.items() if k != "head_dim"}, "model_type": "qwen2",
+        "tie_word_embeddings": False}
 
 
 def _open(path, part, verify="pages"):
@@ -256,3 +257,17 @@ def test_a_cartridge_built_on_two_ranks_loads_on_one(setup, tmp_path, mode):
         for a, b in zip(extents, two.extents[key]):
             np.testing.assert_allclose(data_two.view(b, "float16"), data_one.view(a, "float16"), atol=2e-3, rtol=1e-3)
     assert _one_process(out, models[0]) == _one_process(root / "one.cart", models[0])
+
+
+@pytest.mark.slow
+def test_cli_ask_under_mlx_launch_prints_the_one_process_answer_once(setup):
+    root, models = setup
+    cli = [sys.executable, "-m", "cartridge.cli.main", "ask", str(root / "one.cart"), "Who may copy it?",
+           "--max-tokens", "8"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    one = subprocess.run(cli, capture_output=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr.decode()[-2000:]
+    two = subprocess.run([str(LAUNCH), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
+                          str(_free_port()), *cli, "--parallel", "tensor"], capture_output=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr.decode()[-2000:]
+    assert one.stdout.decode().strip() and two.stdout == one.stdout

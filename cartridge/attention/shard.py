@@ -172,5 +172,6 @@ def _verified_line(verify, whole_pages):
     if verify != "pages":
         return "not verified (verify='header')"
     if whole_pages:
-        return "whole pages verified: the cartridge (format 1.0) has no per-head checksums, so other ranks' heads were read"
+        return ("whole pages verified: the cartridge (format 1.0) has no per-head checksums, "
+                "so other ranks' heads were read")
     return "own heads verified (per-head checksums)"
