@@ -5,6 +5,7 @@
 """
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -14,14 +15,21 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from .attention.pages import encode_pages
 from .errors import InputError
 from .format import keys as K
-from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
-from .format.writer import CartridgeWriter, check_output_path
+from .format.keys import HEAD_RECORD_BYTES
+from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
+from .format.source import source_keys
+from .format.writer import CartridgeWriter, check_output_path, check_space
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
 from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
+DEFAULT_RESERVE = 256  # tokens a build leaves free for questions and answers before it warns
+
+
+class ContextWarning(UserWarning):
+    """The document leaves fewer than `reserve` tokens of the model's context for questions."""
 
 
 @dataclass
@@ -33,6 +41,8 @@ class BuildResult:
         prefill_seconds (float), seconds (float): prefill time and total time (prefill + encode + write).
         bytes (int): total bytes on disk. bytes_per_token (int): K+V payload bytes per token.
         schema (list[dict]): the tier of every (layer, side): [{"layer": i, "k": tier, "v": tier}].
+        context_left (int | None): tokens of the model's context left after the document (None if the
+            model does not say).
     """
 
     path: str
@@ -42,6 +52,7 @@ class BuildResult:
     bytes: int
     bytes_per_token: int
     schema: list = field(default_factory=list)
+    context_left: int | None = None
 
     @property
     def tokens_per_second(self):
@@ -67,7 +78,8 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
     Args:
         model (nn.Module): mlx-lm model. tokens (list[int]): prompt tokens.
         step (int): tokens per forward pass. Default: 512.
-        progress (callable | None): called as progress(done_tokens, total_tokens) after each chunk.
+        progress (callable | None): called as progress(done_tokens, total_tokens) once with 0 before
+            the first chunk and after each chunk.
 
     Returns:
         list[KVCache]: one per layer, keys/values (1, n_kv_heads, >= len(tokens), head_dim).
@@ -81,6 +93,8 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
         raise InputError(f"model uses {', '.join(kinds)}; cartridge stores full-attention KVCache models only")
     body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
     ids = mx.array(tokens, dtype=mx.uint32)
+    if progress:
+        progress(0, len(tokens))  # before the first chunk, so a progress bar's clock starts with the prefill
     for start in range(0, len(tokens), step):
         body(ids[None, start:start + step], cache=caches)
         mx.eval([c.state for c in caches])
@@ -96,7 +110,22 @@ def _to_numpy(paged):
     return np.array(paged)
 
 
-def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype):
+def tier_keys(schema, params, head_dim):
+    """The layer.{i}.{k,v}.* header keys (tier, codec version, params, components) of a schema."""
+    header = {}
+    for row in schema:
+        for side in ("k", "v"):
+            codec = get_tier(row[side])
+            header[K.layer_tier(row["layer"], side)] = codec.name
+            header[K.layer_codec_version(row["layer"], side)] = codec.codec_version
+            header[K.layer_params(row["layer"], side)] = params[(row["layer"], side)]
+            header[K.layer_components(row["layer"], side)] = [
+                {"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)
+            ]
+    return header
+
+
+def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype, source):
     n_layers, n_kv, head_dim = geometry
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
@@ -115,20 +144,43 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
         K.N_PAGES: -(-len(tokens) // page_size),
         K.SOURCE_DTYPE: source_dtype,
         K.ROPE: "post",
+        **source,
     }
-    for row in schema:
-        for side in ("k", "v"):
-            codec = get_tier(row[side])
-            header[K.layer_tier(row["layer"], side)] = codec.name
-            header[K.layer_codec_version(row["layer"], side)] = codec.codec_version
-            header[K.layer_params(row["layer"], side)] = params[(row["layer"], side)]
-            header[K.layer_components(row["layer"], side)] = [
-                {"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)
-            ]
+    header.update(tier_keys(schema, params, head_dim))
     return header
 
 
-def _check_options(page_size, prefill_step):
+def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
+    """Bytes a cartridge of this schema takes on disk, within one 16 KiB alignment per extent.
+
+    Returns:
+        int: page payloads (bytes/token of every (layer, side) x padded tokens), alignment, page
+        tables, token ids and 1 MiB for the index's own structure and the manifest.
+    """
+    n_pages = -(-n_tokens // page_size)
+    payload = n_pages * page_size * sum(get_tier(r[s]).bytes_per_token(n_kv_heads, head_dim)
+                                        for r in schema for s in ("k", "v"))
+    extents = sum(len(get_tier(r[s]).components(head_dim)) for r in schema for s in ("k", "v"))
+    tables = n_pages * (PAGE_RECORD.size + n_kv_heads * HEAD_RECORD_BYTES)  # page + per-head checksums
+    return payload + extents * (ALIGN + tables) + 4 * n_tokens + (1 << 20)
+
+
+def _check_context(lm, tokens, reserve):
+    """Refuse a document that does not fit the context; warn when fewer than `reserve` tokens are left."""
+    limit = context_length(lm.model)
+    if not limit:
+        return None
+    if len(tokens) >= limit:
+        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
+    left = limit - len(tokens)
+    if left < reserve:
+        warnings.warn(f"the document is {len(tokens):,} tokens of the model's {limit:,}-token context: only "
+                      f"{left:,} are left for each question and its answer (reserve {reserve})",
+                      ContextWarning, stacklevel=4)  # _check_context, plan, build: the caller
+    return left
+
+
+def _check_options(page_size, prefill_step, reserve=0):
     for name, value in (("page size", page_size), ("prefill step", prefill_step)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise InputError(f"{name} must be an integer number of tokens, got {value!r}")
@@ -136,6 +188,8 @@ def _check_options(page_size, prefill_step):
         raise InputError(f"page size {page_size} tokens is out of range 1..65536")
     if prefill_step < 1:
         raise InputError(f"prefill step {prefill_step} must be at least 1 token")
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+        raise InputError(f"reserve is {reserve!r}; it must be an integer number of tokens >= 0")
 
 
 def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
@@ -152,7 +206,7 @@ def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
     return read_schema(schema)
 
 
-def check_options(document, options, page_size, prefill_step):
+def check_options(document, options, page_size, prefill_step, reserve=0):
     """The checks that need no model: corpus text, page size, prefill step, tier options.
 
     Args:
@@ -162,15 +216,15 @@ def check_options(document, options, page_size, prefill_step):
         InputError: as `build` describes.
     """
     check_text(document, "the corpus")
-    _check_options(page_size, prefill_step)
+    _check_options(page_size, prefill_step, reserve)
     _tier_options(*options)
 
 
-def plan(document, lm, geometry, options):
+def plan(document, lm, geometry, options, reserve=0):
     """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
 
     Returns:
-        tuple: (schema list[dict], prompt mode str, tokens list[int]).
+        tuple: (schema list[dict], prompt mode str, tokens list[int], context tokens left int | None).
 
     Raises:
         InputError: a bad schema or tier for this geometry, or a corpus longer than the model's context.
@@ -180,15 +234,12 @@ def plan(document, lm, geometry, options):
     check_schema(schema, *geometry)
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, document, mode)
-    limit = context_length(lm.model)
-    if limit and len(tokens) >= limit:
-        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
-    return schema, mode, tokens
+    return schema, mode, tokens, _check_context(lm, tokens, reserve)
 
 
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
-          progress=None):
+          progress=None, source_name=None, reserve=DEFAULT_RESERVE):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -205,7 +256,11 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         page_size (int): tokens per page. Default: 256.
         prefill_step (int): tokens per forward pass. Default: 512.
         force (bool): replace an existing cartridge at `output`. Default: False.
-        progress (callable | None): progress(done_tokens, total_tokens) during prefill.
+        progress (callable | None): progress(done_tokens, total_tokens) during prefill, from 0.
+        source_name (str | None): the file the document came from, recorded (its last component)
+            with the document's size, SHA-256 and first line (spec/FORMAT.md 4.2). Default: None.
+        reserve (int): warn (`ContextWarning`) when fewer tokens than this are left of the model's
+            context after the document. Default: 256.
 
     Returns:
         BuildResult
@@ -214,6 +269,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         InputError: empty corpus, unknown tier, a tier that cannot store the model's K/V shape, a bad
             schema, corpus longer than the model's context, bad options; all before any prefill.
         OutputExistsError: `output` exists and `force` is False.
+        WriteError: the output's file system has less free space than the cartridge needs (checked
+            before prefill), or a write failed.
         ModelLoadError: the model cannot be loaded.
 
     Example:
@@ -223,16 +280,18 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     """
     check_output_path(output, force)  # before any expensive work
     options = (tier, k_tier, v_tier, boundary_protect, schema)
-    check_options(document, options, page_size, prefill_step)
+    check_options(document, options, page_size, prefill_step, reserve)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     geometry = _geometry(lm.model)
-    schema, mode, tokens = plan(document, lm, geometry, options)
+    schema, mode, tokens, left = plan(document, lm, geometry, options, reserve)
+    check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    path = write_layers(output, lm, tokens, _drain(caches), schema, geometry, page_size, mode, force)
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry)
+    path = write_layers(output, lm, tokens, _drain(caches), schema, geometry, page_size, mode, force,
+                        source_keys(document, source_name))
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry, left)
 
 
 def _drain(caches):
@@ -241,7 +300,7 @@ def _drain(caches):
         yield cache.keys, cache.values
 
 
-def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, force=False):
+def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, force=False, source=None):
     """Encode every layer's K/V with its tiers and write the cartridge (atomic).
 
     Args:
@@ -252,6 +311,7 @@ def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, 
         schema (list[dict]), geometry (tuple): tiers and (n_layers, n_kv_heads, head_dim), already checked.
         page_size (int): tokens per page. mode (str): the prompt mode.
         force (bool): replace an existing cartridge at `output`. Default: False.
+        source (dict | None): the source.* header keys (`format.source.source_keys`). Default: None.
 
     Returns:
         Path: the published cartridge directory.
@@ -267,12 +327,12 @@ def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, 
                 parts = encode_pages(codec, x, params[(layer, side)], page_size)
                 for comp in codec.components(geometry[2]):
                     writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
-        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
+        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype, source or {})
         return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
 
 
-def build_result(path, tokens, prefill_seconds, seconds, schema, geometry):
+def build_result(path, tokens, prefill_seconds, seconds, schema, geometry, context_left=None):
     """The BuildResult of a written cartridge (sizes read from disk)."""
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
-    return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema)
+    return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

@@ -24,12 +24,14 @@ import numpy as np
 from .attention.cache import CartridgeCache
 from .attention.policy import prepare, resolve
 from .attention.shard import SliceData, slice_for
-from .build import build_result, check_options, plan, prefill, write_layers
+from .build import DEFAULT_RESERVE, build_result, cartridge_bytes, check_options, plan, prefill, write_layers
 from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError
 from .format.container import check_index, open_snapshot
 from .format.header import parse_header
 from .format.pack import is_pack, open_packed
-from .format.writer import check_output_path
+from .format.reader import name_cartridge
+from .format.source import source_keys
+from .format.writer import check_output_path, check_space
 from .load import Cartridge, _layer_prefix, _model_dtype, check_fingerprint
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
 from .tiers import DEFAULT_TIER
@@ -230,7 +232,7 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
         opened = _open_slice(path, model, tokenizer, group, verify)
         digests = (bytes.fromhex(opened[0].manifest["digest"]), _digest_bytes(opened[5]["id"]))
     except (CartridgeError, OSError) as e:  # reported through the agreement, so no rank waits for this one
-        error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        error = str(name_cartridge(e, path) if isinstance(e, CartridgeError) else e).splitlines()[0]
     try:
         agree(group, ("cartridge", "model fingerprint"), digests, error)
     except RankMismatchError:
@@ -295,7 +297,8 @@ def _gather_layers(caches, part, geometry, n_tokens, group):
 
 
 def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None,
-                  boundary_protect=0, schema=None, page_size=256, prefill_step=512, force=False, progress=None):
+                  boundary_protect=0, schema=None, page_size=256, prefill_step=512, force=False, progress=None,
+                  source_name=None, reserve=DEFAULT_RESERVE):
     """`cartridge.build` on every rank of `group` with a sharded model; rank 0 writes the cartridge.
 
     Every rank prefills its shard (mlx-lm's sharded forward); rank 0 gathers all K/V heads (tensor) or
@@ -306,8 +309,8 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         output (str | Path): cartridge directory rank 0 creates.
         model (LoadedModel): this rank's model, sharded with `shard_model` (or whole).
         group (mx.distributed.Group | None): the ranks; None means `mx.distributed.init()`.
-        tier, k_tier, v_tier, boundary_protect, schema, page_size, prefill_step, force, progress: as
-            `cartridge.build`.
+        tier, k_tier, v_tier, boundary_protect, schema, page_size, prefill_step, force, progress,
+            source_name, reserve: as `cartridge.build`.
 
     Returns:
         BuildResult | None: on rank 0; None on the other ranks.
@@ -325,9 +328,11 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         fp = model.fingerprint["id"]
         if group.rank() == 0:
             check_output_path(output, force)
-        check_options(document, options, page_size, prefill_step)
+        check_options(document, options, page_size, prefill_step, reserve)
         geometry = _global_geometry(model.model)
-        schema, mode, tokens = plan(document, model, geometry, options)
+        schema, mode, tokens, left = plan(document, model, geometry, options, reserve)
+        if group.rank() == 0:
+            check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
         part = slice_for(model.model, geometry[0], geometry[1], group.rank(), group.size())
     except CartridgeError as e:
         error = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -342,11 +347,12 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
             pass
         return None
     try:
-        path = write_layers(output, model, tokens, layers, schema, geometry, page_size, mode, force)
+        path = write_layers(output, model, tokens, layers, schema, geometry, page_size, mode, force,
+                            source_keys(document, source_name))
     finally:
         for _ in layers:  # a failed write still takes part in the remaining gathers
             pass
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry)
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry, left)
 
 
 def recorded_model(path):

@@ -22,19 +22,28 @@ from .models.prompt import conversation_tokens, question_tokens
 from .tiers import TIERS
 
 
-def check_fingerprint(info, fp):
-    """Refuse a model whose fingerprint differs from the cartridge's.
+def check_fingerprint(info, fp, path=None, model_ref=None):
+    """Refuse a model whose fingerprint differs from the cartridge's, in one line that says what to do.
+
+    Args:
+        info (CartridgeInfo): the cartridge's header. fp (dict): the model's `fingerprint()`.
+        path (str | Path | None): the cartridge, named in the message. Default: None.
+        model_ref (str | None): how the model was given ("default", a path), named in the message.
 
     Raises:
-        ModelMismatchError: naming both full fingerprint ids and, for each differing part, both digests.
+        ModelMismatchError: naming the cartridge, the model it was built with, the parts that differ
+            (config, weights, tokenizer, chat_template) and the two ways out.
     """
     if fp["id"] == info.fingerprint.get("id"):
         return
     differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
-    parts = ", ".join(f"{k} (cartridge {info.fingerprint.get(k)}, model {fp.get(k)})" for k in differ)
+    which = f"cartridge {path}" if path is not None else "the cartridge"
+    given = f" {model_ref}" if model_ref else ""
+    ref = info.model_ref
     raise ModelMismatchError(
-        f"model fingerprint {fp['id']} differs from the cartridge's {info.fingerprint.get('id')} "
-        f"(built with {info.model_ref}); differing: {parts or 'id'}"
+        f"{which} was built with model {ref} (fingerprint {info.fingerprint.get('id', '')[:12]}); this "
+        f"model{given} (fingerprint {fp['id'][:12]}) differs in {', '.join(differ) or 'id'}: answer with "
+        f"--model {ref} (Python: model={ref!r}), or rebuild the cartridge with this model"
     )
 
 
@@ -198,8 +207,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
 
     Args:
         path (str | Path): cartridge directory.
-        model (nn.Module | LoadedModel | None): the model to answer with; None loads the one the
-            cartridge records ("default" or its path). Default: None.
+        model (str | nn.Module | LoadedModel | None): the model to answer with: a model reference
+            ("default", a GGUF file, an mlx-lm folder), a loaded model, or None for the one the
+            cartridge records. Default: None.
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
@@ -227,14 +237,16 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)
+    if model is None or isinstance(model, str):  # None: the model the cartridge records
+        ref = info.model_ref if model is None else model
+        model = load_model(ref if ref != DEFAULT_MODEL else None)
+    ref = model.ref if isinstance(model, LoadedModel) else None
     if isinstance(model, LoadedModel):
         model, tokenizer = model.model, model.tokenizer
-    if model is None:
-        lm = load_model(info.model_ref if info.model_ref != DEFAULT_MODEL else None)
-        model, tokenizer = lm.model, lm.tokenizer
     elif tokenizer is None:
-        raise InputError("pass the model's tokenizer together with the model")
-    check_fingerprint(info, fingerprint(model, tokenizer))
+        raise InputError("pass the model's tokenizer together with the model (or a LoadedModel, or a model "
+                         "reference such as \"default\")")
+    check_fingerprint(info, fingerprint(model, tokenizer), path, ref)
     prefixes = [_layer_prefix(info, data, i) for i in range(info.n_layers)]
     prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)

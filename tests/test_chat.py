@@ -15,6 +15,8 @@ from cartridge.models.prompt import full_prompt_tokens
 DOC = "The shipping manager of Harbour Freight is Dana Whitfield; invoices go to Leo Marsh. " * 8
 QUESTIONS = ["Who is the shipping manager?", "And who gets the invoices?", "Spell the first name.",
              "Thanks. Anything else?", "Who?", "Say it again."]
+# logits against the mlx-lm reference: float32 on the CPU; the GPU's float32 matmuls round more (TF32)
+TOL = 2e-4 if mx.default_device() == mx.cpu else 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_multi_turn_chat_equals_fresh_prefill_of_the_conversation(cart, tiny):
         assert cache[0].offset + len(prompt) == len(full)
         got = cart.model(mx.array(prompt)[None], cache=cache)[0, -1]
         want = cart.model(mx.array(full[len(cart.tokens):])[None], cache=_decoded(cart))[0, -1]
-        np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=TOL, atol=TOL)
         # greedy answer of a few tokens, generated into the same cache
         answer = [int(mx.argmax(got))]
         for _ in range(5):

@@ -103,7 +103,8 @@ def test_verify_refuses_a_forged_head_table(tmp_path):
     forge_records(path, lambda r: {**r, key: bytes(len(r[key]))})
     report = cartridge.verify_cartridge(path)
     assert not report.ok and isinstance(report.error, ChecksumError)
-    assert str(report.error) == "head checksum mismatch: layer 0, side v, component values, page 0, head 0"
+    assert str(report.error) == (f"cartridge {path}: head checksum mismatch: layer 0, side v, component values, "
+                                 f"page 0, head 0")
 
 
 def test_refusal_is_one_message_from_the_gathered_rows():

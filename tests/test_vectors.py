@@ -57,7 +57,7 @@ def test_vector_parses_to_known_values():
     info, data = open_cartridge(TINY)
     assert info.tokens.tolist() == TOKENS
     assert (info.n_layers, info.n_kv_heads, info.head_dim, info.page_size, info.n_pages) == (1, 1, 4, 2, 2)
-    assert info.fingerprint == FINGERPRINT and info.format_version == "1.1"
+    assert info.fingerprint == FINGERPRINT and info.format_version == "1.2"
     assert [e.offset for side in "kv" for e in info.extents[(0, side)]] == [0, ALIGN]
     for side in "kv":
         (extent,) = info.extents[(0, side)]
@@ -157,7 +157,9 @@ def test_handcrafted_corruption_raises_one_exact_class(tmp_path, case):
     with pytest.raises(CartridgeError) as e:
         open_cartridge(path)
     assert type(e.value) is expected, (case, repr(e.value))
+    assert str(path) in str(e.value), (case, str(e.value))  # every error names the cartridge
     report = verify_cartridge(path)
+    assert str(path) in str(report.error), (case, str(report.error))
     assert not report.ok and type(report.error) is expected
 
 
@@ -175,8 +177,21 @@ def test_wrong_model_fingerprint_raises_model_mismatch():
     with pytest.raises(ModelMismatchError) as e:
         check_fingerprint(info, other)
     assert type(e.value) is ModelMismatchError
-    assert "1" * 64 in str(e.value) and "7" * 64 in str(e.value)  # both ids in full
-    assert f"weights (cartridge {'3' * 64}, model {'6' * 64})" in str(e.value)
+    assert str(e.value) == ("the cartridge was built with model vector (fingerprint 111111111111); this model "
+                            "(fingerprint 777777777777) differs in weights: answer with --model vector (Python: "
+                            "model='vector'), or rebuild the cartridge with this model")
+    with pytest.raises(ModelMismatchError, match=f"^cartridge {TINY} was built with model vector .*; this model "
+                       "other.gguf \\(fingerprint"):
+        check_fingerprint(info, other, TINY, "other.gguf")
+
+
+def test_checksum_error_names_the_cartridge_and_keeps_its_page(tmp_path):
+    path = Path(shutil.copytree(TINY, tmp_path / "v.cart"))
+    flip(path / DATA_NAME, ALIGN + 16 + 3)  # V, page 1
+    with pytest.raises(ChecksumError) as e:
+        open_cartridge(path)
+    assert str(e.value) == f"cartridge {path}: page checksum mismatch: layer 0, side v, component values, page 1"
+    assert (e.value.layer, e.value.side, e.value.page) == (0, "v", 1)
 
 
 def test_vector_page_data_path_reads_committed_file():

@@ -1,6 +1,8 @@
 """Helpers shared by the CLI commands: reading a corpus, checking an output file before any work."""
 
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 from cartridge.errors import InputError, OutputExistsError, WriteError
@@ -61,6 +63,17 @@ def model_ref(model):
     if model is not None and not model.strip():
         raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
     return model
+
+
+@contextlib.contextmanager
+def warnings_as_lines():
+    """Show the library's warnings as one "warning: ..." line on stderr each, when they happen."""
+    import click
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_a, **_k: click.echo(f"warning: {message}", err=True)
+        yield
 
 
 PARALLEL_HELP = ("Under mlx.launch: shard the model over the ranks, tensor (KV heads) or pipeline (layers); "

@@ -14,7 +14,8 @@ from cartridge.errors import CartridgeError
 
 from .ask import ask, chat
 from .bench import bench as bench_command
-from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus
+from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus, warnings_as_lines
+from .convert import convert as convert_command
 from .eval import eval_command
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
@@ -39,11 +40,13 @@ def cli():
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
+@click.option("--reserve", default=256, show_default=True, metavar="N",
+              help="Warn when fewer than N tokens of the model's context are left for questions.")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
               help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
-def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, force,
-          parallel):
+def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, reserve,
+          force, parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from tqdm import tqdm
 
@@ -66,15 +69,18 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
         bars[0].update(done - bars[0].n)
 
     options = dict(tier=tier, k_tier=k_tier, v_tier=v_tier, boundary_protect=boundary_protect, schema=schema,
-                   page_size=page_size, prefill_step=prefill_step, force=force)
+                   page_size=page_size, prefill_step=prefill_step, force=force,
+                   source_name="stdin" if corpus == "-" else corpus, reserve=reserve)
     try:
-        if group is None:
-            r = cartridge.build(text, output, model=model, progress=progress, **options)
-        else:
-            from cartridge.distributed import build_sharded, load_sharded_model
+        with warnings_as_lines():
+            if group is None:
+                r = cartridge.build(text, output, model=model, progress=progress, **options)
+            else:
+                from cartridge.distributed import build_sharded, load_sharded_model
 
-            lm = load_sharded_model(model, group, parallel)
-            r = build_sharded(text, output, lm, group, progress=progress if group.rank() == 0 else None, **options)
+                lm = load_sharded_model(model, group, parallel)
+                r = build_sharded(text, output, lm, group, progress=progress if group.rank() == 0 else None,
+                                  **options)
     finally:
         for bar in bars:
             bar.close()
@@ -105,6 +111,7 @@ cli.add_command(verify)
 cli.add_command(pack)
 cli.add_command(unpack)
 cli.add_command(eval_command)
+cli.add_command(convert_command)
 
 
 def main(argv=None):

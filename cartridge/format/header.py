@@ -14,6 +14,7 @@ from ..tiers import TIERS
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
+from .source import read_source
 
 LIMITS = {  # key -> (min, max), inclusive
     K.N_LAYERS: (1, 4096),
@@ -40,6 +41,9 @@ class CartridgeInfo:
         prompt_mode (str), separator (str): the prompt split (spec 5.4).
         source_dtype (str): dtype of K/V as the model computed them.
         data_size (int): bytes of pages.bin.
+        params (dict): (layer, side) -> the tier's params object.
+        source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
+            format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
     """
 
     format_version: str
@@ -59,6 +63,8 @@ class CartridgeInfo:
     source_dtype: str
     data_size: int
     params: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict, repr=False)
 
     @property
     def kv_dim(self):
@@ -218,6 +224,8 @@ def parse_header(records, manifest):
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
         params=_params(records, tiers, geometry[1], geometry[2]),
+        source=read_source(records),
+        records=records,
     )
 
 
