@@ -4,7 +4,7 @@ Under tensor parallel (mlx-lm `Model.shard`) rank r of N holds KV heads [r*H/N, 
 layer; under pipeline parallel (mlx-lm `PipelineMixin.pipeline`) it holds layers [start_idx, end_idx).
 Inside a page the KV heads are contiguous (page = (n_kv_heads, P, W)), so a rank's bytes of one page
 are one run of (h1 - h0) * head_bytes; `read_slice` reads those runs with pread, nothing else, and
-checks them against the per-(page, head) checksums of format 1.1 (spec/FORMAT.md 4.3.1).
+checks them against the per-(page, head) checksums of format 1.2 (spec/FORMAT.md 4.3.1).
 """
 
 import hashlib
@@ -93,7 +93,7 @@ def _read_extent(fd, extent, h0, h1):
 
 
 def _verify_whole_pages(fd, extent, h0, h1):
-    """Format 1.0 (no per-head table): read whole pages to check them; keep only heads h0..h1-1."""
+    """Format < 1.2 (no per-head table): read whole pages to check them; keep only heads h0..h1-1."""
     whole = _read_extent(fd, extent, 0, extent.shape[1])
     for p in range(extent.shape[0]):
         if hashlib.sha256(whole[p].data).digest() != extent.checksums[p]:
@@ -125,7 +125,7 @@ class SliceData:
         verify (str): "pages" (check every byte read) or "header" (check nothing).
 
     Attributes:
-        bytes_read (int): bytes of pages.bin read (its own heads, or whole pages for format 1.0).
+        bytes_read (int): bytes of pages.bin read (its own heads, or whole pages before format 1.2).
         bytes_held (int): bytes of page data held.
         verified (str): how the bytes were checked, one line.
 
@@ -172,6 +172,6 @@ def _verified_line(verify, whole_pages):
     if verify != "pages":
         return "not verified (verify='header')"
     if whole_pages:
-        return ("whole pages verified: the cartridge (format 1.0) has no per-head checksums, "
+        return ("whole pages verified: the cartridge (format < 1.2) has no per-head checksums, "
                 "so other ranks' heads were read")
     return "own heads verified (per-head checksums)"

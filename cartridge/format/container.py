@@ -58,7 +58,7 @@ class Extent:
         dtype (str): storage dtype name. shape (tuple): (n_pages, n_kv_heads, page_size, width).
         offset (int): byte offset in pages.bin (multiple of 16384). page_bytes (int): bytes per page.
         checksums (tuple[bytes]): SHA-256 of each page.
-        head_checksums (tuple[bytes] | None): SHA-256 of each (page, head), page-major (format >= 1.1);
+        head_checksums (tuple[bytes] | None): SHA-256 of each (page, head), page-major (format >= 1.2);
             None where the cartridge has no per-head table.
     """
 
@@ -352,7 +352,7 @@ def page_error(extent, page):
 
 
 def head_error(extent, page, head):
-    """The ChecksumError for KV head `head` of page `page` of `extent` (per-head table, format >= 1.1)."""
+    """The ChecksumError for KV head `head` of page `page` of `extent` (per-head table, format >= 1.2)."""
     return ChecksumError(f"head checksum mismatch: layer {extent.layer}, side {extent.side}, "
                          f"component {extent.component}, page {page}, head {head}",
                          extent.layer, extent.side, extent.component, page)
