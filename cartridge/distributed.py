@@ -180,8 +180,9 @@ def _open_slice(path, model, tokenizer, group, verify):
     """This rank's part: header, model, fingerprint check, its slice read and verified."""
     snap, info = _open_header(path)
     try:
-        if model is None:
-            lm = load_model(info.model_ref if info.model_ref != DEFAULT_MODEL else None)
+        if model is None or isinstance(model, str):  # loaded whole: this rank then maps everything
+            ref = info.model_ref if model is None else model
+            lm = load_model(ref if ref != DEFAULT_MODEL else None)
             model, tokenizer = lm.model, lm.tokenizer
         elif tokenizer is None:
             raise InputError("pass the model's tokenizer together with the model")
@@ -189,7 +190,7 @@ def _open_slice(path, model, tokenizer, group, verify):
         whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
         fp = fingerprint(model, tokenizer)
         try:
-            check_fingerprint(info, fp)
+            check_fingerprint(info, fp, path)
         except ModelMismatchError as e:
             hint = ("; a sharded model must carry the whole model's fingerprint: shard it with "
                     "cartridge.distributed.shard_model") if part.mode != "replicated" and not whole else ""
@@ -205,8 +206,8 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
 
     Args:
         path (str | Path): cartridge directory or .cartz (the same cartridge on every rank).
-        model (nn.Module | LoadedModel | None): this rank's (sharded) model; None loads the recorded
-            model unsharded (every rank then maps everything). Default: None.
+        model (nn.Module | LoadedModel | str | None): this rank's (sharded) model; a reference, or None
+            for the recorded one, loads it unsharded (every rank then maps everything). Default: None.
         tokenizer: required with an `nn.Module` model. Default: None.
         group (mx.distributed.Group | None): the ranks; None means `mx.distributed.init()`.
         verify (str): "pages" checks every byte this rank reads (default); "header" skips that.

@@ -229,14 +229,14 @@ def test_two_ranks_answer_token_identical_to_one_process(setup, tmp_path, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, other, expect", [
     ("tensor", "cart", "RankMismatchError: ranks disagree: cartridge differs (rank 0 "),
-    ("pipeline", "model", "RankMismatchError: rank 1 of 2 refused: model fingerprint "),
+    ("pipeline", "model", "RankMismatchError: rank 1 of 2 refused: cartridge {cart} was built with model "),
 ])
 def test_a_rank_with_another_cartridge_or_model_makes_both_refuse(setup, tmp_path, mode, other, expect):
     root, models = setup
     extra = ["--other-cart", root / "other.cart"] if other == "cart" else ["--other-model", models[1]]
     rows = _launch(tmp_path / "out", "answer", root / "one.cart", models[0], mode, *extra)
     assert rows[0]["error"] == rows[1]["error"]
-    assert rows[0]["error"].startswith(expect)
+    assert rows[0]["error"].startswith(expect.format(cart=root / "one.cart"))
     assert "\n" not in rows[0]["error"]
 
 
