@@ -167,8 +167,8 @@ def setup(smol_tokenizer, tmp_path_factory):
     text = (ROOT / "cartridge" / "samples" / "lgpl-3.0.txt").read_text()
     (root / "doc.txt").write_text(text[:1200])
     lm = cartridge.load_model(str(models[0]))
-    cartridge.build(text[:1200], root / "one.cart", model=lm, page_size=8)
-    cartridge.build(text[300:1000], root / "other.cart", model=lm, page_size=8)
+    cartridge.build(text[:1200], root / "one.cart", model=lm, page_size=8, reserve=0)
+    cartridge.build(text[300:1000], root / "other.cart", model=lm, page_size=8, reserve=0)
     return root, models
 
 
