@@ -202,7 +202,7 @@ def _model_dtype(model):
     return mx.float32
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None):
     """Load a cartridge.
 
     Args:
@@ -214,6 +214,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
             (`cartridge.attention.policy`).
+        group (mx.distributed.Group | None): under `mlx.launch`, the ranks; each maps only the KV heads
+            or layers its sharded model runs and all agree before answering
+            (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
 
     Returns:
         Cartridge
@@ -227,6 +230,10 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
         >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
+    if group is not None:
+        from .distributed import load_sharded
+
+        return load_sharded(path, model, tokenizer, group, verify, attention)
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)

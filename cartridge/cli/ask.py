@@ -12,15 +12,22 @@ import cartridge
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import check_output_file, model_ref
+from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 
 
-def _load(path, model, attention):
+def _load(path, model, attention, parallel=None):
     t0 = time.perf_counter()
-    lm = cartridge.load_model(model_ref(model)) if model is not None else None
-    cart = cartridge.load(path, model=lm, attention=attention)
+    group = launched_group(parallel)
+    if group is not None:
+        from cartridge.distributed import load_sharded_model, recorded_model
+
+        ref = model_ref(model) if model is not None else recorded_model(path)
+        lm = load_sharded_model(ref, group, parallel)
+    else:
+        lm = cartridge.load_model(model_ref(model)) if model is not None else None
+    cart = cartridge.load(path, model=lm, attention=attention, group=group)
     return cart, time.perf_counter() - t0
 
 
@@ -91,7 +98,8 @@ def _questions(question, questions_file):
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
-def ask(path, question, questions_file, json_path, force, max_tokens, model, attention):
+@click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None, help=PARALLEL_HELP)
+def ask(path, question, questions_file, json_path, force, max_tokens, model, attention, parallel):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout).
 
     QUESTION "-" reads the question from stdin; --questions answers a file of questions, each from a
@@ -102,7 +110,7 @@ def ask(path, question, questions_file, json_path, force, max_tokens, model, att
         raise InputError("--json needs --questions")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
-    cart, load_s = _load(path, model, attention)
+    cart, load_s = _load(path, model, attention, parallel)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
@@ -114,7 +122,7 @@ def ask(path, question, questions_file, json_path, force, max_tokens, model, att
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
                    f"({r['tokens']} tokens)", err=True)
     click.echo(f"load {load_s:.2f} s, {len(qs)} question{'s' * (len(qs) > 1)}, attention {cart.attention}", err=True)
-    if json_path is not None:
+    if json_path is not None and getattr(getattr(cart, "part", None), "rank", 0) == 0:
         json_path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 

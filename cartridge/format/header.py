@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
 from ..tiers import TIERS
 from . import keys as K
-from .container import Extent, parse_page_table
+from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
 from .source import read_source
 
@@ -146,8 +146,10 @@ def _extents(records, geometry, tiers, data_size):
                 want = [start + i * page_bytes for i in range(n_pages)]
                 if offsets != want or any(n != page_bytes for n in lengths):
                     raise LayoutError(f"page table {key}: offsets/lengths do not follow the layout (spec 3.2)")
+                heads = parse_head_table(records.get(K.head_table(layer, side, comp.name)),
+                                         K.head_table(layer, side, comp.name), n_pages, n_kv)
                 out[(layer, side)].append(Extent(layer, side, comp.name, comp.dtype, (n_pages, n_kv, page_size, comp.width),
-                                                 start, page_bytes, sums))
+                                                 start, page_bytes, sums, heads))
                 pos = start + n_pages * page_bytes
     if align_up(pos, ALIGN) != data_size:
         raise LayoutError(f"data file is {data_size} bytes; the page tables cover {align_up(pos)}")

@@ -65,3 +65,15 @@ SOURCE_BYTES = "source.bytes"  # integer: bytes of the document's UTF-8 text as 
 SOURCE_SHA256 = "source.sha256"  # string: lowercase hex SHA-256 of those bytes
 SOURCE_FIRST_LINE = "source.first_line"  # string: first non-blank line, stripped, at most 120 characters
 SOURCE_KEYS = (SOURCE_NAME, SOURCE_BYTES, SOURCE_SHA256, SOURCE_FIRST_LINE)
+
+# --- per-head checksums (issue 22, format 1.2; spec/FORMAT.md 4.3.1) ---------------------------------
+HEAD_RECORD_BYTES = 32  # one SHA-256 per (page, KV head)
+
+
+def head_table(layer, side, component):
+    """Binary per-head checksum table of one extent: n_pages * n_kv_heads SHA-256 digests, page-major.
+
+    Optional (format >= 1.2): a reader verifying only some KV heads (a tensor-parallel rank) checks these;
+    without it, it must verify whole pages.
+    """
+    return f"layer.{layer}.{side}.{component}.head_sums"
