@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from .attention.pages import encode_pages
 from .errors import InputError
 from .format import keys as K
+from .format.keys import HEAD_RECORD_BYTES
 from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
 from .format.source import source_keys
 from .format.writer import CartridgeWriter, check_output_path, check_space
@@ -169,7 +170,8 @@ def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
     payload = n_pages * page_size * sum(get_tier(r[s]).bytes_per_token(n_kv_heads, head_dim)
                                         for r in schema for s in ("k", "v"))
     extents = sum(len(get_tier(r[s]).components(head_dim)) for r in schema for s in ("k", "v"))
-    return payload + extents * (ALIGN + n_pages * PAGE_RECORD.size) + 4 * n_tokens + (1 << 20)
+    tables = n_pages * (PAGE_RECORD.size + n_kv_heads * HEAD_RECORD_BYTES)  # page + per-head checksums
+    return payload + extents * (ALIGN + tables) + 4 * n_tokens + (1 << 20)
 
 
 def _check_context(lm, tokens, reserve):
@@ -183,7 +185,7 @@ def _check_context(lm, tokens, reserve):
     if left < reserve:
         warnings.warn(f"the document is {len(tokens):,} tokens of the model's {limit:,}-token context: only "
                       f"{left:,} are left for each question and its answer (reserve {reserve})",
-                      ContextWarning, stacklevel=3)
+                      ContextWarning, stacklevel=4)  # _check_context, plan, build: the caller
     return left
 
 
@@ -211,6 +213,37 @@ def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
         raise InputError(f"a schema sets the tier of every (layer, side); it cannot be combined with "
                          f"{', '.join(given)}")
     return read_schema(schema)
+
+
+def check_options(document, options, page_size, prefill_step, reserve=0):
+    """The checks that need no model: corpus text, page size, prefill step, tier options.
+
+    Args:
+        options (tuple): (tier, k_tier, v_tier, boundary_protect, schema) as `build` takes them.
+
+    Raises:
+        InputError: as `build` describes.
+    """
+    check_text(document, "the corpus")
+    _check_options(page_size, prefill_step, reserve)
+    _tier_options(*options)
+
+
+def plan(document, lm, geometry, options, reserve=0):
+    """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
+
+    Returns:
+        tuple: (schema list[dict], prompt mode str, tokens list[int], context tokens left int | None).
+
+    Raises:
+        InputError: a bad schema or tier for this geometry, or a corpus longer than the model's context.
+    """
+    tier, k_tier, v_tier, boundary_protect, _ = options
+    schema = _tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
+    check_schema(schema, *geometry)
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    return schema, mode, tokens, _check_context(lm, tokens, reserve)
 
 
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
@@ -255,37 +288,60 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    check_text(document, "the corpus")
-    _check_options(page_size, prefill_step, reserve)
-    schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
+    options = (tier, k_tier, v_tier, boundary_protect, schema)
+    check_options(document, options, page_size, prefill_step, reserve)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     geometry = _geometry(lm.model)
-    schema = schema or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
-    check_schema(schema, *geometry)
-    mode = prompt_mode(lm.tokenizer)
-    tokens = prefix_tokens(lm.tokenizer, document, mode)
-    left = _check_context(lm, tokens, reserve)
+    schema, mode, tokens, left = plan(document, lm, geometry, options, reserve)
     check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    source_dtype = str(caches[0].keys.dtype).replace("mlx.core.", "")
-    params = {}
+    path = write_layers(output, lm, tokens, _drain(caches), schema, geometry, page_size, mode, force,
+                        source_keys(document, source_name))
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry, left)
+
+
+def _drain(caches):
+    for layer, cache in enumerate(caches):
+        caches[layer] = None  # free this layer's dense K/V before encoding the next
+        yield cache.keys, cache.values
+
+
+def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, force=False, source=None):
+    """Encode every layer's K/V with its tiers and write the cartridge (atomic).
+
+    Args:
+        output (str | Path): cartridge directory to create.
+        lm (LoadedModel): the model the K/V came from (ref, fingerprint and architecture are recorded).
+        tokens (list[int]): the prefix tokens.
+        layers (iterable): per layer in order, (keys, values), each (1, n_kv_heads, >= len(tokens), head_dim).
+        schema (list[dict]), geometry (tuple): tiers and (n_layers, n_kv_heads, head_dim), already checked.
+        page_size (int): tokens per page. mode (str): the prompt mode.
+        force (bool): replace an existing cartridge at `output`. Default: False.
+        source (dict | None): the source.* header keys (`format.source.source_keys`). Default: None.
+
+    Returns:
+        Path: the published cartridge directory.
+    """
+    params, source_dtype = {}, None
     with CartridgeWriter(output, force) as writer:
-        for layer, cache in enumerate(caches):
-            for side, x in (("k", cache.keys), ("v", cache.values)):
+        for layer, (keys, values) in enumerate(layers):
+            source_dtype = source_dtype or str(keys.dtype).replace("mlx.core.", "")
+            for side, x in (("k", keys), ("v", values)):
                 codec = get_tier(schema[layer][side])
                 x = x[0, :, : len(tokens), :]  # (n_kv_heads, T, head_dim)
                 params[(layer, side)] = codec.make_params(x, layer, side)
                 parts = encode_pages(codec, x, params[(layer, side)], page_size)
                 for comp in codec.components(geometry[2]):
                     writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
-            caches[layer] = None  # free this layer's dense K/V before encoding the next
-        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype,
-                         source_keys(document, source_name))
-        path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
-    seconds = time.perf_counter() - t0
+        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype, source or {})
+        return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
+
+
+def build_result(path, tokens, prefill_seconds, seconds, schema, geometry, context_left=None):
+    """The BuildResult of a written cartridge (sizes read from disk)."""
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
-    return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt, schema, left)
+    return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

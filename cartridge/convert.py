@@ -138,10 +138,10 @@ def _write(info, data, rows, output, force, progress):
 
 
 def _is_tier_key(key):
-    """layer.{i}.{side}.{tier,codec_version,params,components} and the page tables: rewritten by convert."""
+    """layer.{i}.{side}.{tier,codec_version,params,components}, page and head tables: rewritten by convert."""
     parts = key.split(".")
     return parts[0] == "layer" and len(parts) >= 4 and parts[2] in SIDES and (
-        parts[3] in ("tier", "codec_version", "params", "components") or parts[-1] == "pages")
+        parts[3] in ("tier", "codec_version", "params", "components") or parts[-1] in ("pages", "head_sums"))
 
 
 def _header(info, rows, params):

@@ -130,7 +130,7 @@ def _source_records(cart):
         raise InputError(f"cartridge {cart.path} was replaced after it was loaded; load it again")
     header = {}
     for key, raw in records.items():
-        if key == K.TOKENS_IDS or key.endswith(".pages"):
+        if key == K.TOKENS_IDS or key.endswith((".pages", ".head_sums")):
             continue  # written anew
         try:
             header[key] = json.loads(raw)

@@ -220,7 +220,7 @@ def _model_dtype(model):
     return mx.float32
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto", recompute=16):
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16):
     """Load a cartridge, or several laid out one after another (`cartridge.compose`).
 
     Args:
@@ -232,6 +232,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", rec
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
             (`cartridge.attention.policy`).
+        group (mx.distributed.Group | None): under `mlx.launch`, the ranks; each maps only the KV heads
+            or layers its sharded model runs and all agree before answering
+            (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
         recompute (int): with a list: document tokens of each later cartridge prefilled again over
             the ones before it. Default: 16.
 
@@ -255,6 +258,10 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", rec
             model, tokenizer = first.model, first.tokenizer
         carts = [load(p, model, tokenizer, verify, attention) for p in path]
         return compose(carts, recompute)
+    if group is not None:
+        from .distributed import load_sharded
+
+        return load_sharded(path, model, tokenizer, group, verify, attention)
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)

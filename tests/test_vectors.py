@@ -57,7 +57,7 @@ def test_vector_parses_to_known_values():
     info, data = open_cartridge(TINY)
     assert info.tokens.tolist() == TOKENS
     assert (info.n_layers, info.n_kv_heads, info.head_dim, info.page_size, info.n_pages) == (1, 1, 4, 2, 2)
-    assert info.fingerprint == FINGERPRINT and info.format_version == "1.0"
+    assert info.fingerprint == FINGERPRINT and info.format_version == "1.2"
     assert [e.offset for side in "kv" for e in info.extents[(0, side)]] == [0, ALIGN]
     for side in "kv":
         (extent,) = info.extents[(0, side)]

@@ -12,15 +12,25 @@ import cartridge
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import check_output_file, model_ref
+from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 
 
-def _load(path, model, attention, recompute=16):
+def _load(path, model, attention, parallel=None, recompute=16):
     t0 = time.perf_counter()
-    lm = cartridge.load_model(model_ref(model)) if model is not None else None
-    cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute)
+    group = launched_group(parallel)
+    if group is not None:
+        from cartridge.distributed import load_sharded_model, recorded_model
+
+        if isinstance(path, list):
+            raise InputError("--parallel takes one cartridge")
+        ref = model_ref(model) if model is not None else recorded_model(path)
+        lm = load_sharded_model(ref, group, parallel)
+        cart = cartridge.load(path, model=lm, attention=attention, group=group)
+    else:
+        lm = cartridge.load_model(model_ref(model)) if model is not None else None
+        cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute)
     return cart, time.perf_counter() - t0
 
 
@@ -101,11 +111,12 @@ def _paths_and_question(args, questions_file):
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
+@click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None, help=PARALLEL_HELP)
 @click.option("--save-as", default=None, metavar="FILE",
               help="Also write the cartridge + this question and answer as a new cartridge (resume: ask FILE ...).")
 @click.option("--recompute", default=16, show_default=True, metavar="N",
               help="With several cartridges: tokens of each later document prefilled again over the ones before.")
-def ask(args, questions_file, json_path, force, max_tokens, model, attention, save_as, recompute):
+def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout); several PATHs
     are laid out one after another in one context.
 
@@ -124,7 +135,7 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, sa
         raise InputError("--json needs --questions")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
-    cart, load_s = _load(paths[0] if len(paths) == 1 else paths, model, attention, recompute)
+    cart, load_s = _load(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
@@ -138,7 +149,7 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, sa
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
                    f"({r['tokens']} tokens)", err=True)
     click.echo(f"load {load_s:.2f} s, {len(qs)} question{'s' * (len(qs) > 1)}, attention {cart.attention}", err=True)
-    if json_path is not None:
+    if json_path is not None and getattr(getattr(cart, "part", None), "rank", 0) == 0:
         json_path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     if save_as is not None:
         saved = cart.save(save_as, cache, tokens=prompts[0] + ids, force=force)

@@ -74,3 +74,21 @@ def warnings_as_lines():
         warnings.simplefilter("always")
         warnings.showwarning = lambda message, *_a, **_k: click.echo(f"warning: {message}", err=True)
         yield
+
+
+PARALLEL_HELP = ("Under mlx.launch: shard the model over the ranks, tensor (KV heads) or pipeline (layers); "
+                 "see docs/distributed.md.")
+
+
+def launched_group(parallel):
+    """The mlx.launch group for --parallel (None without it); ranks other than 0 print nothing on stdout."""
+    if parallel is None:
+        return None
+    import os
+
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # one answer, from rank 0; errors still reach stderr
+    return group

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
 from ..tiers import TIERS
 from . import keys as K
-from .container import Extent, parse_page_table
+from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
 from .source import read_source
 
@@ -45,7 +45,7 @@ class CartridgeInfo:
         params (dict): (layer, side) -> the tier's params object.
         source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
             format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
-        document_tokens (int): leading tokens that are the document (format 1.2; all tokens if absent);
+        document_tokens (int): leading tokens that are the document (format 1.3; all tokens if absent);
             a conversation cartridge holds turns after them.
         parts (list[dict]): lineage.parts, [{kind, start, end, tokens_sha256}] ([] if built at once).
         lineage_source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
@@ -154,8 +154,10 @@ def _extents(records, geometry, tiers, data_size):
                 want = [start + i * page_bytes for i in range(n_pages)]
                 if offsets != want or any(n != page_bytes for n in lengths):
                     raise LayoutError(f"page table {key}: offsets/lengths do not follow the layout (spec 3.2)")
+                heads = parse_head_table(records.get(K.head_table(layer, side, comp.name)),
+                                         K.head_table(layer, side, comp.name), n_pages, n_kv)
                 out[(layer, side)].append(Extent(layer, side, comp.name, comp.dtype, (n_pages, n_kv, page_size, comp.width),
-                                                 start, page_bytes, sums))
+                                                 start, page_bytes, sums, heads))
                 pos = start + n_pages * page_bytes
     if align_up(pos, ALIGN) != data_size:
         raise LayoutError(f"data file is {data_size} bytes; the page tables cover {align_up(pos)}")
@@ -258,7 +260,7 @@ def _hex64(value):
 
 
 def _lineage(records, ids, n_tokens):
-    """The format 1.2 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
+    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
     doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
     if not 1 <= doc <= n_tokens:
         raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")

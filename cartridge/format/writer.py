@@ -98,6 +98,8 @@ class CartridgeWriter:
             records.append(PAGE_RECORD.pack(start + i * page.nbytes, page.nbytes, hashlib.sha256(page.data).digest()))
         self._pos = start + raw.nbytes
         self._tables[K.page_table(layer, side, component)] = b"".join(records)
+        heads = raw.reshape(pages.shape[0] * pages.shape[1], -1)  # (n_pages * n_kv_heads, head_bytes)
+        self._tables[K.head_table(layer, side, component)] = b"".join(hashlib.sha256(h.data).digest() for h in heads)
         crash_point("extent-written")
 
     def commit(self, header, token_ids, check=None):
