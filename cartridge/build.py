@@ -72,7 +72,7 @@ def context_length(model):
     return getattr(getattr(model, "args", None), "max_position_embeddings", None)
 
 
-def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
+def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None, caches=None):
     """Run `tokens` through the model in chunks and return the filled mlx-lm caches.
 
     Args:
@@ -80,17 +80,26 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
         step (int): tokens per forward pass. Default: 512.
         progress (callable | None): called as progress(done_tokens, total_tokens) once with 0 before
             the first chunk and after each chunk.
+        caches (list | None): caches to continue (e.g. a cartridge's `prompt_cache()`, for extend);
+            None makes fresh mlx-lm caches. Default: None.
 
     Returns:
-        list[KVCache]: one per layer, keys/values (1, n_kv_heads, >= len(tokens), head_dim).
+        list[KVCache]: one per layer, keys/values (1, n_kv_heads, >= len(tokens), head_dim) (or
+        `caches`, filled further).
 
     Raises:
         InputError: if the model needs a cache kind other than mlx-lm's full-attention KVCache.
     """
+    if caches is not None:
+        return _feed(model, tokens, step, progress, caches)
     caches = make_prompt_cache(model)
     if not all(type(c) is KVCache for c in caches):
         kinds = sorted({type(c).__name__ for c in caches})
         raise InputError(f"model uses {', '.join(kinds)}; cartridge stores full-attention KVCache models only")
+    return _feed(model, tokens, step, progress, caches)
+
+
+def _feed(model, tokens, step, progress, caches):
     body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
     ids = mx.array(tokens, dtype=mx.uint32)
     if progress:

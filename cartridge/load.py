@@ -18,7 +18,7 @@ from .errors import InputError, ModelMismatchError
 from .format.header import SIDES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
-from .models.prompt import conversation_tokens, question_tokens
+from .models.prompt import conversation_tokens, followup_tokens, question_tokens
 from .tiers import TIERS
 
 
@@ -84,7 +84,9 @@ class Cartridge:
         return self.info.tokens.tolist()
 
     def question_prompt(self, question, cache=None):
-        """Tokens to feed after the prefix: separator, question, end of turn, assistant header.
+        """Tokens to feed after the prefix: separator, question, end of turn, assistant header. After a
+        saved conversation (`save`; info.document_tokens < tokens): the end of the assistant's turn, a
+        new user turn with the question, the assistant header.
 
         A question is one user turn right after the document, so it needs a cache whose tail is empty:
         a fresh `prompt_cache()`, or one emptied by `reset(cache)`. For a conversation use `chat_prompt`.
@@ -106,6 +108,9 @@ class Cartridge:
             raise InputError(f"this cache already holds {held} tokens after the document; call "
                              f"cart.reset(cache) or use cart.prompt_cache() for a new question, or "
                              f"cart.chat_prompt(messages, cache) to continue the conversation")
+        if self.info.document_tokens < len(self.info.tokens):  # a saved conversation: a new user turn
+            return followup_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator,
+                                   int(self.info.tokens[-1]))
         return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
 
     def chat_prompt(self, messages, cache=None):
@@ -164,6 +169,19 @@ class Cartridge:
         if isinstance(cache, PromptCache):
             cache.tokens = []
 
+    def save(self, path, cache, tokens=None, force=False):
+        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.extend.save`).
+
+        Example:
+            >>> cache = cart.prompt_cache()  # doctest: +SKIP
+            >>> answer = [r.token for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt,
+            ...                                                  prompt_cache=cache)]  # doctest: +SKIP
+            >>> cart.save("chat.cart", cache, tokens=prompt + answer)  # doctest: +SKIP
+        """
+        from .extend import save  # extend builds on load
+
+        return save(self, path, cache, tokens, force)
+
     def prompt_cache(self):
         """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer.
 
@@ -202,11 +220,11 @@ def _model_dtype(model):
     return mx.float32
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None):
-    """Load a cartridge.
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16):
+    """Load a cartridge, or several laid out one after another (`cartridge.compose`).
 
     Args:
-        path (str | Path): cartridge directory.
+        path (str | Path | list): cartridge directory; a list of them composes the documents in order.
         model (str | nn.Module | LoadedModel | None): the model to answer with: a model reference
             ("default", a GGUF file, an mlx-lm folder), a loaded model, or None for the one the
             cartridge records. Default: None.
@@ -217,9 +235,11 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         group (mx.distributed.Group | None): under `mlx.launch`, the ranks; each maps only the KV heads
             or layers its sharded model runs and all agree before answering
             (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
+        recompute (int): with a list: document tokens of each later cartridge prefilled again over
+            the ones before it. Default: 16.
 
     Returns:
-        Cartridge
+        Cartridge (ComposedCartridge for a list)
 
     Raises:
         CartridgeError subclasses: a failed check, a model whose fingerprint differs
@@ -230,6 +250,14 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
+    if isinstance(path, (list, tuple)):
+        from .compose import compose  # compose builds on load
+
+        if model is None and path:
+            first = load(path[0], verify=verify, attention=attention)
+            model, tokenizer = first.model, first.tokenizer
+        carts = [load(p, model, tokenizer, verify, attention) for p in path]
+        return compose(carts, recompute)
     if group is not None:
         from .distributed import load_sharded
 

@@ -17,6 +17,7 @@ from .bench import bench as bench_command
 from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus, warnings_as_lines
 from .convert import convert as convert_command
 from .eval import eval_command
+from .extend import extend
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
 from .serve import serve
@@ -107,6 +108,7 @@ def inspect(path, as_json):
 
 cli.add_command(ask)
 cli.add_command(chat)
+cli.add_command(extend)
 cli.add_command(bench_command, name="bench")
 cli.add_command(verify)
 cli.add_command(pack)

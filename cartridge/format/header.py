@@ -4,6 +4,7 @@ Every count and length read from disk is bounded and cross-checked against the d
 anything is allocated from it; page offsets must follow the exact layout the writer produces.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -44,6 +45,10 @@ class CartridgeInfo:
         params (dict): (layer, side) -> the tier's params object.
         source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
             format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
+        document_tokens (int): leading tokens that are the document (format 1.3; all tokens if absent);
+            a conversation cartridge holds turns after them.
+        parts (list[dict]): lineage.parts, [{kind, start, end, tokens_sha256}] ([] if built at once).
+        lineage_source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
     """
 
     format_version: str
@@ -65,6 +70,9 @@ class CartridgeInfo:
     params: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict, repr=False)
+    document_tokens: int = 0
+    parts: list = field(default_factory=list)
+    lineage_source: str = ""
 
     @property
     def kv_dim(self):
@@ -226,6 +234,7 @@ def parse_header(records, manifest):
         params=_params(records, tiers, geometry[1], geometry[2]),
         source=read_source(records),
         records=records,
+        **_lineage(records, ids, n_tokens),
     )
 
 
@@ -241,3 +250,33 @@ def _params(records, tiers, n_kv, head_dim):
                 raise FieldError(f"layer {t['layer']} {side}: {e}") from None
             out[(t["layer"], side)] = params
     return out
+
+
+PART_KINDS = ("build", "extend", "conversation")
+
+
+def _hex64(value):
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _lineage(records, ids, n_tokens):
+    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
+    doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
+    if not 1 <= doc <= n_tokens:
+        raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")
+    parts = _typed(records, K.LINEAGE_PARTS, list) if K.LINEAGE_PARTS in records else []
+    at = 0
+    for i, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("kind") in PART_KINDS and part.get("start") == at
+                and type(part.get("end")) is int and at < part["end"] <= n_tokens and _hex64(part.get("tokens_sha256"))):
+            raise FieldError(f"lineage.parts[{i}] is {str(part)[:120]}; expected {{kind in {PART_KINDS}, start {at}, "
+                             f"end {at + 1}..{n_tokens}, tokens_sha256 64 hex digits}}")
+        if hashlib.sha256(ids[4 * at:4 * part["end"]]).hexdigest() != part["tokens_sha256"]:
+            raise FieldError(f"lineage.parts[{i}]: tokens_sha256 does not match token ids {at}..{part['end']}")
+        at = part["end"]
+    if parts and at != n_tokens:
+        raise FieldError(f"lineage.parts cover tokens 0..{at}; the cartridge holds {n_tokens}")
+    source = _typed(records, K.LINEAGE_SOURCE, str) if K.LINEAGE_SOURCE in records else ""
+    if source and not _hex64(source):
+        raise FieldError(f"index key {K.LINEAGE_SOURCE!r} is {source[:70]!r}; expected 64 lowercase hex digits")
+    return {"document_tokens": doc, "parts": parts, "lineage_source": source}

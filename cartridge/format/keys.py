@@ -28,6 +28,11 @@ N_PAGES = "cache.n_pages"
 SOURCE_DTYPE = "cache.source_dtype"
 ROPE = "cache.rope"
 
+# format 1.3 (OPTIONAL; spec/FORMAT.md 4.5): where the document ends, and what the cartridge was made of
+DOCUMENT_TOKENS = "prompt.document_tokens"  # int: leading tokens that are the document; absent: tokens.count
+LINEAGE_PARTS = "lineage.parts"  # array of {kind, start, end, tokens_sha256}; absent: built at once
+LINEAGE_SOURCE = "lineage.source"  # hex SHA-256 of the MANIFEST of the cartridge this one was written from
+
 REQUIRED = (
     FORMAT_MAJOR, FORMAT_MINOR, MODEL_REF, MODEL_FINGERPRINT, MODEL_CONFIG, PROMPT_MODE,
     PROMPT_SEPARATOR, TOKENS_COUNT, TOKENS_IDS, N_LAYERS, N_KV_HEADS, HEAD_DIM, PAGE_SIZE, N_PAGES,

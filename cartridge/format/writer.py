@@ -102,12 +102,14 @@ class CartridgeWriter:
         self._tables[K.head_table(layer, side, component)] = b"".join(hashlib.sha256(h.data).digest() for h in heads)
         crash_point("extent-written")
 
-    def commit(self, header, token_ids):
+    def commit(self, header, token_ids, check=None):
         """Write the index and manifest, fsync, and rename into place.
 
         Args:
             header (dict[str, object]): JSON-valued header keys (keys from `cartridge.format.keys`).
             token_ids (np.ndarray): uint32 token ids of the prefix.
+            check (callable | None): called with the finished temporary directory before it is
+                published; an exception it raises leaves the destination as it was. Default: None.
 
         Returns:
             Path: the published cartridge directory.
@@ -127,6 +129,9 @@ class CartridgeWriter:
         self._stage = f"writing {MANIFEST_NAME}"
         write_manifest(self.tmp, self._pos, header.get(K.FORMAT_MINOR, FORMAT_MINOR))
         crash_point("manifest-written")
+        if check is not None:
+            self._stage = "checking"
+            check(self.tmp)
         self._stage = "publishing"
         return self._tmp.publish(self.force)
 
