@@ -60,3 +60,22 @@ def test_chat_keeps_the_conversation_and_resets(built):
     first = run("ask", out, "How much is the rent?", "--max-tokens", "4").stdout.decode().splitlines()
     assert answers[0] == first[0]
     assert "(conversation reset)" in r.stderr.decode()
+
+
+def test_chat_refuses_unknown_commands_and_a_max_tokens_past_the_context(built):
+    out, _ = built
+    r = run("chat", out, "--max-tokens", "4", stdin=b"/bogus\n/quit\n")
+    assert r.returncode == 0 and r.stdout == b"" and "unknown command /bogus" in r.stderr.decode()
+    r = run("chat", out, "--max-tokens", "99999999", stdin=b"Who?\n")
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and "does not fit the model's context" in err[0], err
+
+
+def test_serve_on_a_busy_port_is_one_line_before_any_work(built):
+    import socket
+
+    out, _ = built
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        r = run("serve", out, "--port", busy.getsockname()[1])
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and err[0].startswith("error: cannot listen on 127.0.0.1:"), err

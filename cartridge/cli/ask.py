@@ -168,6 +168,7 @@ def chat(path, max_tokens, model, attention):
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     cart, load_s = _load(path, model, attention)
+    _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     tty = sys.stdin.isatty()
     click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /quit", err=True)
     cache, messages = cart.prompt_cache(), []
@@ -179,6 +180,9 @@ def chat(path, max_tokens, model, attention):
             return
         line = line.strip()
         if not line:
+            continue
+        if line.startswith("/") and line not in ("/reset",):
+            click.echo(f"unknown command {line.split()[0]}; /reset starts over, /quit leaves", err=True)
             continue
         if line == "/reset":
             cart.reset(cache)

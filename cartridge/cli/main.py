@@ -100,7 +100,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def inspect(path, as_json):
-    """Show what is inside the cartridge at PATH."""
+    """Show what is inside the cartridge at PATH (header only: `cartridge verify` checks every page)."""
     info, _ = cartridge.open_cartridge(path, verify="header")
     d = inspect_dict(info, path)
     click.echo(json.dumps(d, indent=2) if as_json else inspect_table(d))

@@ -1,6 +1,7 @@
 """`cartridge serve`: parse options, start the server (cartridge.serve)."""
 
 import re
+import socket
 
 import click
 
@@ -19,6 +20,15 @@ def parse_bytes(text):
     if not m or float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
         raise InputError(f"--max-bytes {text!r} is not a size; give bytes, e.g. 4G, 512M or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _check_port(host, port):
+    """Refuse, in one line, a host/port this process cannot listen on (busy, or not an address here)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 @click.command()
@@ -43,6 +53,7 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens):
 
     if model is not None and not model.strip():
         raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+    _check_port(host, port)  # before the model load, and before anything says "serving"
 
     def ready(pool):
         names = ", ".join(pool.entries) or "none"
