@@ -143,6 +143,9 @@ class Cartridge:
             ...                          prompt_cache=cache)  # doctest: +SKIP
             >>> messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And..."}]
         """
+        if self.info.document_tokens < len(self.info.tokens):
+            raise InputError(f"{self.path} holds a saved conversation: continue it one turn at a time with "
+                             f"question_prompt (chat_prompt renders conversations from the bare document)")
         full = conversation_tokens(self.tokenizer, messages, self.info.prompt_mode, self.info.separator)
         if cache is None:
             return full

@@ -79,3 +79,15 @@ def test_serve_on_a_busy_port_is_one_line_before_any_work(built):
         r = run("serve", out, "--port", busy.getsockname()[1])
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 1 and len(err) == 1 and err[0].startswith("error: cannot listen on 127.0.0.1:"), err
+
+
+def test_chat_save_writes_the_conversation_and_ask_continues_it(built, tmp_path):
+    out, _ = built
+    saved = tmp_path / "talk.cart"
+    r = run("chat", out, "--max-tokens", "4", stdin=f"How much is the rent?\n/save {saved}\n/quit\n".encode())
+    assert r.returncode == 0 and f"saved {saved}" in r.stderr.decode(), r.stderr.decode()
+    assert run("verify", saved).returncode == 0
+    again = run("chat", saved, stdin=b"Who?\n")
+    err = again.stderr.decode().strip().splitlines()
+    assert again.returncode == 1 and len(err) == 1 and "holds a saved conversation" in err[0], err
+    assert run("ask", saved, "And the notice?", "--max-tokens", "3").returncode == 0

@@ -82,8 +82,8 @@ def test_save_feeds_tokens_the_cache_has_not_seen(fp16_model, tmp_path):
     assert cache[0].tail_len == len(prompt) and r.tokens == len(cart.tokens) + len(prompt)
     whole = cart.prompt_cache()
     cart.model(mx.array(prompt)[None], cache=whole)
-    for a, b in zip(cache, whole):
-        np.testing.assert_array_equal(np.array(a.tail_kv()[0]), np.array(b.tail_kv()[0]))
+    for a, b in zip(cache, whole):  # one chunk or two: the same K up to float rounding (OpenBLAS blocks by M)
+        np.testing.assert_allclose(np.array(a.tail_kv()[0]), np.array(b.tail_kv()[0]), rtol=1e-5, atol=1e-6)
 
 
 def test_save_refuses_wrong_cache_or_tokens(fp16_model, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 import cartridge
-from cartridge.errors import InputError
+from cartridge.errors import CartridgeError, InputError
 from cartridge.eval.dataset import load_questions
 
 from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref
@@ -61,6 +61,7 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
         ttft = time.perf_counter() - t0 if ttft is None else ttft
         n = r.generation_tokens
         pieces.append(r.text)
+        ids.append(r.token)
         ids.append(r.token)
         if echo:
             click.echo(r.text, nl=False)
@@ -156,6 +157,20 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         click.echo(f"saved {saved.path}: {saved.tokens} tokens ({saved.new_tokens} of this conversation)", err=True)
 
 
+def _save(cart, cache, line, saved):
+    """/save FILE: the document + the conversation so far as a new cartridge; errors stay one line."""
+    target = line[len("/save"):].strip()
+    if not target or not saved:
+        click.echo("error: /save FILE needs a file name and at least one answered turn", err=True)
+        return
+    try:
+        r = cart.save(target, cache, tokens=list(saved))
+    except CartridgeError as e:
+        click.echo(f"error: {e}", err=True)
+        return
+    click.echo(f"saved {r.path}: {r.tokens} tokens", err=True)
+
+
 @click.command()
 @click.argument("path")
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
@@ -164,14 +179,17 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
 def chat(path, max_tokens, model, attention):
     """Talk about the document in the cartridge at PATH: one line a turn, answers streamed.
 
-    /reset starts over from the bare document; /quit (or end of input) leaves."""
+    /reset starts over from the bare document; /save FILE writes the document and the conversation so far
+    as a new cartridge (continue it with `cartridge ask FILE QUESTION`); /quit (or end of input) leaves."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     cart, load_s = _load(path, model, attention)
+    if cart.info.document_tokens < len(cart.tokens):
+        raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
     _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     tty = sys.stdin.isatty()
     click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /quit", err=True)
-    cache, messages = cart.prompt_cache(), []
+    cache, messages, saved = cart.prompt_cache(), [], []  # saved: the tokens after the document so far
     while True:
         if tty:
             click.echo("> ", nl=False, err=True)
@@ -181,12 +199,15 @@ def chat(path, max_tokens, model, attention):
         line = line.strip()
         if not line:
             continue
-        if line.startswith("/") and line not in ("/reset",):
-            click.echo(f"unknown command {line.split()[0]}; /reset starts over, /quit leaves", err=True)
+        if line.startswith("/save"):
+            _save(cart, cache, line, saved)
+            continue
+        if line.startswith("/") and line != "/reset":
+            click.echo(f"unknown command {line.split()[0]}; /reset, /save FILE, /quit", err=True)
             continue
         if line == "/reset":
             cart.reset(cache)
-            messages = []
+            messages, saved[:] = [], []
             click.echo("(conversation reset)", err=True)
             continue
         messages.append({"role": "user", "content": line})
@@ -197,4 +218,5 @@ def chat(path, max_tokens, model, attention):
             click.echo(f"error: {e} (/reset to start over)", err=True)
             continue
         messages.append({"role": "assistant", "content": r["answer"]})
+        saved[:] = cache.tokens + r["token_ids"]
         click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} tokens", err=True)
