@@ -4,21 +4,23 @@
          -> per (layer, side) tier codec -> pages -> container (atomic)
 """
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from .attention.pages import encode_pages
+from .attention.store import check_layer_tiers, write_layer
 from .errors import InputError
 from .format import keys as K
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from .format.writer import CartridgeWriter, check_output_path
+from .models.families import plan_layers
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
+from .tiers import DEFAULT_TIER, check_tier_options, get_tier, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
@@ -49,13 +51,6 @@ class BuildResult:
         return self.tokens / self.prefill_seconds if self.prefill_seconds else float("inf")
 
 
-def _geometry(model):
-    attn = model.layers[0].self_attn
-    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads")
-    head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
-    return len(model.layers), int(n_kv), int(head_dim)
-
-
 def context_length(model):
     """The model's context length in tokens (max_position_embeddings), or None if it does not say."""
     return getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -70,16 +65,13 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
         progress (callable | None): called as progress(done_tokens, total_tokens) after each chunk.
 
     Returns:
-        list[KVCache]: one per layer, keys/values (1, n_kv_heads, >= len(tokens), head_dim).
-
-    Raises:
-        InputError: if the model needs a cache kind other than mlx-lm's full-attention KVCache.
+        list: mlx-lm's cache objects (`make_prompt_cache`), one per cache layer, filled. Check the
+        model's cache kinds first (`cartridge.models.families.plan_layers`).
     """
     caches = make_prompt_cache(model)
-    if not all(type(c) is KVCache for c in caches):
-        kinds = sorted({type(c).__name__ for c in caches})
-        raise InputError(f"model uses {', '.join(kinds)}; cartridge stores full-attention KVCache models only")
     body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
+    if body is not model and "cache" not in inspect.signature(body.__call__).parameters:
+        body = model
     ids = mx.array(tokens, dtype=mx.uint32)
     for start in range(0, len(tokens), step):
         body(ids[None, start:start + step], cache=caches)
@@ -89,15 +81,8 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
     return caches
 
 
-def _to_numpy(paged):
-    """A page-major mx array as the numpy array the writer stores (bfloat16 as its raw 16 bits)."""
-    if paged.dtype == mx.bfloat16:  # numpy has no bfloat16
-        paged = paged.view(mx.uint16)
-    return np.array(paged)
-
-
-def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype):
-    n_layers, n_kv, head_dim = geometry
+def _header(lm, tokens, plans, records, page_size, mode, source_dtype):
+    n_kv, head_dim = next((p.k_shape for p in plans if p.k_shape), (1, 1))  # 1.0 readers' global shape
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
         K.FORMAT_MINOR: FORMAT_MINOR,
@@ -108,7 +93,7 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
         K.PROMPT_MODE: mode,
         K.PROMPT_SEPARATOR: SEPARATOR,
         K.TOKENS_COUNT: len(tokens),
-        K.N_LAYERS: n_layers,
+        K.N_LAYERS: len(plans),
         K.N_KV_HEADS: n_kv,
         K.HEAD_DIM: head_dim,
         K.PAGE_SIZE: page_size,
@@ -116,15 +101,7 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
         K.SOURCE_DTYPE: source_dtype,
         K.ROPE: "post",
     }
-    for row in schema:
-        for side in ("k", "v"):
-            codec = get_tier(row[side])
-            header[K.layer_tier(row["layer"], side)] = codec.name
-            header[K.layer_codec_version(row["layer"], side)] = codec.codec_version
-            header[K.layer_params(row["layer"], side)] = params[(row["layer"], side)]
-            header[K.layer_components(row["layer"], side)] = [
-                {"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)
-            ]
+    header.update(records)
     return header
 
 
@@ -192,33 +169,32 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     _check_options(page_size, prefill_step)
     schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    geometry = _geometry(lm.model)
-    schema = schema or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
-    check_schema(schema, *geometry)
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, document, mode)
     limit = context_length(lm.model)
     if limit and len(tokens) >= limit:
         raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
+    plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
+    schema = schema or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
+    check_layer_tiers(plans, schema)
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    source_dtype = str(caches[0].keys.dtype).replace("mlx.core.", "")
-    params = {}
+    records = {}
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
-            for side, x in (("k", cache.keys), ("v", cache.values)):
-                codec = get_tier(schema[layer][side])
-                x = x[0, :, : len(tokens), :]  # (n_kv_heads, T, head_dim)
-                params[(layer, side)] = codec.make_params(x, layer, side)
-                parts = encode_pages(codec, x, params[(layer, side)], page_size)
-                for comp in codec.components(geometry[2]):
-                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
+            records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens)))
             caches[layer] = None  # free this layer's dense K/V before encoding the next
-        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
+        header = _header(lm, tokens, plans, records, page_size, mode, _source_dtype(lm.model, plans))
         path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
     seconds = time.perf_counter() - t0
     total = sum(f.stat().st_size for f in path.iterdir())
-    bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
+    bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(p, f"{s}_shape"))
+              for p, r in zip(plans, schema) if p.kind in ("attention", "dense") for s in ("k", "v"))
     return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt, schema)
+
+
+def _source_dtype(model, plans):
+    """The dtype the model computes K/V in (the probe's), for `cache.source_dtype`."""
+    return next((p.dtype for p in plans if p.dtype), "float32")

@@ -13,9 +13,12 @@ from mlx.utils import tree_flatten
 
 from .attention import route
 from .attention.cache import CartridgeCache, LayerPrefix
+from .attention.layers import DenseLayer, StateLayer, WindowLayer, is_paged
 from .attention.policy import prepare, resolve
 from .errors import InputError, ModelMismatchError
+from .format import keys as K
 from .format.header import SIDES
+from .tiers import DTYPES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
 from .models.prompt import question_tokens
@@ -38,18 +41,30 @@ def check_fingerprint(info, fp):
     )
 
 
+def _array(data, extent):
+    view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
+    arr = mx.asarray(view)  # zero-copy where MLX can wrap host memory, one copy otherwise
+    return arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
+
+
 def _layer_prefix(info, data, layer):
-    parts = {}
-    for side in SIDES:
-        arrays = {}
-        for extent in info.extents[(layer, side)]:
-            view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
-            arr = mx.asarray(view)  # zero-copy where MLX can wrap host memory, one copy otherwise
-            arrays[extent.component] = arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
-        parts[side] = arrays
+    parts = {side: {e.component: _array(data, e) for e in info.extents[(layer, side)]} for side in SIDES}
     tier = info.tiers[layer]
-    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], len(info.tokens),
+    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], info.layers[layer].count,
                        info.params[(layer, "k")], info.params[(layer, "v")])
+
+
+def _layer(info, data, layer):
+    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State layer (`attention.layers`)."""
+    meta = info.layers[layer]
+    if meta.kind == "state":
+        arrays = {i: _array(data, e)[0] for i, e in zip((a[0] for a in meta.arrays), info.extents[(layer, K.STATE_SIDE)])}
+        return StateLayer(meta.state_size, arrays)
+    prefix = _layer_prefix(info, data, layer)
+    dtype = DTYPES[info.source_dtype]
+    if meta.kind == "window":
+        return WindowLayer(prefix, dtype, meta.window, len(info.tokens))
+    return DenseLayer(prefix, dtype) if meta.kind == "dense" else prefix
 
 
 class Cartridge:
@@ -88,7 +103,7 @@ class Cartridge:
     def prompt_cache(self):
         """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer."""
         route.install()
-        return [CartridgeCache(p) for p in self._prefixes]
+        return [CartridgeCache(p) if is_paged(p) else p.cache() for p in self._prefixes]
 
 
 def _model_dtype(model):
@@ -134,8 +149,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
     elif tokenizer is None:
         raise InputError("pass the model's tokenizer together with the model")
     check_fingerprint(info, fingerprint(model, tokenizer))
-    prefixes = [_layer_prefix(info, data, i) for i in range(info.n_layers)]
-    prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
+    prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
+    head_dims = [(m.k_shape[1], m.v_shape[1]) if m.k_shape else (None, None) for m in info.layers]
+    prefixes = prepare(prefixes, policy, _model_dtype(model), head_dims)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart

@@ -54,7 +54,7 @@ def test_manifest_bytes(tmp_path):
     raw = (path / MANIFEST_NAME).read_bytes()
     assert len(raw) == MANIFEST_SIZE == 96
     magic, major, minor, size, index_size, data_size = struct.unpack_from("<8sHHIQQ", raw)
-    assert (magic, major, minor, size) == (b"CARTRIDG", 1, 0, 96)
+    assert (magic, major, minor, size) == (b"CARTRIDG", 1, 1, 96)
     assert index_size == os.path.getsize(path / INDEX_NAME)
     assert data_size == os.path.getsize(path / DATA_NAME)
     assert raw[32:64] == hashlib.sha256((path / INDEX_NAME).read_bytes()).digest()
