@@ -160,7 +160,7 @@ def _extents(records, layers, tiers, page_size, data_size):
     pos, out = 0, {}
     for layer, info in enumerate(layers):
         for side, comps, n_pages in _layer_components(records, layer, info, tiers, page_size):
-            out[(layer, side)] = []
+            out.setdefault((layer, side), [])
             for name, dtype, shape in comps:
                 page_bytes = int(np.prod(shape[1:])) * DTYPES[dtype].size
                 start = align_up(pos)
