@@ -89,7 +89,7 @@ def families():
 def _module(name):
     try:
         mod = importlib.import_module(f"mlx_lm.models.{name}")
-    except Exception:  # e.g. olmo needs a package that is not installed
+    except (Exception, SystemExit):  # olmo exits when its package (ai2-olmo) is not installed
         return None
     return mod if hasattr(mod, "Model") and hasattr(mod, "ModelArgs") else None
 

@@ -25,7 +25,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..attention import route
+from ..attention.cache import CartridgeCache
+from ..attention.layers import DenseLayer, StateLayer, WindowLayer, stored_kv
+from ..attention.pages import make_prefix
 from ..errors import InputError
+from ..tiers import get_tier
 
 KINDS = ("attention", "dense", "window", "state")
 SUPPORTED = "KVCache, RotatingKVCache (keep=0) and ArraysCache"
@@ -88,6 +92,16 @@ class _Recorder:
                 c.update_and_fetch = self._wrap(c, c.update_and_fetch)
             if type(c) is KVCache:
                 c.make_mask = self._wrap_mask(c.make_mask)
+                c.keys_and_values = self._wrap_read(c, c.keys_and_values)
+        self.read = set()  # ids of caches whose arrays the model read itself
+        self.inside = False
+
+    def _wrap_read(self, cache, fn):
+        def keys_and_values():
+            if not self.inside:
+                self.read.add(id(cache))
+            return fn()
+        return keys_and_values
 
     def _wrap_mask(self, fn):
         def make_mask(*args, window_size=None, **kwargs):
@@ -97,7 +111,11 @@ class _Recorder:
 
     def _wrap(self, cache, fn):
         def update_and_fetch(keys, values):
-            out = fn(keys, values)
+            self.inside = True  # KVCache.update_and_fetch reads keys_and_values itself
+            try:
+                out = fn(keys, values)
+            finally:
+                self.inside = False
             self.returned[id(cache)] = out
             return out
         return update_and_fetch
@@ -119,7 +137,9 @@ def _forward(model, caches, tokens):
         for chunk in (tokens[:2], tokens[2:3]):
             if chunk:
                 mx.eval(model(mx.array([chunk], dtype=mx.uint32), cache=caches))
-    return {} if recorder.windowed else routed
+    if recorder.windowed:
+        return {}
+    return {k: v and k not in recorder.read for k, v in routed.items()}
 
 
 def _plan(cache, routed):
@@ -160,4 +180,39 @@ def plan_layers(model, tokens):
     for c in caches:
         if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is None:
             raise InputError(f"model family {family(model)}: a {type(c).__name__} layer got no keys in the probe")
-    return [_plan(c, routed) for c in caches]
+    plans = [_plan(c, routed) for c in caches]
+    if _restored_runs(model, plans, caches, tokens) is None:
+        return plans
+    plans = [LayerPlan("dense", p.k_shape, p.v_shape, dtype=p.dtype) if p.kind == "attention" else p for p in plans]
+    error = _restored_runs(model, plans, caches, tokens)
+    if error is not None:
+        raise InputError(f"model family {family(model)}: it cannot generate over restored caches ({error})")
+    return plans
+
+
+def _restore(plan, cache):
+    """The probe's filled cache stored (fp16 pages) and restored as a cartridge would."""
+    if plan.kind == "state":
+        return StateLayer(plan.size, {i: cache[i] for i, _, _ in plan.state}).cache()
+    k, v = stored_kv(cache, plan.kind, cache.offset)
+    fp16 = get_tier("fp16")
+    prefix = make_prefix(fp16, k, fp16, v, page_size=2)
+    if plan.kind == "attention":
+        return CartridgeCache(prefix)
+    if plan.kind == "window":
+        return WindowLayer(prefix, k.dtype, plan.window, cache.offset).cache()
+    return DenseLayer(prefix, k.dtype).cache()
+
+
+def _restored_runs(model, plans, caches, tokens):
+    """None if the model takes a 2-token and a 1-token step over the restored caches with finite
+    logits; otherwise what went wrong, in a few words."""
+    try:
+        restored = [_restore(p, c) for p, c in zip(plans, caches)]
+        for chunk in (tokens[:2], tokens[:1]):
+            logits = model(mx.array([chunk], dtype=mx.uint32), cache=restored)
+            if not mx.all(mx.isfinite(logits)).item():
+                return "logits not finite"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    return None
