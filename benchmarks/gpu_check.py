@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 
 import cartridge  # noqa: F401
-from cartridge import bench
 from cartridge.attention.cache import CartridgeCache, LayerPrefix
 from cartridge.attention.kernels import cuda
+from cartridge.eval import bench
 
 
 class Stub:

@@ -12,8 +12,8 @@ import sys
 
 import mlx.core as mx
 
-from cartridge import bench
 from cartridge.attention.kernels import cuda
+from cartridge.eval import bench
 
 
 def main(out):

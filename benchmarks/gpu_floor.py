@@ -13,7 +13,7 @@ import sys
 
 import mlx.core as mx
 
-from cartridge import bench
+from cartridge.eval import bench
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import session_start  # noqa: E402

@@ -12,9 +12,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from cartridge import bench
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.kernels import cuda
+from cartridge.eval import bench
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import check, decode_cache, prefix  # noqa: E402

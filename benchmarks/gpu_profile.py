@@ -14,8 +14,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from cartridge import bench
 from cartridge.attention.kernels import cuda
+from cartridge.eval import bench
 
 sys.path.insert(0, "benchmarks")
 from gpu_check import decode_cache, session_start  # noqa: E402

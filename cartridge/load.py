@@ -21,7 +21,7 @@ from .format.header import SIDES
 from .tiers import DTYPES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
-from .models.prompt import question_tokens
+from .models.prompt import conversation_tokens, question_tokens
 from .tiers import TIERS
 
 
@@ -89,21 +89,128 @@ class Cartridge:
         """Prefix token ids, list[int]."""
         return self.info.tokens.tolist()
 
-    def question_prompt(self, question):
+    def question_prompt(self, question, cache=None):
         """Tokens to feed after the prefix: separator, question, end of turn, assistant header.
 
+        A question is one user turn right after the document, so it needs a cache whose tail is empty:
+        a fresh `prompt_cache()`, or one emptied by `reset(cache)`. For a conversation use `chat_prompt`.
+
+        Args:
+            question (str): the question.
+            cache (list | None): the cache the tokens will be fed into; given, it is checked to be
+                empty after the document. Default: None (not checked).
+
         Returns:
-            list[int]: pass as `prompt` to `mlx_lm.generate` together with `prompt_cache()`.
+            list[int]: pass as `prompt` to `mlx_lm.generate` together with the cache.
 
         Raises:
-            InputError: if the question is empty.
+            InputError: if the question is empty, or `cache` already holds tokens after the document
+                (its answer would follow the earlier turns and a malformed second document turn).
         """
+        offset = next((c.offset for c in (cache or ()) if hasattr(c, "offset")), None)  # recurrent: none
+        if offset is not None and offset > len(self.info.tokens):
+            held = offset - len(self.info.tokens)
+            raise InputError(f"this cache already holds {held} tokens after the document; call "
+                             f"cart.reset(cache) or use cart.prompt_cache() for a new question, or "
+                             f"cart.chat_prompt(messages, cache) to continue the conversation")
         return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
 
+    def chat_prompt(self, messages, cache=None):
+        """Tokens that continue a conversation about the document in `cache`.
+
+        The conversation is rendered whole by the model's chat template (the first user turn follows
+        the document as in `question_prompt`). With a cache that already holds earlier turns, the cache
+        is trimmed back to what this rendering shares with the tokens fed before (dropping the tokens
+        generated since, whose text comes back as the assistant turn), and only the rest is returned.
+        So a multi-turn chat on one cache holds exactly the tokens of a fresh prefill of the whole
+        rendered conversation.
+
+        Args:
+            messages (list[dict]): OpenAI-style {"role", "content"} turns after the document, ending
+                with a user turn.
+            cache (PromptCache | None): a cache from `prompt_cache()` to continue; None means a fresh
+                one (the returned tokens then follow the document). Default: None.
+
+        Returns:
+            list[int]: pass as `prompt` to `mlx_lm.generate` / `stream_generate` with `cache`.
+
+        Raises:
+            InputError: bad messages, a system message the template puts before the document, or a
+                cache that did not come from this cartridge's `prompt_cache()`.
+
+        Example:
+            >>> cache = cart.prompt_cache()  # doctest: +SKIP
+            >>> messages = [{"role": "user", "content": "Who is the shipping manager?"}]
+            >>> answer = mlx_lm.generate(cart.model, cart.tokenizer, cart.chat_prompt(messages, cache),
+            ...                          prompt_cache=cache)  # doctest: +SKIP
+            >>> messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And..."}]
+        """
+        full = conversation_tokens(self.tokenizer, messages, self.info.prompt_mode, self.info.separator)
+        if cache is None:
+            return full
+        if not isinstance(cache, PromptCache) or cache.prefix_tokens != len(self.info.tokens):
+            raise InputError("chat_prompt needs a cache made by this cartridge's prompt_cache()")
+        common = 0
+        for a, b in zip(cache.tokens, full):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(full) - 1)  # feed at least one token: its logits start the answer
+        if not self._trimmable():  # a window or recurrent state cannot step back: start again
+            common = 0
+            self.reset(cache)
+        cache.trim_tail(common)
+        cache.tokens = list(full)
+        return full[common:]
+
+    def _trimmable(self):
+        """True if every layer's tail can be trimmed back (page-attended and dense layers)."""
+        return all(is_paged(p) or p.kind == "dense" for p in self._prefixes)
+
+    def reset(self, cache):
+        """Empty the tail of a cache from `prompt_cache()`: it holds the bare document again.
+
+        Args:
+            cache (list): a cache from `prompt_cache()`.
+        """
+        for i, (c, layer) in enumerate(zip(cache, self._prefixes)):
+            if is_paged(layer) or layer.kind == "dense":
+                c.trim(max(0, c.offset - len(self.info.tokens)))
+            else:  # a window or recurrent state: a fresh copy of the stored one
+                cache[i] = layer.cache()
+        if isinstance(cache, PromptCache):
+            cache.tokens = []
+
     def prompt_cache(self):
-        """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer."""
+        """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer.
+
+        Returns:
+            PromptCache: a list of one cache per layer, for `mlx_lm.generate(prompt_cache=...)`.
+        """
         route.install()
-        return [CartridgeCache(p) if is_paged(p) else p.cache() for p in self._prefixes]
+        return PromptCache([CartridgeCache(p) if is_paged(p) else p.cache() for p in self._prefixes],
+                           len(self.info.tokens))
+
+
+class PromptCache(list):
+    """The per-layer caches of one conversation (an mlx-lm prompt cache: a list), plus the token ids fed
+    after the document by `Cartridge.chat_prompt` (the tail also holds the tokens generated since).
+
+    Attributes:
+        tokens (list[int]): tokens known to follow the document in every layer's tail, in order.
+        prefix_tokens (int): tokens of the document prefix.
+    """
+
+    def __init__(self, caches, prefix_tokens):
+        super().__init__(caches)
+        self.tokens = []
+        self.prefix_tokens = prefix_tokens
+
+    def trim_tail(self, keep):
+        """Drop every tail token after the first `keep` (generated ones included)."""
+        for c in self:
+            if keep or hasattr(c, "offset"):  # a fresh recurrent state (reset) holds nothing to trim
+                c.trim(max(0, c.offset - self.prefix_tokens - keep))
 
 
 def _model_dtype(model):

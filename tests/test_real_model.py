@@ -41,3 +41,37 @@ def test_sample_prefix_is_what_the_chat_template_renders(sample_cart, real_model
     text = real_model.tokenizer.decode(sample_cart.tokens)
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith(SAMPLE.read_text().rstrip())
+
+
+def _stream(model, tokenizer, prompt, n, **kw):
+    out = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n, **kw))
+    return [r.token for r in out], "".join(r.text for r in out)
+
+
+def test_twelve_turn_chat_answers_like_a_fresh_prefill_of_the_conversation(sample_cart, real_model):
+    """Issue 15: each turn of a chat on one cache (it crosses tail chunks) gives the greedy tokens of a fresh
+    mlx-lm prefill of document + the whole conversation rendered by the chat template."""
+    cache, messages = sample_cart.prompt_cache(), []
+    for row in sample_questions(12):
+        messages.append({"role": "user", "content": row["question"]})
+        got, text = _stream(sample_cart.model, sample_cart.tokenizer, sample_cart.chat_prompt(messages, cache), 24,
+                            prompt_cache=cache)
+        turns = [dict(m) for m in messages]
+        turns[0]["content"] = SAMPLE.read_text().rstrip() + "\n\n" + turns[0]["content"]
+        full = real_model.tokenizer.encode(
+            real_model.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
+        want, _ = _stream(real_model.model, real_model.tokenizer, full, 24)
+        assert got == want, f"turn {len(messages) // 2 + 1}"
+        messages.append({"role": "assistant", "content": text})
+    assert cache[0].offset - len(sample_cart.tokens) > 256
+
+
+def test_question_longer_than_a_tail_chunk_answers_like_a_fresh_prefill(sample_cart, real_model):
+    """Issue 15: a pasted question of more than 256 tokens used to give NaN attention and <|endoftext|>."""
+    text = SAMPLE.read_text()
+    q = "Summarize this passage: " + text[2000:3400]
+    prompt = sample_cart.question_prompt(q)
+    assert len(prompt) > 257
+    got = _greedy(sample_cart.model, sample_cart.tokenizer, prompt, prompt_cache=sample_cart.prompt_cache())
+    want = _greedy(real_model.model, real_model.tokenizer, full_prompt_tokens(real_model.tokenizer, text, q))
+    assert got == want

@@ -54,3 +54,10 @@ def check_output_file(path, option, force):
     except WriteError as e:
         raise WriteError(f"{option} {path}: {e}") from None
     return path
+
+
+def model_ref(model):
+    """--model as given, refusing an empty string (which would otherwise mean the current folder)."""
+    if model is not None and not model.strip():
+        raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+    return model

@@ -6,25 +6,18 @@ stderr and exit status 1 (2 for usage errors).
 
 import json
 import sys
-import time
 
 import click
 
 import cartridge
-from cartridge.errors import CartridgeError, InputError
+from cartridge.errors import CartridgeError
 
+from .ask import ask, chat
 from .bench import bench as bench_command
-from .common import read_corpus
+from .common import model_ref, read_corpus
 from .eval import eval_command
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
-
-
-def _model_ref(model):
-    """--model as given, refusing an empty string (which would otherwise mean the current folder)."""
-    if model is not None and not model.strip():
-        raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
-    return model
 
 
 @click.group()
@@ -57,7 +50,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     from .report import fold_tiers
 
     check_tier_options(tier, k_tier, v_tier, boundary_protect)
-    _model_ref(model)
+    model_ref(model)
     check_output_path(output, force)
     text = read_corpus(corpus)
     bars = []  # made at the first progress call, so errors before prefill print nothing else
@@ -92,54 +85,8 @@ def inspect(path, as_json):
     click.echo(json.dumps(d, indent=2) if as_json else inspect_table(d))
 
 
-@cli.command()
-@click.argument("path")
-@click.argument("question")
-@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate.")
-@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
-@click.option("--attention", default="auto", show_default=True,
-              help="Attention path: auto, fused (CUDA), portable or dequantize-once.")
-def ask(path, question, max_tokens, model, attention):
-    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout)."""
-    import mlx_lm
-
-    from cartridge.build import context_length
-
-    if not question.strip():
-        raise InputError("the question is empty")
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
-    t0 = time.perf_counter()
-    lm = cartridge.load_model(_model_ref(model)) if model is not None else None
-    cart = cartridge.load(path, model=lm, attention=attention)
-    load_s = time.perf_counter() - t0
-    prompt = cart.question_prompt(question)
-    limit = context_length(cart.model)
-    if limit is not None and len(cart.tokens) + len(prompt) + max_tokens > limit:
-        room = limit - len(cart.tokens) - len(prompt)
-        if room < 1:
-            raise InputError(f"the question ({len(prompt):,} tokens) does not fit the model's context of "
-                             f"{limit:,} tokens after the {len(cart.tokens):,} cached")
-        raise InputError(f"--max-tokens {max_tokens} does not fit the model's context of {limit:,} tokens: "
-                         f"{len(cart.tokens):,} cached + {len(prompt)} question tokens leave {room:,}")
-    t1 = time.perf_counter()
-    ttft, n = None, 0
-    for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens,
-                                    prompt_cache=cart.prompt_cache()):
-        if ttft is None:
-            ttft = time.perf_counter() - t1
-        n = r.generation_tokens
-        click.echo(r.text, nl=False)
-        sys.stdout.flush()
-    click.echo()
-    sys.stdout.flush()
-    decode_s = time.perf_counter() - t1 - (ttft or 0)
-    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
-    click.echo(f"load {load_s:.2f} s, TTFT {ttft or 0:.3f} s ({len(prompt)} question tokens over "
-               f"{len(cart.tokens)} cached), decode {rate:.1f} tokens/s ({n} tokens), "
-               f"attention {cart.attention}", err=True)
-
-
+cli.add_command(ask)
+cli.add_command(chat)
 cli.add_command(bench_command, name="bench")
 cli.add_command(verify)
 cli.add_command(pack)

@@ -1,4 +1,5 @@
-"""Split one rendered prompt into the cartridge prefix and a per-question suffix (spec/FORMAT.md 5.4).
+"""Split one rendered prompt into the cartridge prefix and a per-question suffix (spec/FORMAT.md 5.4),
+and render a conversation that continues after the document (`conversation_tokens`).
 
 The full prompt is the chat template applied to one user turn whose content is
 `document + separator + question`, with the assistant header appended. The prefix is everything
@@ -118,3 +119,64 @@ def question_tokens(tokenizer, question, mode, separator=SEPARATOR):
     check_text(question, "the question")
     _, middle, tail = _pieces(tokenizer, mode, separator)
     return _encode(tokenizer, middle + question + tail, False)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages):
+    """Refuse a conversation that is not a non-empty list of {"role", "content"} turns ending with a user
+    turn, with text content and at least one user turn before any assistant turn.
+
+    Raises:
+        InputError: naming the first bad turn.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InputError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} turns")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise InputError(f"message {i} must be a dict whose role is one of {', '.join(ROLES)}; got {m!r:.80}")
+        check_text(m.get("content"), f"message {i} ({m['role']}) content")
+    turns = [m["role"] for m in messages if m["role"] != "system"]
+    if not turns or turns[0] != "user":
+        raise InputError("the first message after any system message must be a user turn")
+    if turns[-1] != "user":
+        raise InputError(f"the last message must be a user turn (the model answers it), not {turns[-1]}")
+
+
+def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR):
+    """Tokens that follow the cartridge prefix for a whole conversation about the document.
+
+    The first user turn is joined to the document as `document + separator + content` (as
+    `question_tokens` does for one question); the chat template renders the rest, with the assistant
+    header at the end. Without a chat template: "Question: ...\nAnswer: ..." turns.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper. messages (list[dict]): OpenAI-style role/content turns
+            that continue after the document; the last is a user turn.
+        mode (str): CHAT or PLAIN (the cartridge's prompt mode). separator (str): the cartridge's.
+
+    Returns:
+        list[int]: with the prefix tokens before them, the tokens of the whole rendered conversation.
+
+    Raises:
+        InputError: bad messages (`check_messages`), or a system message that the template places
+            before the document (the cartridge holds the prefill of its own opening, so it cannot).
+    """
+    check_messages(messages)
+    if mode == PLAIN:
+        if any(m["role"] == "system" for m in messages):
+            raise InputError("a system message needs a chat template; this cartridge's model has none")
+        text = separator
+        for m in messages:
+            text += (f"Question: {m['content']}\nAnswer:" if m["role"] == "user" else f" {m['content']}\n\n")
+        return _encode(tokenizer, text, False)
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    turns = [dict(m) for m in messages]
+    turns[first_user]["content"] = _DOC + separator + turns[first_user]["content"]
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    head, _, _ = _pieces(tokenizer, mode, separator)
+    if text.count(_DOC) != 1 or not text.startswith(head) or text.index(_DOC) != len(head):
+        raise InputError("this model's chat template puts the system message before the document, which the "
+                         "cartridge holds already prefilled; drop the system message or build a cartridge for it")
+    return _encode(tokenizer, text[len(head) + len(_DOC):], False)

@@ -29,14 +29,21 @@ def prefix_partial(q, prefix, n_tokens):
     return prefix.v_codec.weighted_values(p, prefix.v_parts, prefix.v_params), m, p.sum(axis=(0, 3))
 
 
+def _exp_shifted(s, m):
+    """exp(s - m) with m (n_kv, R) broadcast over the last axis; a row whose every score is -inf
+    (m = -inf: its mask hides every key of this part) gives zeros, not exp(-inf + inf) = NaN, so it
+    contributes nothing to `merge` (its l is 0 and its m, -inf, weighs it by exp(-inf) = 0)."""
+    return mx.exp(s - mx.where(m == -mx.inf, 0.0, m)[..., None])
+
+
 def tail_partial(q, k, v, keep):
     """Attention partial of queries over dense tail keys/values.
 
     Args:
         q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled.
         k, v (mx.array): (n_kv_heads, T, head_dim) tail keys and values, any float dtype.
-        keep (mx.array): bool, broadcastable to (n_kv_heads, R, T); False masks a key out. Every
-            query row must keep at least one key (its own position).
+        keep (mx.array): bool, broadcastable to (n_kv_heads, R, T); False masks a key out. A row may
+            keep no key of this part (a causal row before this chunk): its partial is (0, -inf, 0).
 
     Returns:
         tuple: (o, m, l) as in `prefix_partial`.
@@ -44,12 +51,15 @@ def tail_partial(q, k, v, keep):
     s = q @ k.astype(mx.float32).swapaxes(-1, -2)  # (n_kv, R, T)
     s = mx.where(keep, s, -mx.inf)
     m = s.max(axis=-1)
-    p = mx.exp(s - m[..., None])
+    p = _exp_shifted(s, m)
     return p @ v.astype(mx.float32), m, p.sum(axis=-1)
 
 
 def merge(parts):
     """Combine partials (o, m, l) of disjoint key sets into the normalized attention output.
+
+    Every row must see at least one key in some part (its own position in the tail), so the
+    merged m is finite and a part with m = -inf for that row is weighted by exp(-inf) = 0.
 
     Returns:
         mx.array: (n_kv_heads, R, head_dim) float32.

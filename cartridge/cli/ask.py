@@ -1,0 +1,158 @@
+"""`cartridge ask` (one question, a question from stdin, or a file of questions after one load) and
+`cartridge chat` (an interactive conversation on one cache). Thin: parse, call the library, print."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+import cartridge
+from cartridge.errors import InputError
+from cartridge.eval.dataset import load_questions
+
+from .common import check_output_file, model_ref
+
+ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
+
+
+def _load(path, model, attention):
+    t0 = time.perf_counter()
+    lm = cartridge.load_model(model_ref(model)) if model is not None else None
+    cart = cartridge.load(path, model=lm, attention=attention)
+    return cart, time.perf_counter() - t0
+
+
+def _check_room(cart, cache, prompt, max_tokens, what):
+    """Refuse a prompt (`what`, e.g. "the question") + answer that cannot fit the model's context after
+    what `cache` holds."""
+    from cartridge.build import context_length
+
+    limit, held = context_length(cart.model), cache[0].offset
+    if limit is None or held + len(prompt) + max_tokens <= limit:
+        return
+    room = limit - held - len(prompt)
+    if room < 1:
+        raise InputError(f"{what} ({len(prompt):,} tokens) does not fit the model's context of {limit:,} tokens "
+                         f"after the {held:,} cached")
+    raise InputError(f"--max-tokens {max_tokens} does not fit the model's context of {limit:,} tokens: "
+                     f"{held:,} cached + {len(prompt)} prompt tokens leave {room:,}")
+
+
+def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
+    """Stream the model's answer to `prompt` (fed into `cache`); returns a dict of text and timings."""
+    import mlx_lm
+
+    _check_room(cart, cache, prompt, max_tokens, what)
+    t0 = time.perf_counter()
+    ttft, n, pieces = None, 0, []
+    for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
+        ttft = time.perf_counter() - t0 if ttft is None else ttft
+        n = r.generation_tokens
+        pieces.append(r.text)
+        if echo:
+            click.echo(r.text, nl=False)
+            sys.stdout.flush()
+    if echo:
+        click.echo()
+        sys.stdout.flush()
+    decode_s = time.perf_counter() - t0 - (ttft or 0)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    return {"answer": "".join(pieces), "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
+            "prompt_tokens": len(prompt)}
+
+
+def _questions(question, questions_file):
+    if questions_file is not None:
+        if question is not None:
+            raise InputError("give a QUESTION or --questions FILE, not both")
+        path = Path(questions_file)
+        if path.suffix == ".jsonl":
+            return [q["question"] for q in load_questions(path)]
+        if not path.is_file():
+            raise InputError(f"--questions {path} does not exist or is not a file")
+        rows = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not rows:
+            raise InputError(f"--questions {path} holds no question")
+        return rows
+    if question is None:
+        raise InputError("give a QUESTION (or - to read it from stdin) or --questions FILE")
+    return [sys.stdin.read().strip() if question == "-" else question]
+
+
+@click.command()
+@click.argument("path")
+@click.argument("question", required=False)
+@click.option("--questions", "questions_file", default=None,
+              help="Answer every question of a .jsonl ({\"question\": ...} rows) or .txt (one a line) file.")
+@click.option("--json", "json_path", default=None, help="With --questions: write one JSON row per answer here.")
+@click.option("--force", is_flag=True, help="Replace an existing --json file.")
+@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
+@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
+@click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
+def ask(path, question, questions_file, json_path, force, max_tokens, model, attention):
+    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout).
+
+    QUESTION "-" reads the question from stdin; --questions answers a file of questions, each from a
+    fresh cache, after one load."""
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
+    if json_path is not None and questions_file is None:
+        raise InputError("--json needs --questions")
+    json_path = check_output_file(json_path, "--json", force)
+    qs = _questions(question, questions_file)
+    cart, load_s = _load(path, model, attention)
+    prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
+    rows = []
+    for i, (q, prompt) in enumerate(zip(qs, prompts)):
+        if len(qs) > 1:
+            click.echo(f"Q{i + 1}: {q}")
+        r = answer(cart, prompt, cart.prompt_cache(), max_tokens)
+        rows.append({"question": q, **r})
+        click.echo(f"{'' if len(qs) == 1 else f'Q{i + 1}: '}TTFT {r['ttft_s']:.3f} s ({r['prompt_tokens']} question "
+                   f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
+                   f"({r['tokens']} tokens)", err=True)
+    click.echo(f"load {load_s:.2f} s, {len(qs)} question{'s' * (len(qs) > 1)}, attention {cart.attention}", err=True)
+    if json_path is not None:
+        json_path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+@click.command()
+@click.argument("path")
+@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
+@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
+@click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
+def chat(path, max_tokens, model, attention):
+    """Talk about the document in the cartridge at PATH: one line a turn, answers streamed.
+
+    /reset starts over from the bare document; /quit (or end of input) leaves."""
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
+    cart, load_s = _load(path, model, attention)
+    tty = sys.stdin.isatty()
+    click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /quit", err=True)
+    cache, messages = cart.prompt_cache(), []
+    while True:
+        if tty:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            cart.reset(cache)
+            messages = []
+            click.echo("(conversation reset)", err=True)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            r = answer(cart, cart.chat_prompt(messages, cache), cache, max_tokens, "this turn")
+        except InputError as e:
+            messages.pop()
+            click.echo(f"error: {e} (/reset to start over)", err=True)
+            continue
+        messages.append({"role": "assistant", "content": r["answer"]})
+        click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} tokens", err=True)

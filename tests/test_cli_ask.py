@@ -1,0 +1,62 @@
+"""`cartridge ask` with a question from stdin and with a file of questions after one load, and
+`cartridge chat` driven through stdin (issue 15)."""
+
+import json
+
+import pytest
+from test_cli import built, run  # noqa: F401  (the built fixture: a tiny-model cartridge)
+
+
+def test_ask_reads_the_question_from_stdin(built):
+    out, _ = built
+    r = run("ask", out, "-", "--max-tokens", "4", stdin=b"How much is the rent?\n")
+    assert r.returncode == 0, r.stderr.decode()
+    direct = run("ask", out, "How much is the rent?", "--max-tokens", "4")
+    assert r.stdout == direct.stdout  # greedy: the same answer as the question given as an argument
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_ask_questions_file_answers_each_from_a_fresh_cache(built, tmp_path, suffix):
+    out, _ = built
+    qs = ["How much is the rent?", "How much notice is needed?", "How much is the rent?"]
+    qfile = tmp_path / f"q{suffix}"
+    if suffix == ".txt":
+        qfile.write_text("\n".join(qs) + "\n\n")
+    else:
+        qfile.write_text("".join(json.dumps({"id": i, "question": q}) + "\n" for i, q in enumerate(qs)))
+    r = run("ask", out, "--questions", qfile, "--json", tmp_path / "a.jsonl", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [row["question"] for row in rows] == qs
+    assert rows[0]["answer"] == rows[2]["answer"]  # a fresh cache per question: no earlier turn leaks in
+    single = run("ask", out, qs[1], "--max-tokens", "4").stdout.decode().strip()
+    assert rows[1]["answer"].strip() == single
+    err = r.stderr.decode()
+    assert [f"Q{i}: TTFT" in err for i in (1, 2, 3)] == [True] * 3 and err.count("load ") == 1
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["Who?", "--questions", "q.txt"], "not both"),
+    (["--json", "a.jsonl"], "--json needs --questions"),
+    ([], "give a QUESTION"),
+    (["--questions", "missing.txt"], "does not exist"),
+])
+def test_ask_bad_question_options(built, tmp_path, args, expect):
+    out, _ = built
+    (tmp_path / "q.txt").write_text("Who?\n")
+    r = run("ask", out, *[str(tmp_path / a) if a.endswith((".txt", ".jsonl")) else a for a in args])
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode != 0 and len(err) == 1 and expect in err[0], err
+
+
+def test_chat_keeps_the_conversation_and_resets(built):
+    out, _ = built
+    turns = b"How much is the rent?\nAnd the notice?\n/reset\nHow much is the rent?\n/quit\n"
+    r = run("chat", out, "--max-tokens", "4", stdin=turns)
+    assert r.returncode == 0, r.stderr.decode()
+    answers = r.stdout.decode().splitlines()
+    assert len(answers) == 3
+    assert answers[2] == answers[0]  # after /reset the first question is answered as at the start
+    first = run("ask", out, "How much is the rent?", "--max-tokens", "4").stdout.decode().splitlines()
+    assert answers[0] == first[0]
+    assert "(conversation reset)" in r.stderr.decode()
