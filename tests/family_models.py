@@ -65,6 +65,9 @@ COMMON = {  # field name -> tiny value, for any family's ModelArgs
     "n_groups": 1, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2, "mamba_num_heads": 4,
     "mamba_head_dim": 32, "use_conv_bias": True, "conv_bias": False, "mamba_proj_bias": False,
     "time_step_limit": (0.0, float("inf")),
+    "mlp_only_layers": [], "shared_expert_intermediate_size": 64, "num_dense_layers": 1,
+    "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_conv_bias": True,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
 }
 
 OVERRIDES = {  # family -> extra or different fields (what COMMON's guesses cannot give)
@@ -93,13 +96,17 @@ OVERRIDES = {  # family -> extra or different fields (what COMMON's guesses cann
     "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2},
     "gptj": {"rotary_dim": 16},
+    "lfm2_moe": {"full_attn_idxs": [1, 3], "conv_L_cache": 3},
+    "mellum": {"rope_parameters": {t: {"rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")}},
 }
+for _qwen in ("qwen3_5", "qwen3_5_moe"):
+    OVERRIDES[_qwen] = {**OVERRIDES["qwen3_next"], "head_dim": 32}
 
 
 TEXT_FAMILY = {"gemma3": "gemma3_text", "gemma3n": "gemma3n", "llama4": "llama4_text", "mistral3": "ministral3",
                "kimi_vl": "deepseek_v3", "kimi_k25": "deepseek_v3", "kimi_k3": "kimi_k3", "lfm2-vl": "lfm2",
                "muse_spark": "muse_spark", "minimax_m3_vl": "minimax", "qwen2_vl": "qwen2", "qwen3_vl": "qwen3",
-               "qwen3_vl_moe": "qwen3_moe", "pixtral": "llama"}
+               "qwen3_vl_moe": "qwen3_moe", "pixtral": "llama", "qwen3_5_moe": "qwen3_5"}
 
 
 def families():
