@@ -82,8 +82,9 @@ def main(argv):
     if argv == ["--render"]:
         doc = json.loads(JSON.read_text())
     else:
+        rows = run(argv or families())  # then read what is recorded: another run may have finished meanwhile
         old = {r["family"]: r for r in json.loads(JSON.read_text())["families"]} if JSON.exists() and argv else {}
-        old.update({r["family"]: r for r in run(argv or families())})
+        old.update({r["family"]: r for r in rows})
         doc = {"mlx_lm": mlx_lm.__version__,
                "families": [{k: old[n][k] for k in ("family", "status", "detail", "kinds")}
                             for n in families() if n in old]}
