@@ -29,7 +29,16 @@ RECORDED = {r["family"]: r for r in json.loads((ROOT / "docs" / "models.json").r
 
 
 def _params():
-    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in families()]
+    """Named families run by default; a family recorded as failing or unchecked is a strict xfail, so
+    fixing it (or a tiny config for it) fails the run until docs/models.json is regenerated."""
+    out = []
+    for n in families():
+        marks = [] if n in FAST else [pytest.mark.slow]
+        status = RECORDED.get(n, {}).get("status")
+        if status in ("FAIL", "no tiny model"):
+            marks.append(pytest.mark.xfail(strict=True, reason=f"{status}: {RECORDED[n]['detail'][:100]}"))
+        out.append(pytest.param(n, marks=marks))
+    return out
 
 
 @pytest.mark.parametrize("name", _params())
