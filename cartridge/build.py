@@ -6,24 +6,33 @@
 
 import inspect
 import time
+import warnings
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention.store import check_layer_tiers, write_layer
+from .attention.store import check_layer_tiers, to_numpy, write_layer
 from .errors import InputError
 from .format import keys as K
-from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
-from .format.writer import CartridgeWriter, check_output_path
-from .models.families import plan_layers
+from .format.keys import HEAD_RECORD_BYTES
+from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
+from .format.source import source_keys
+from .format.writer import CartridgeWriter, check_output_path, check_space
+from .models.families import LayerPlan, plan_layers
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, check_tier_options, get_tier, read_schema, schema_for
+from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
+DEFAULT_RESERVE = 256  # tokens a build leaves free for questions and answers before it warns
+
+
+class ContextWarning(UserWarning):
+    """The document leaves fewer than `reserve` tokens of the model's context for questions."""
 
 
 @dataclass
@@ -35,6 +44,8 @@ class BuildResult:
         prefill_seconds (float), seconds (float): prefill time and total time (prefill + encode + write).
         bytes (int): total bytes on disk. bytes_per_token (int): K+V payload bytes per token.
         schema (list[dict]): the tier of every (layer, side): [{"layer": i, "k": tier, "v": tier}].
+        context_left (int | None): tokens of the model's context left after the document (None if the
+            model does not say).
     """
 
     path: str
@@ -44,6 +55,7 @@ class BuildResult:
     bytes: int
     bytes_per_token: int
     schema: list = field(default_factory=list)
+    context_left: int | None = None
 
     @property
     def tokens_per_second(self):
@@ -56,23 +68,31 @@ def context_length(model):
     return getattr(getattr(model, "args", None), "max_position_embeddings", None)
 
 
-def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
+def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None, caches=None):
     """Run `tokens` through the model in chunks and return the filled mlx-lm caches.
 
     Args:
         model (nn.Module): mlx-lm model. tokens (list[int]): prompt tokens.
         step (int): tokens per forward pass. Default: 512.
-        progress (callable | None): called as progress(done_tokens, total_tokens) after each chunk.
+        progress (callable | None): called as progress(done_tokens, total_tokens) once with 0 before
+            the first chunk and after each chunk.
+        caches (list | None): caches to continue (e.g. a cartridge's `prompt_cache()`, for extend);
+            None makes fresh mlx-lm caches. Default: None.
 
     Returns:
-        list: mlx-lm's cache objects (`make_prompt_cache`), one per cache layer, filled. Check the
-        model's cache kinds first (`cartridge.models.families.plan_layers`).
+        list: mlx-lm's cache objects (`make_prompt_cache`), one per cache layer, filled (or `caches`,
+        filled further). Check the model's cache kinds first (`cartridge.models.families.plan_layers`).
     """
-    caches = make_prompt_cache(model)
+    return _feed(model, tokens, step, progress, make_prompt_cache(model) if caches is None else caches)
+
+
+def _feed(model, tokens, step, progress, caches):
     body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
     if body is not model and "cache" not in inspect.signature(body.__call__).parameters:
         body = model
     ids = mx.array(tokens, dtype=mx.uint32)
+    if progress:
+        progress(0, len(tokens))  # before the first chunk, so a progress bar's clock starts with the prefill
     for start in range(0, len(tokens), step):
         body(ids[None, start:start + step], cache=caches)
         mx.eval([c.state for c in caches])
@@ -81,8 +101,26 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
     return caches
 
 
-def _header(lm, tokens, plans, records, page_size, mode, source_dtype):
-    n_kv, head_dim = next((p.k_shape for p in plans if p.k_shape), (1, 1))  # 1.0 readers' global shape
+_to_numpy = to_numpy  # convert and extend encode pages outside `write_layer`
+
+
+def tier_keys(schema, params, head_dim):
+    """The layer.{i}.{k,v}.* header keys (tier, codec version, params, components) of a schema."""
+    header = {}
+    for row in schema:
+        for side in ("k", "v"):
+            codec = get_tier(row[side])
+            header[K.layer_tier(row["layer"], side)] = codec.name
+            header[K.layer_codec_version(row["layer"], side)] = codec.codec_version
+            header[K.layer_params(row["layer"], side)] = params[(row["layer"], side)]
+            header[K.layer_components(row["layer"], side)] = [
+                {"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)
+            ]
+    return header
+
+
+def _header(lm, tokens, plans, records, page_size, mode, source_dtype, source):
+    n_kv, head_dim = next((p.k_shape for p in plans if p.k_shape), (1, 1))  # pre-1.4 readers' global shape
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
         K.FORMAT_MINOR: FORMAT_MINOR,
@@ -100,12 +138,62 @@ def _header(lm, tokens, plans, records, page_size, mode, source_dtype):
         K.N_PAGES: -(-len(tokens) // page_size),
         K.SOURCE_DTYPE: source_dtype,
         K.ROPE: "post",
+        **source,
     }
     header.update(records)
     return header
 
 
-def _check_options(page_size, prefill_step):
+def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
+    """Bytes a cartridge of this schema takes on disk, within one 16 KiB alignment per extent.
+
+    Returns:
+        int: page payloads (bytes/token of every (layer, side) x padded tokens), alignment, page
+        tables, token ids and 1 MiB for the index's own structure and the manifest.
+    """
+    return layers_bytes(schema, attention_plans((len(schema), n_kv_heads, head_dim)), n_tokens, page_size)
+
+
+def layers_bytes(schema, plans, n_tokens, page_size):
+    """`cartridge_bytes` of layers of any kind (`LayerPlan`s): a window layer's pages hold its last
+    `window` tokens, a state layer's arrays one page each."""
+    total = 4 * n_tokens + (1 << 20)
+    for plan_, row in zip(plans, schema):
+        if plan_.kind == "state":
+            total += sum(ALIGN + PAGE_RECORD.size + HEAD_RECORD_BYTES + int(np.prod(shape)) * 4
+                         for _, _, shape in plan_.state)
+            continue
+        n_pages = -(-plan_.stored_tokens(n_tokens) // page_size)
+        for side, (n_kv, head_dim) in (("k", plan_.k_shape), ("v", plan_.v_shape)):
+            codec = get_tier(row[side])
+            tables = n_pages * (PAGE_RECORD.size + n_kv * HEAD_RECORD_BYTES)  # page + per-head checksums
+            total += (n_pages * page_size * codec.bytes_per_token(n_kv, head_dim)
+                      + len(codec.components(head_dim)) * (ALIGN + tables))
+    return total
+
+
+def attention_plans(geometry):
+    """One "attention" `LayerPlan` per layer of a model of `geometry` (n_layers, n_kv_heads, head_dim)."""
+    n_layers, n_kv, head_dim = geometry
+    return [LayerPlan("attention", (n_kv, head_dim), (n_kv, head_dim)) for _ in range(n_layers)]
+
+
+def _check_context(lm, tokens, reserve):
+    """Refuse a document that does not fit the context; warn when fewer than `reserve` tokens are left."""
+    limit = context_length(lm.model)
+    if not limit:
+        return None
+    if len(tokens) >= limit:
+        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
+    left = limit - len(tokens)
+    if left < reserve:
+        warnings.warn(f"the document is {len(tokens):,} tokens of the model's {limit:,}-token context: only "
+                      f"{left:,} are left for each question and its answer (reserve {reserve})",
+                      ContextWarning, stacklevel=4)  # _check_context, plan, build: the caller
+    return left
+
+
+def _check_options(page_size, prefill_step, reserve=0):
     for name, value in (("page size", page_size), ("prefill step", prefill_step)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise InputError(f"{name} must be an integer number of tokens, got {value!r}")
@@ -113,6 +201,8 @@ def _check_options(page_size, prefill_step):
         raise InputError(f"page size {page_size} tokens is out of range 1..65536")
     if prefill_step < 1:
         raise InputError(f"prefill step {prefill_step} must be at least 1 token")
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+        raise InputError(f"reserve is {reserve!r}; it must be an integer number of tokens >= 0")
 
 
 def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
@@ -129,9 +219,61 @@ def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
     return read_schema(schema)
 
 
+def check_options(document, options, page_size, prefill_step, reserve=0):
+    """The checks that need no model: corpus text, page size, prefill step, tier options.
+
+    Args:
+        options (tuple): (tier, k_tier, v_tier, boundary_protect, schema) as `build` takes them.
+
+    Raises:
+        InputError: as `build` describes.
+    """
+    check_text(document, "the corpus")
+    _check_options(page_size, prefill_step, reserve)
+    _tier_options(*options)
+
+
+def plan(document, lm, geometry, options, reserve=0):
+    """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
+
+    Returns:
+        tuple: (schema list[dict], prompt mode str, tokens list[int], context tokens left int | None).
+
+    Raises:
+        InputError: a bad schema or tier for this geometry, or a corpus longer than the model's context.
+    """
+    tier, k_tier, v_tier, boundary_protect, _ = options
+    schema = _tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
+    check_schema(schema, *geometry)
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    return schema, mode, tokens, _check_context(lm, tokens, reserve)
+
+
+def probe_plan(document, lm, options, reserve=0):
+    """Like `plan`, with each layer's cache kind and K/V shapes probed from the model itself.
+
+    Returns:
+        tuple: (schema list[dict], plans list[LayerPlan], prompt mode str, tokens list[int],
+        context tokens left int | None).
+
+    Raises:
+        InputError: a cache kind a cartridge cannot store (`plan_layers`), a tier that cannot store a
+            layer's shape, a bad schema, or a corpus longer than the model's context; before any prefill.
+    """
+    tier, k_tier, v_tier, boundary_protect, _ = options
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    left = _check_context(lm, tokens, reserve)
+    plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
+    schema = _tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
+    check_layer_tiers(plans, schema)
+    return schema, plans, mode, tokens, left
+
+
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
-          progress=None):
+          progress=None, source_name=None, reserve=DEFAULT_RESERVE):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -148,7 +290,11 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         page_size (int): tokens per page. Default: 256.
         prefill_step (int): tokens per forward pass. Default: 512.
         force (bool): replace an existing cartridge at `output`. Default: False.
-        progress (callable | None): progress(done_tokens, total_tokens) during prefill.
+        progress (callable | None): progress(done_tokens, total_tokens) during prefill, from 0.
+        source_name (str | None): the file the document came from, recorded (its last component)
+            with the document's size, SHA-256 and first line (spec/FORMAT.md 4.2). Default: None.
+        reserve (int): warn (`ContextWarning`) when fewer tokens than this are left of the model's
+            context after the document. Default: 256.
 
     Returns:
         BuildResult
@@ -157,6 +303,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         InputError: empty corpus, unknown tier, a tier that cannot store the model's K/V shape, a bad
             schema, corpus longer than the model's context, bad options; all before any prefill.
         OutputExistsError: `output` exists and `force` is False.
+        WriteError: the output's file system has less free space than the cartridge needs (checked
+            before prefill), or a write failed.
         ModelLoadError: the model cannot be loaded.
 
     Example:
@@ -165,36 +313,66 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    check_text(document, "the corpus")
-    _check_options(page_size, prefill_step)
-    schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
+    options = (tier, k_tier, v_tier, boundary_protect, schema)
+    check_options(document, options, page_size, prefill_step, reserve)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    mode = prompt_mode(lm.tokenizer)
-    tokens = prefix_tokens(lm.tokenizer, document, mode)
-    limit = context_length(lm.model)
-    if limit and len(tokens) >= limit:
-        raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
-    plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
-    schema = schema or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
-    check_layer_tiers(plans, schema)
+    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve)
+    check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    records = {}
+    path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force,
+                        source_keys(document, source_name))
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left)
+
+
+def _drain(caches):
+    for layer, cache in enumerate(caches):
+        caches[layer] = None  # free this layer's dense K/V before encoding the next
+        yield cache
+
+
+def kv_caches(layers):
+    """(keys, values) pairs, each (1, n_kv_heads, T, head_dim), as the cache objects `write_layers` takes."""
+    for keys, values in layers:
+        yield SimpleNamespace(keys=keys, values=values)
+
+
+def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, force=False, source=None):
+    """Encode every layer's K/V (or state) with its tiers and write the cartridge (atomic).
+
+    Args:
+        output (str | Path): cartridge directory to create.
+        lm (LoadedModel): the model the K/V came from (ref, fingerprint and architecture are recorded).
+        tokens (list[int]): the prefix tokens.
+        caches (iterable): per layer in order, its filled mlx-lm cache (or `kv_caches` of (keys, values)).
+        schema (list[dict]), plans (list[LayerPlan]): tiers and each layer's kind and shapes, already
+            checked (`probe_plan`; `attention_plans` for a model of full-attention layers only).
+        page_size (int): tokens per page. mode (str): the prompt mode.
+        force (bool): replace an existing cartridge at `output`. Default: False.
+        source (dict | None): the source.* header keys (`format.source.source_keys`). Default: None.
+
+    Returns:
+        Path: the published cartridge directory.
+
+    Raises:
+        InputError: a cache holds shapes other than its plan's (nothing is published).
+    """
+    records, source_dtype = {}, next((p.dtype for p in plans if p.dtype), None)
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
+            if source_dtype is None and plans[layer].kind != "state":
+                source_dtype = str(cache.keys.dtype).replace("mlx.core.", "")
             records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens)))
-            caches[layer] = None  # free this layer's dense K/V before encoding the next
-        header = _header(lm, tokens, plans, records, page_size, mode, _source_dtype(lm.model, plans))
-        path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
-    seconds = time.perf_counter() - t0
+        header = _header(lm, tokens, plans, records, page_size, mode, source_dtype or "float32", source or {})
+        return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
+
+
+def build_result(path, tokens, prefill_seconds, seconds, schema, plans, context_left=None):
+    """The BuildResult of a written cartridge (sizes read from disk); bytes per token of the layers
+    that store every token."""
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(p, f"{s}_shape"))
               for p, r in zip(plans, schema) if p.kind in ("attention", "dense") for s in ("k", "v"))
-    return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt, schema)
-
-
-def _source_dtype(model, plans):
-    """The dtype the model computes K/V in (the probe's), for `cache.source_dtype`."""
-    return next((p.dtype for p in plans if p.dtype), "float32")
+    return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

@@ -78,3 +78,8 @@ class WriteError(CartridgeError):
 
 class ModelLoadError(CartridgeError):
     """The model reference cannot be loaded (missing path, unsupported GGUF, missing package)."""
+
+
+class RankMismatchError(CartridgeError):
+    """Under `mlx.launch`, the ranks did not all open the same cartridge with the same model, or one of
+    them failed to open its slice; every rank raises it with the same message."""

@@ -21,23 +21,32 @@ from .format.header import SIDES
 from .tiers import DTYPES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
-from .models.prompt import conversation_tokens, question_tokens
+from .models.prompt import conversation_tokens, followup_tokens, question_tokens
 from .tiers import TIERS
 
 
-def check_fingerprint(info, fp):
-    """Refuse a model whose fingerprint differs from the cartridge's.
+def check_fingerprint(info, fp, path=None, model_ref=None):
+    """Refuse a model whose fingerprint differs from the cartridge's, in one line that says what to do.
+
+    Args:
+        info (CartridgeInfo): the cartridge's header. fp (dict): the model's `fingerprint()`.
+        path (str | Path | None): the cartridge, named in the message. Default: None.
+        model_ref (str | None): how the model was given ("default", a path), named in the message.
 
     Raises:
-        ModelMismatchError: naming both full fingerprint ids and, for each differing part, both digests.
+        ModelMismatchError: naming the cartridge, the model it was built with, the parts that differ
+            (config, weights, tokenizer, chat_template) and the two ways out.
     """
     if fp["id"] == info.fingerprint.get("id"):
         return
     differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
-    parts = ", ".join(f"{k} (cartridge {info.fingerprint.get(k)}, model {fp.get(k)})" for k in differ)
+    which = f"cartridge {path}" if path is not None else "the cartridge"
+    given = f" {model_ref}" if model_ref else ""
+    ref = info.model_ref
     raise ModelMismatchError(
-        f"model fingerprint {fp['id']} differs from the cartridge's {info.fingerprint.get('id')} "
-        f"(built with {info.model_ref}); differing: {parts or 'id'}"
+        f"{which} was built with model {ref} (fingerprint {info.fingerprint.get('id', '')[:12]}); this "
+        f"model{given} (fingerprint {fp['id'][:12]}) differs in {', '.join(differ) or 'id'}: answer with "
+        f"--model {ref} (Python: model={ref!r}), or rebuild the cartridge with this model"
     )
 
 
@@ -90,7 +99,9 @@ class Cartridge:
         return self.info.tokens.tolist()
 
     def question_prompt(self, question, cache=None):
-        """Tokens to feed after the prefix: separator, question, end of turn, assistant header.
+        """Tokens to feed after the prefix: separator, question, end of turn, assistant header. After a
+        saved conversation (`save`; info.document_tokens < tokens): the end of the assistant's turn, a
+        new user turn with the question, the assistant header.
 
         A question is one user turn right after the document, so it needs a cache whose tail is empty:
         a fresh `prompt_cache()`, or one emptied by `reset(cache)`. For a conversation use `chat_prompt`.
@@ -113,6 +124,9 @@ class Cartridge:
             raise InputError(f"this cache already holds {held} tokens after the document; call "
                              f"cart.reset(cache) or use cart.prompt_cache() for a new question, or "
                              f"cart.chat_prompt(messages, cache) to continue the conversation")
+        if self.info.document_tokens < len(self.info.tokens):  # a saved conversation: a new user turn
+            return followup_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator,
+                                   int(self.info.tokens[-1]))
         return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
 
     def chat_prompt(self, messages, cache=None):
@@ -181,6 +195,19 @@ class Cartridge:
         if isinstance(cache, PromptCache):
             cache.tokens = []
 
+    def save(self, path, cache, tokens=None, force=False):
+        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.extend.save`).
+
+        Example:
+            >>> cache = cart.prompt_cache()  # doctest: +SKIP
+            >>> answer = [r.token for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt,
+            ...                                                  prompt_cache=cache)]  # doctest: +SKIP
+            >>> cart.save("chat.cart", cache, tokens=prompt + answer)  # doctest: +SKIP
+        """
+        from .extend import save  # extend builds on load
+
+        return save(self, path, cache, tokens, force)
+
     def prompt_cache(self):
         """A fresh mlx-lm cache list: the shared prefix (never mutated) plus an empty tail per layer.
 
@@ -221,20 +248,26 @@ def _model_dtype(model):
     return mx.float32
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
-    """Load a cartridge.
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16):
+    """Load a cartridge, or several laid out one after another (`cartridge.compose`).
 
     Args:
-        path (str | Path): cartridge directory.
-        model (nn.Module | LoadedModel | None): the model to answer with; None loads the one the
-            cartridge records ("default" or its path). Default: None.
+        path (str | Path | list): cartridge directory; a list of them composes the documents in order.
+        model (str | nn.Module | LoadedModel | None): the model to answer with: a model reference
+            ("default", a GGUF file, an mlx-lm folder), a loaded model, or None for the one the
+            cartridge records. Default: None.
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
             (`cartridge.attention.policy`).
+        group (mx.distributed.Group | None): under `mlx.launch`, the ranks; each maps only the KV heads
+            or layers its sharded model runs and all agree before answering
+            (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
+        recompute (int): with a list: document tokens of each later cartridge prefilled again over
+            the ones before it. Default: 16.
 
     Returns:
-        Cartridge
+        Cartridge (ComposedCartridge for a list)
 
     Raises:
         CartridgeError subclasses: a failed check, a model whose fingerprint differs
@@ -245,17 +278,31 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto"):
         >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
+    if isinstance(path, (list, tuple)):
+        from .compose import compose  # compose builds on load
+
+        if model is None and path:
+            first = load(path[0], verify=verify, attention=attention)
+            model, tokenizer = first.model, first.tokenizer
+        carts = [load(p, model, tokenizer, verify, attention) for p in path]
+        return compose(carts, recompute)
+    if group is not None:
+        from .distributed import load_sharded
+
+        return load_sharded(path, model, tokenizer, group, verify, attention)
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)
+    if model is None or isinstance(model, str):  # None: the model the cartridge records
+        ref = info.model_ref if model is None else model
+        model = load_model(ref if ref != DEFAULT_MODEL else None)
+    ref = model.ref if isinstance(model, LoadedModel) else None
     if isinstance(model, LoadedModel):
         model, tokenizer = model.model, model.tokenizer
-    if model is None:
-        lm = load_model(info.model_ref if info.model_ref != DEFAULT_MODEL else None)
-        model, tokenizer = lm.model, lm.tokenizer
     elif tokenizer is None:
-        raise InputError("pass the model's tokenizer together with the model")
-    check_fingerprint(info, fingerprint(model, tokenizer))
+        raise InputError("pass the model's tokenizer together with the model (or a LoadedModel, or a model "
+                         "reference such as \"default\")")
+    check_fingerprint(info, fingerprint(model, tokenizer), path, ref)
     prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
     head_dims = [(m.k_shape[1], m.v_shape[1]) if m.k_shape else (None, None) for m in info.layers]
     prefixes = prepare(prefixes, policy, _model_dtype(model), head_dims)

@@ -61,10 +61,14 @@ def test_wrong_model_refused(smol_tokenizer, tiny, tmp_path):
 
     r = cartridge.build(DOC, tmp_path / "d.cart", model=tiny)
     other = make_tiny(smol_tokenizer, seed=1)  # same shape, different weights
-    with pytest.raises(ModelMismatchError, match="differing: weights"):
+    with pytest.raises(ModelMismatchError) as e:
         cartridge.load(r.path, model=other)
+    assert str(e.value) == (
+        f"cartridge {r.path} was built with model tiny-seed0 (fingerprint {tiny.fingerprint['id'][:12]}); this "
+        f"model tiny-seed1 (fingerprint {other.fingerprint['id'][:12]}) differs in weights: answer with "
+        f"--model tiny-seed0 (Python: model='tiny-seed0'), or rebuild the cartridge with this model")
     wider = make_tiny(smol_tokenizer, seed=0, intermediate_size=96)
-    with pytest.raises(ModelMismatchError, match="config"):
+    with pytest.raises(ModelMismatchError, match="differs in config, weights: answer with --model tiny-seed0"):
         cartridge.load(r.path, model=wider)
 
 
@@ -93,6 +97,80 @@ def test_same_weights_other_tokenizer_or_template_refused(tiny, tmp_path, change
     with pytest.raises(ModelMismatchError) as e:
         cartridge.load(r.path, model=tiny.model, tokenizer=tok)
     msg = str(e.value)
-    assert f"model fingerprint {fp['id']} differs from the cartridge's {tiny.fingerprint['id']}" in msg
-    assert f"differing: {part} (cartridge {tiny.fingerprint[part]}, model {fp[part]})" in msg
-    assert msg.count("(cartridge ") == 1  # only that part differs: weights and config are the same
+    assert f"(fingerprint {tiny.fingerprint['id'][:12]}); this model (fingerprint {fp['id'][:12]})" in msg
+    assert f" differs in {part}: answer with --model tiny-seed0" in msg  # weights and config are the same
+    assert "\n" not in msg and len(msg) - len(r.path) < 250
+
+
+def test_load_takes_a_model_reference(tiny_dir, tmp_path):
+    lm = cartridge.load_model(str(tiny_dir))
+    r = cartridge.build(DOC, tmp_path / "d.cart", model=lm)
+    cart = cartridge.load(r.path, model=str(tiny_dir), attention="portable")
+    assert cart.info.fingerprint["id"] == lm.fingerprint["id"]
+
+
+@pytest.mark.slow
+def test_load_takes_default(real_model, tmp_path):
+    r = cartridge.build("A short note about leases.", tmp_path / "d.cart", model=real_model)
+    assert cartridge.load(r.path, model="default").info.model_ref == "default"
+
+
+def test_progress_starts_at_token_zero(tiny, tmp_path):
+    calls = []
+    r = cartridge.build(DOC, tmp_path / "d.cart", model=tiny, prefill_step=32,
+                        progress=lambda done, total: calls.append((done, total)))
+    assert calls[0] == (0, r.tokens)
+    assert [d for d, _ in calls[1:]] == [min(s + 32, r.tokens) for s in range(0, r.tokens, 32)]
+
+
+def test_source_document_recorded(tiny, tmp_path):
+    import hashlib
+
+    text = "\n  \n  Lease of 12 Elm St  \n" + DOC
+    r = cartridge.build(text, tmp_path / "d.cart", model=tiny, source_name="/some/folder/lease.txt")
+    info, _ = cartridge.open_cartridge(r.path)
+    assert info.source == {"name": "lease.txt", "bytes": len(text.encode()),
+                           "sha256": hashlib.sha256(text.encode()).hexdigest(), "first_line": "Lease of 12 Elm St"}
+    assert info.format_version == "1.4"
+
+
+def test_context_reserve_warns_with_tokens_left(tiny, tmp_path):
+    from cartridge.build import ContextWarning
+
+    with pytest.warns(ContextWarning) as w:
+        r = cartridge.build(DOC * 4, tmp_path / "d.cart", model=tiny)  # tiny context: 512 tokens
+    left = 512 - r.tokens
+    assert 0 < left < 256 and r.context_left == left
+    assert str(w[0].message) == (f"the document is {r.tokens:,} tokens of the model's 512-token context: only "
+                                 f"{left} are left for each question and its answer (reserve 256)")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cartridge.build(DOC * 4, tmp_path / "e.cart", model=tiny, reserve=left)  # exactly enough: no warning
+    with pytest.raises(InputError, match="reserve is -1"):
+        cartridge.build(DOC, tmp_path / "f.cart", model=tiny, reserve=-1)
+
+
+def test_disk_space_checked_before_prefill(tiny, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from cartridge.build import cartridge_bytes
+    from cartridge.errors import WriteError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    called = []
+    with pytest.raises(WriteError) as e:
+        cartridge.build(DOC, tmp_path / "d.cart", model=tiny, progress=lambda *a: called.append(a))
+    assert not called and not (tmp_path / "d.cart").exists()
+    schema = [{"layer": i, "k": "fp16", "v": "fp16"} for i in range(2)]
+    from cartridge.models.prompt import prefix_tokens, prompt_mode
+
+    tokens = prefix_tokens(tiny.tokenizer, DOC, prompt_mode(tiny.tokenizer))
+    need = cartridge_bytes(schema, 2, 16, len(tokens), 256)
+    assert str(e.value) == f"cartridge {tmp_path / 'd.cart'} needs about {need:,} bytes; only 1,000 are free in {tmp_path}"
+    monkeypatch.undo()
+    r = cartridge.build(DOC, tmp_path / "d.cart", model=tiny)
+    assert r.bytes <= need  # the estimate covers what was written

@@ -1,5 +1,6 @@
 """The command line: build/inspect/ask on an mlx-lm model directory, and one clear line per bad input."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -33,7 +34,10 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
-    assert info["format_version"] == "1.1"
+    assert info["format_version"] == "1.4"
+    assert info["source"] == {"name": "doc.txt", "bytes": len((DOC * 3).encode()),
+                              "sha256": hashlib.sha256((DOC * 3).encode()).hexdigest(),
+                              "first_line": DOC.strip()}
     assert (info["n_layers"], info["n_kv_heads"], info["head_dim"], info["kv_dim"]) == (2, 2, 16, 32)
     assert info["tiers"][1] == {"layer": 1, "k": "fp16", "v": "fp16"}
     assert info["bytes_per_token"] == info["fp16_bytes_per_token"] == 2 * 2 * 32 * 2
@@ -41,6 +45,49 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     assert info["total_bytes"] == sum(f.stat().st_size for f in out.iterdir())
     table = run("inspect", out).stdout.decode()
     assert "0-1     fp16     fp16" in table
+
+
+def test_inspect_shows_the_document(built):
+    out, _ = built
+    table = run("inspect", out).stdout.decode()
+    digest = hashlib.sha256((DOC * 3).encode()).hexdigest()
+    assert f"document      doc.txt, {len((DOC * 3).encode()):,} bytes, sha256 {digest}" in table
+    assert f"first line    {DOC.strip()!r}" in table
+
+
+def test_inspect_of_a_format_1_0_cartridge_shows_dashes():
+    from pathlib import Path
+
+    vector = Path(__file__).resolve().parent / "vectors" / "tiny.cart"  # written before the source keys
+    r = run("inspect", vector)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "document      -, -, sha256 -\nfirst line    -" in r.stdout.decode()
+    assert json.loads(run("inspect", vector, "--json").stdout)["source"] == {
+        "name": None, "bytes": None, "sha256": None, "first_line": None}
+
+
+def test_inspect_takes_a_cartz(built, tmp_path, monkeypatch):
+    out, _ = built
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert run("pack", out, "-o", tmp_path / "d.cartz").returncode == 0
+    r = subprocess.run([sys.executable, "-m", "cartridge.cli.main", "inspect", str(tmp_path / "d.cartz"), "--json"],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(r.stdout)
+    assert d["total_bytes"] == (tmp_path / "d.cartz").stat().st_size
+    assert d["tokens"] == json.loads(run("inspect", out, "--json").stdout)["tokens"]
+
+
+def test_build_warns_when_little_context_is_left(tiny_dir, tmp_path):
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(DOC * 16)  # about 440 tokens of the tiny model's 512
+    r = run("build", corpus, "-o", tmp_path / "l.cart", "--model", tiny_dir)
+    assert r.returncode == 0, r.stderr.decode()
+    warning = [line for line in r.stderr.decode().splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "of the model's 512-token context: only" in warning[0]
+    assert "are left for each question and its answer (reserve 256)" in warning[0]
+    r = run("build", corpus, "-o", tmp_path / "m.cart", "--model", tiny_dir, "--reserve", "0")
+    assert r.returncode == 0 and "warning:" not in r.stderr.decode()
 
 
 def test_ask_streams_answer_and_reports_timing(built):

@@ -54,7 +54,7 @@ def test_manifest_bytes(tmp_path):
     raw = (path / MANIFEST_NAME).read_bytes()
     assert len(raw) == MANIFEST_SIZE == 96
     magic, major, minor, size, index_size, data_size = struct.unpack_from("<8sHHIQQ", raw)
-    assert (magic, major, minor, size) == (b"CARTRIDG", 1, 1, 96)
+    assert (magic, major, minor, size) == (b"CARTRIDG", 1, 2, 96)
     assert index_size == os.path.getsize(path / INDEX_NAME)
     assert data_size == os.path.getsize(path / DATA_NAME)
     assert raw[32:64] == hashlib.sha256((path / INDEX_NAME).read_bytes()).digest()
@@ -144,7 +144,7 @@ def test_header_matches_json_schema(tmp_path):
 
     path = write(tmp_path / "a.cart")
     records = read_index(path, read_manifest(path))
-    binary = {k for k in records if k == K.TOKENS_IDS or k.endswith(".pages")}
+    binary = {k for k in records if k == K.TOKENS_IDS or k.endswith((".pages", ".head_sums"))}
     header = {k: json.loads(v) for k, v in records.items() if k not in binary}
     schema = json.loads((ROOT / "spec" / "header.schema.json").read_text())
     jsonschema.validate(header, schema)

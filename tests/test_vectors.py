@@ -35,15 +35,16 @@ VECTORS = Path(__file__).resolve().parent / "vectors"
 sys.path.insert(0, str(VECTORS))
 from make_vectors import FINGERPRINT, TOKENS, vector_header, vector_pages, write_vector  # noqa: E402
 
-TINY = VECTORS / "tiny.cart"  # format 1.0, as written before per-layer keys: must keep loading
-TINY_11 = VECTORS / "tiny-1.1.cart"
+TINY_10 = VECTORS / "tiny-1.0.cart"  # format 1.0, as written before any optional key: must keep loading
+TINY = VECTORS / "tiny.cart"  # format 1.2 (per-head checksums), as written before per-layer keys: must keep loading
+TINY_14 = VECTORS / "tiny-1.4.cart"  # format 1.4: per-layer kind and shapes
 PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the OS page: bytes pinned at 4 KiB
 
 
 @pytest.mark.skipif(not PAGE_4K, reason="index.lmdb bytes depend on the OS page size (vector made at 4 KiB)")
 def test_writer_produces_the_committed_bytes(tmp_path):
     out = write_vector(tmp_path / "v.cart")
-    assert files(out) == files(TINY_11)
+    assert files(out) == files(TINY_14)
 
 
 def test_serialization_order_invariant(tmp_path):
@@ -54,7 +55,7 @@ def test_serialization_order_invariant(tmp_path):
         assert files(write_vector(tmp_path / f"s{seed}.cart", header=dict(items))) == base
 
 
-@pytest.mark.parametrize("path,version", [(TINY, "1.0"), (TINY_11, "1.1")])
+@pytest.mark.parametrize("path,version", [(TINY_10, "1.0"), (TINY, "1.2"), (TINY_14, "1.4")])
 def test_vector_parses_to_known_values(path, version):
     info, data = open_cartridge(path)
     assert info.tokens.tolist() == TOKENS
@@ -69,7 +70,7 @@ def test_vector_parses_to_known_values(path, version):
     assert verify_cartridge(path).ok
 
 
-LAYER_CORRUPTIONS = {  # format 1.1 per-layer records (spec section 8) -> exact exception class
+LAYER_CORRUPTIONS = {  # format 1.4 per-layer records (spec section 5.5) -> exact exception class
     "layer shape disagrees with pages": (_set := lambda key, value: lambda r: {**r, key: value})(
         K.layer_shape(0, "k"), b"[1,8]"),
     "layer shape not two integers": _set(K.layer_shape(0, "v"), b"[1]"),
@@ -83,7 +84,7 @@ LAYER_CORRUPTIONS = {  # format 1.1 per-layer records (spec section 8) -> exact 
 
 @pytest.mark.parametrize("case", sorted(LAYER_CORRUPTIONS))
 def test_layer_record_corruption_raises_field_error(tmp_path, case):
-    path = Path(shutil.copytree(TINY_11, tmp_path / "v.cart"))
+    path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
     forge_records(path, LAYER_CORRUPTIONS[case])
     with pytest.raises(CartridgeError) as e:
         open_cartridge(path)
@@ -181,7 +182,9 @@ def test_handcrafted_corruption_raises_one_exact_class(tmp_path, case):
     with pytest.raises(CartridgeError) as e:
         open_cartridge(path)
     assert type(e.value) is expected, (case, repr(e.value))
+    assert str(path) in str(e.value), (case, str(e.value))  # every error names the cartridge
     report = verify_cartridge(path)
+    assert str(path) in str(report.error), (case, str(report.error))
     assert not report.ok and type(report.error) is expected
 
 
@@ -199,8 +202,21 @@ def test_wrong_model_fingerprint_raises_model_mismatch():
     with pytest.raises(ModelMismatchError) as e:
         check_fingerprint(info, other)
     assert type(e.value) is ModelMismatchError
-    assert "1" * 64 in str(e.value) and "7" * 64 in str(e.value)  # both ids in full
-    assert f"weights (cartridge {'3' * 64}, model {'6' * 64})" in str(e.value)
+    assert str(e.value) == ("the cartridge was built with model vector (fingerprint 111111111111); this model "
+                            "(fingerprint 777777777777) differs in weights: answer with --model vector (Python: "
+                            "model='vector'), or rebuild the cartridge with this model")
+    with pytest.raises(ModelMismatchError, match=f"^cartridge {TINY} was built with model vector .*; this model "
+                       "other.gguf \\(fingerprint"):
+        check_fingerprint(info, other, TINY, "other.gguf")
+
+
+def test_checksum_error_names_the_cartridge_and_keeps_its_page(tmp_path):
+    path = Path(shutil.copytree(TINY, tmp_path / "v.cart"))
+    flip(path / DATA_NAME, ALIGN + 16 + 3)  # V, page 1
+    with pytest.raises(ChecksumError) as e:
+        open_cartridge(path)
+    assert str(e.value) == f"cartridge {path}: page checksum mismatch: layer 0, side v, component values, page 1"
+    assert (e.value.layer, e.value.side, e.value.page) == (0, "v", 1)
 
 
 def test_vector_page_data_path_reads_committed_file():
@@ -208,3 +224,17 @@ def test_vector_page_data_path_reads_committed_file():
     assert data.size == 2 * ALIGN
     data.close()
     assert read_index(TINY, read_manifest(TINY))[K.TOKENS_IDS] == np.asarray(TOKENS, "<u4").tobytes()
+
+
+def test_dense_layer_refused_by_attention_only_operations(tmp_path):
+    """Extend, save, compose, convert and sharded loading take paged attention layers only: one line."""
+    from cartridge.errors import InputError
+    from cartridge.format.header import require_attention_layers
+
+    require_attention_layers(open_cartridge(TINY_10)[0], "extend")  # a 1.0 file: every layer "attention"
+    path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
+    forge_records(path, lambda r: {**r, K.layer_kind(0): b'"dense"'})
+    info, _ = open_cartridge(path)
+    with pytest.raises(InputError) as e:
+        require_attention_layers(info, "sharded loading")
+    assert str(e.value) == "layer 0 is a dense layer (K (1, 4), V (1, 4)); sharded loading takes attention layers of (1, 4) only"

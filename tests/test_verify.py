@@ -34,7 +34,8 @@ def test_cli_verify_good_bad_and_json(tmp_path):
     flip(path / DATA_NAME, 2 * ALIGN + PAGE_BYTES + 9)  # layer 1, k, page 1
     r = run(path)
     assert r.returncode == 1 and r.stdout == ""
-    assert r.stderr.splitlines() == ["error: page checksum mismatch: layer 1, side k, component values, page 1"]
+    assert r.stderr.splitlines() == [
+        f"error: cartridge {path}: page checksum mismatch: layer 1, side k, component values, page 1"]
     r = run(path, "--json")
     doc = json.loads(r.stdout)
     assert r.returncode == 1 and not doc["ok"]
@@ -43,7 +44,8 @@ def test_cli_verify_good_bad_and_json(tmp_path):
     flip(path / DATA_NAME, 3 * ALIGN + 3)  # layer 1, v, page 0 as well
     r = run(path)
     assert r.stderr.splitlines() == [
-        "error: page checksum mismatch: layer 1, side k, component values, page 1 (and 1 more bad pages)"]
+        f"error: cartridge {path}: page checksum mismatch: layer 1, side k, component values, page 1 "
+        "(and 1 more bad pages)"]
     assert len(verify_cartridge(path).bad_pages) == 2
 
 
@@ -87,5 +89,6 @@ def test_verify_a_cartz(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith(f"ok: {tmp_path / 'a.cartz'}: pack, manifest, index")
     os.truncate(tmp_path / "a.cartz", 100)
     r = run(tmp_path / "a.cartz")
-    assert r.returncode == 1 and r.stderr.splitlines()[0].startswith("error: packed cartridge is 100 bytes")
+    assert r.returncode == 1 and r.stderr.splitlines()[0].startswith(
+        f"error: cartridge {tmp_path / 'a.cartz'}: packed cartridge is 100 bytes")
     assert sorted(os.listdir(tmp_path)) == ["a.cart", "a.cartz"]

@@ -122,6 +122,13 @@ class CartridgeCache(_BaseCache):
                 out.append((k[0, :, :n, :], v[0, :, :n, :]))
         return out
 
+    def tail_kv(self):
+        """The tail's keys and values, each (n_kv_heads, tail_len, head_dim); (None, None) when empty."""
+        parts = self._tail_parts()
+        if not parts:
+            return None, None
+        return tuple(mx.concatenate(side, axis=1) for side in zip(*parts))
+
     def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over prefix + tail.
 

@@ -1,4 +1,4 @@
-"""Store one layer's filled mlx-lm cache as extents and header records (spec/FORMAT.md section 8).
+"""Store one layer's filled mlx-lm cache as extents and header records (spec/FORMAT.md section 5.5).
 
 K/V layers ("attention", "dense", "window") go through the layer's tiers into pages; a "state" layer's
 arrays are stored as produced, one single-page extent per array. Every shape written is the shape the

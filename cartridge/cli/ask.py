@@ -12,15 +12,25 @@ import cartridge
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import check_output_file, model_ref
+from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 
 
-def _load(path, model, attention):
+def _load(path, model, attention, parallel=None, recompute=16):
     t0 = time.perf_counter()
-    lm = cartridge.load_model(model_ref(model)) if model is not None else None
-    cart = cartridge.load(path, model=lm, attention=attention)
+    group = launched_group(parallel)
+    if group is not None:
+        from cartridge.distributed import load_sharded_model, recorded_model
+
+        if isinstance(path, list):
+            raise InputError("--parallel takes one cartridge")
+        ref = model_ref(model) if model is not None else recorded_model(path)
+        lm = load_sharded_model(ref, group, parallel)
+        cart = cartridge.load(path, model=lm, attention=attention, group=group)
+    else:
+        lm = cartridge.load_model(model_ref(model)) if model is not None else None
+        cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute)
     return cart, time.perf_counter() - t0
 
 
@@ -46,11 +56,12 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
 
     _check_room(cart, cache, prompt, max_tokens, what)
     t0 = time.perf_counter()
-    ttft, n, pieces = None, 0, []
+    ttft, n, pieces, ids = None, 0, [], []
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
         ttft = time.perf_counter() - t0 if ttft is None else ttft
         n = r.generation_tokens
         pieces.append(r.text)
+        ids.append(r.token)
         if echo:
             click.echo(r.text, nl=False)
             sys.stdout.flush()
@@ -60,7 +71,7 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
     decode_s = time.perf_counter() - t0 - (ttft or 0)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     return {"answer": "".join(pieces), "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
-            "prompt_tokens": len(prompt)}
+            "prompt_tokens": len(prompt), "token_ids": ids}
 
 
 def _questions(question, questions_file):
@@ -81,41 +92,68 @@ def _questions(question, questions_file):
     return [sys.stdin.read().strip() if question == "-" else question]
 
 
+def _paths_and_question(args, questions_file):
+    """PATH... [QUESTION]: with --questions (or one argument) every argument is a cartridge, else the last
+    is the question."""
+    if questions_file is not None and len(args) > 1 and not Path(args[-1]).exists():
+        raise InputError("give a QUESTION or --questions FILE, not both")
+    if questions_file is not None or len(args) == 1:
+        return list(args), None  # no question: _questions says what is missing
+    return list(args[:-1]), args[-1]
+
+
 @click.command()
-@click.argument("path")
-@click.argument("question", required=False)
+@click.argument("args", nargs=-1, required=True, metavar="PATH... [QUESTION]")
 @click.option("--questions", "questions_file", default=None,
               help="Answer every question of a .jsonl ({\"question\": ...} rows) or .txt (one a line) file.")
 @click.option("--json", "json_path", default=None, help="With --questions: write one JSON row per answer here.")
-@click.option("--force", is_flag=True, help="Replace an existing --json file.")
+@click.option("--force", is_flag=True, help="Replace an existing --json file or --save-as cartridge.")
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
-def ask(path, question, questions_file, json_path, force, max_tokens, model, attention):
-    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout).
+@click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None, help=PARALLEL_HELP)
+@click.option("--save-as", default=None, metavar="FILE",
+              help="Also write the cartridge + this question and answer as a new cartridge (resume: ask FILE ...).")
+@click.option("--recompute", default=16, show_default=True, metavar="N",
+              help="With several cartridges: tokens of each later document prefilled again over the ones before.")
+def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute):
+    """Answer QUESTION about the document in the cartridge at PATH (streams to stdout); several PATHs
+    are laid out one after another in one context.
 
     QUESTION "-" reads the question from stdin; --questions answers a file of questions, each from a
     fresh cache, after one load."""
+    paths, question = _paths_and_question(args, questions_file)
+    if save_as is not None:
+        from cartridge.format.writer import check_output_path
+
+        if len(paths) > 1 or questions_file is not None:
+            raise InputError("--save-as takes one cartridge and one question")
+        check_output_path(save_as, force)  # before any work
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     if json_path is not None and questions_file is None:
         raise InputError("--json needs --questions")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
-    cart, load_s = _load(path, model, attention)
+    cart, load_s = _load(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
         if len(qs) > 1:
             click.echo(f"Q{i + 1}: {q}")
-        r = answer(cart, prompt, cart.prompt_cache(), max_tokens)
+        cache = cart.prompt_cache()
+        r = answer(cart, prompt, cache, max_tokens)
+        ids = r.pop("token_ids")
         rows.append({"question": q, **r})
         click.echo(f"{'' if len(qs) == 1 else f'Q{i + 1}: '}TTFT {r['ttft_s']:.3f} s ({r['prompt_tokens']} question "
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
                    f"({r['tokens']} tokens)", err=True)
     click.echo(f"load {load_s:.2f} s, {len(qs)} question{'s' * (len(qs) > 1)}, attention {cart.attention}", err=True)
-    if json_path is not None:
+    if json_path is not None and getattr(getattr(cart, "part", None), "rank", 0) == 0:
         json_path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    if save_as is not None:
+        saved = cart.save(save_as, cache, tokens=prompts[0] + ids, force=force)
+        click.echo(f"saved {saved.path}: {saved.tokens} tokens ({saved.new_tokens} of this conversation)", err=True)
 
 
 @click.command()

@@ -1,6 +1,8 @@
 """Helpers shared by the CLI commands: reading a corpus, checking an output file before any work."""
 
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 from cartridge.errors import InputError, OutputExistsError, WriteError
@@ -61,3 +63,32 @@ def model_ref(model):
     if model is not None and not model.strip():
         raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
     return model
+
+
+@contextlib.contextmanager
+def warnings_as_lines():
+    """Show the library's warnings as one "warning: ..." line on stderr each, when they happen."""
+    import click
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_a, **_k: click.echo(f"warning: {message}", err=True)
+        yield
+
+
+PARALLEL_HELP = ("Under mlx.launch: shard the model over the ranks, tensor (KV heads) or pipeline (layers); "
+                 "see docs/distributed.md.")
+
+
+def launched_group(parallel):
+    """The mlx.launch group for --parallel (None without it); ranks other than 0 print nothing on stdout."""
+    if parallel is None:
+        return None
+    import os
+
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # one answer, from rank 0; errors still reach stderr
+    return group

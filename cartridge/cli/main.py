@@ -1,4 +1,4 @@
-"""`cartridge` command: build, inspect, ask. Thin: parse options, call the library, print.
+"""`cartridge` command: build, inspect, ask, serve. Thin: parse options, call the library, print.
 
 Every error the library raises on purpose (CartridgeError) and every usage error becomes one line on
 stderr and exit status 1 (2 for usage errors).
@@ -14,10 +14,13 @@ from cartridge.errors import CartridgeError
 
 from .ask import ask, chat
 from .bench import bench as bench_command
-from .common import model_ref, read_corpus
+from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus, warnings_as_lines
+from .convert import convert as convert_command
 from .eval import eval_command
+from .extend import extend
 from .integrity import pack, unpack, verify
 from .report import inspect_dict, inspect_table
+from .serve import serve
 
 
 @click.group()
@@ -39,8 +42,13 @@ def cli():
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
+@click.option("--reserve", default=256, show_default=True, metavar="N",
+              help="Warn when fewer than N tokens of the model's context are left for questions.")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
-def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, force):
+@click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
+              help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
+def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, reserve,
+          force, parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from tqdm import tqdm
 
@@ -51,7 +59,9 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
 
     check_tier_options(tier, k_tier, v_tier, boundary_protect)
     model_ref(model)
-    check_output_path(output, force)
+    group = launched_group(parallel)
+    if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
+        check_output_path(output, force)
     text = read_corpus(corpus)
     bars = []  # made at the first progress call, so errors before prefill print nothing else
 
@@ -60,13 +70,24 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
             bars.append(tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, dynamic_ncols=True))
         bars[0].update(done - bars[0].n)
 
+    options = dict(tier=tier, k_tier=k_tier, v_tier=v_tier, boundary_protect=boundary_protect, schema=schema,
+                   page_size=page_size, prefill_step=prefill_step, force=force,
+                   source_name="stdin" if corpus == "-" else corpus, reserve=reserve)
     try:
-        r = cartridge.build(text, output, model=model, tier=tier, k_tier=k_tier, v_tier=v_tier,
-                            boundary_protect=boundary_protect, schema=schema, page_size=page_size,
-                            prefill_step=prefill_step, force=force, progress=progress)
+        with warnings_as_lines():
+            if group is None:
+                r = cartridge.build(text, output, model=model, progress=progress, **options)
+            else:
+                from cartridge.distributed import build_sharded, load_sharded_model
+
+                lm = load_sharded_model(model, group, parallel)
+                r = build_sharded(text, output, lm, group, progress=progress if group.rank() == 0 else None,
+                                  **options)
     finally:
         for bar in bars:
             bar.close()
+    if r is None:  # a rank other than 0 under --parallel: rank 0 wrote and reports
+        return
     tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
     click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s ({r.tokens_per_second:.0f} tokens/s prefill), "
                f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
@@ -87,11 +108,14 @@ def inspect(path, as_json):
 
 cli.add_command(ask)
 cli.add_command(chat)
+cli.add_command(extend)
 cli.add_command(bench_command, name="bench")
 cli.add_command(verify)
 cli.add_command(pack)
 cli.add_command(unpack)
 cli.add_command(eval_command)
+cli.add_command(convert_command)
+cli.add_command(serve)
 
 
 def main(argv=None):

@@ -58,7 +58,8 @@ def fold_layers(rows):
 
 def inspect_dict(info, path):
     """The `inspect --json` document (see README and spec/FORMAT.md section 7)."""
-    total = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    path = Path(path)
+    total = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {
         "format_version": info.format_version,
         "tokens": len(info.tokens),
@@ -79,8 +80,18 @@ def inspect_dict(info, path):
         "source_dtype": info.source_dtype,
         "prompt_mode": info.prompt_mode,
         "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"]},
+        "source": info.source,
         "attention": {"backend": backend(), "auto": resolve("auto")},
     }
+
+
+def source_lines(source):
+    """The document lines of `inspect`: file name, size, SHA-256, first line ("-" where not recorded)."""
+    src = {k: source.get(k) for k in ("name", "bytes", "sha256", "first_line")}
+    size = "-" if src["bytes"] is None else f"{src['bytes']:,} bytes"
+    first = "-" if src["first_line"] is None else repr(src["first_line"][:120])
+    return [f"document      {src['name'] or '-'}, {size}, sha256 {src['sha256'] or '-'}",
+            f"first line    {first}"]
 
 
 def inspect_table(d):
@@ -95,6 +106,7 @@ def inspect_table(d):
         + ("same as fp16)" if d['bytes_per_token'] == d['fp16_bytes_per_token'] else
            f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)"),
         f"on disk       {d['total_bytes']:,} bytes",
+        *source_lines(d["source"]),
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
         "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]

@@ -58,6 +58,8 @@ class Extent:
         dtype (str): storage dtype name. shape (tuple): (n_pages, n_kv_heads, page_size, width).
         offset (int): byte offset in pages.bin (multiple of 16384). page_bytes (int): bytes per page.
         checksums (tuple[bytes]): SHA-256 of each page.
+        head_checksums (tuple[bytes] | None): SHA-256 of each (page, head), page-major (format >= 1.2);
+            None where the cartridge has no per-head table.
     """
 
     layer: int
@@ -68,6 +70,12 @@ class Extent:
     offset: int
     page_bytes: int
     checksums: tuple
+    head_checksums: tuple = None
+
+    @property
+    def head_bytes(self):
+        """Bytes of one KV head within one page (heads are contiguous inside a page)."""
+        return self.page_bytes // self.shape[1]
 
 
 def parse_manifest(raw, where=MANIFEST_NAME):
@@ -243,6 +251,39 @@ def parse_page_table(raw, key, n_pages):
     return [r[0] for r in recs], [r[1] for r in recs], tuple(r[2] for r in recs)
 
 
+def parse_head_table(raw, key, n_pages, n_kv_heads):
+    """Decode an optional per-head checksum table into a tuple of n_pages * n_kv_heads digests.
+
+    Returns:
+        tuple[bytes] | None: None when the key is absent (format 1.0).
+
+    Raises:
+        LayoutError: if its length is not n_pages * n_kv_heads * 32 bytes.
+    """
+    if raw is None:
+        return None
+    want = n_pages * n_kv_heads * K.HEAD_RECORD_BYTES
+    if len(raw) != want:
+        raise LayoutError(f"head checksum table {key}: {len(raw)} bytes, expected {want}")
+    return tuple(raw[i:i + K.HEAD_RECORD_BYTES] for i in range(0, want, K.HEAD_RECORD_BYTES))
+
+
+def bad_heads(extent, slabs, first=0):
+    """(page, head) pairs of `slabs` whose SHA-256 differs from the extent's per-head table.
+
+    Args:
+        extent (Extent): with `head_checksums` set.
+        slabs (np.ndarray): uint8 (n_pages, n_heads, head_bytes): heads first..first+n_heads-1 of every page.
+        first (int): the first KV head held in `slabs`. Default: 0.
+
+    Returns:
+        list[tuple[int, int]]: (page, head) of every mismatch, in order.
+    """
+    n_kv = extent.shape[1]
+    return [(p, first + j) for p in range(slabs.shape[0]) for j in range(slabs.shape[1])
+            if hashlib.sha256(slabs[p, j].data).digest() != extent.head_checksums[p * n_kv + first + j]]
+
+
 class PageData:
     """Read-only memory map of pages.bin.
 
@@ -265,6 +306,12 @@ class PageData:
         """The extent as a read-only numpy array shaped `extent.shape`, without a copy."""
         count = int(np.prod(extent.shape))
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=extent.offset).reshape(extent.shape)
+
+    def slabs(self, extent):
+        """The extent's bytes as a uint8 (n_pages, n_kv_heads, head_bytes) view, without a copy."""
+        count = extent.shape[0] * extent.page_bytes
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=count, offset=extent.offset)
+        return raw.reshape(extent.shape[0], extent.shape[1], extent.head_bytes)
 
     def read(self, start, end):
         """A copy of bytes start..end of pages.bin."""
@@ -301,4 +348,11 @@ def page_error(extent, page):
     """The ChecksumError for page `page` of `extent`."""
     return ChecksumError(f"page checksum mismatch: layer {extent.layer}, side {extent.side}, "
                          f"component {extent.component}, page {page}",
+                         extent.layer, extent.side, extent.component, page)
+
+
+def head_error(extent, page, head):
+    """The ChecksumError for KV head `head` of page `page` of `extent` (per-head table, format >= 1.2)."""
+    return ChecksumError(f"head checksum mismatch: layer {extent.layer}, side {extent.side}, "
+                         f"component {extent.component}, page {page}, head {head}",
                          extent.layer, extent.side, extent.component, page)

@@ -4,16 +4,18 @@ Every count and length read from disk is bounded and cross-checked against the d
 anything is allocated from it; page offsets must follow the exact layout the writer produces.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
+from ..errors import CorruptCartridgeError, FieldError, InputError, LayoutError, UnsupportedVersionError
 from ..tiers import DTYPES, TIERS
 from . import keys as K
-from .container import Extent, parse_page_table
+from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
+from .source import read_source
 
 LIMITS = {  # key -> (min, max), inclusive
     K.N_LAYERS: (1, 4096),
@@ -31,7 +33,7 @@ STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """What one layer stores (spec/FORMAT.md section 8; a 1.0 file: every layer "attention").
+    """What one layer stores (spec/FORMAT.md section 5.5; a file before 1.4: every layer "attention").
 
     Attributes:
         kind (str): "attention", "dense", "window" or "state".
@@ -73,6 +75,13 @@ class CartridgeInfo:
         prompt_mode (str), separator (str): the prompt split (spec 5.4).
         source_dtype (str): dtype of K/V as the model computed them.
         data_size (int): bytes of pages.bin.
+        params (dict): (layer, side) -> the tier's params object.
+        source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
+            format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
+        document_tokens (int): leading tokens that are the document (format 1.3; all tokens if absent);
+            a conversation cartridge holds turns after them.
+        parts (list[dict]): lineage.parts, [{kind, start, end, tokens_sha256}] ([] if built at once).
+        lineage_source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
     """
 
     format_version: str
@@ -93,6 +102,11 @@ class CartridgeInfo:
     data_size: int
     params: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
+    source: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict, repr=False)
+    document_tokens: int = 0
+    parts: list = field(default_factory=list)
+    lineage_source: str = ""
 
     @property
     def kv_dim(self):
@@ -116,6 +130,25 @@ class CartridgeInfo:
         """Payload bytes that do not grow with the document: window pages and recurrent state."""
         return sum(e.page_bytes * e.shape[0] for (i, _), ext in self.extents.items()
                    if self.layers[i].kind in ("window", "state") for e in ext)
+
+
+def require_attention_layers(info, what):
+    """Refuse a cartridge with a layer that is not "attention" of the global (n_kv_heads, head_dim).
+
+    Extend, save, compose, convert and sharded loading handle paged attention layers of one shape
+    only; dense, window and state layers (format 1.4, section 5.5) are refused in one line.
+
+    Args:
+        info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
+
+    Raises:
+        InputError: naming the first such layer, its kind and shapes.
+    """
+    shape = (info.n_kv_heads, info.head_dim)
+    for i, layer in enumerate(info.layers):
+        if layer.kind != "attention" or layer.k_shape != shape or layer.v_shape != shape:
+            raise InputError(f"layer {i} is a {layer.kind} layer (K {layer.k_shape}, V {layer.v_shape}); {what} "
+                             f"takes attention layers of {shape} only")
 
 
 def _json(records, key):
@@ -174,7 +207,9 @@ def _extents(records, layers, tiers, page_size, data_size):
                 want = [start + i * page_bytes for i in range(n_pages)]
                 if offsets != want or any(n != page_bytes for n in lengths):
                     raise LayoutError(f"page table {key}: offsets/lengths do not follow the layout (spec 3.2)")
-                out[(layer, side)].append(Extent(layer, side, name, dtype, shape, start, page_bytes, sums))
+                head_key = K.head_table(layer, side, name)
+                heads = parse_head_table(records.get(head_key), head_key, n_pages, shape[1])
+                out[(layer, side)].append(Extent(layer, side, name, dtype, shape, start, page_bytes, sums, heads))
                 pos = start + n_pages * page_bytes
     if align_up(pos, ALIGN) != data_size:
         raise LayoutError(f"data file is {data_size} bytes; the page tables cover {align_up(pos)}")
@@ -244,7 +279,7 @@ def _state(records, layer):
 
 
 def _layers(records, n_layers, n_kv, head_dim, n_tokens):
-    """Every layer's LayerInfo; a layer without `layer.{i}.kind` (format 1.0) is "attention" of the global shape."""
+    """Every layer's LayerInfo; a layer without `layer.{i}.kind` (format < 1.4) is "attention" of the global shape."""
     out = []
     for layer in range(n_layers):
         if K.layer_kind(layer) not in records:
@@ -339,6 +374,9 @@ def parse_header(records, manifest):
         data_size=manifest["data_size"],
         params=_params(records, tiers, layers),
         layers=layers,
+        source=read_source(records),
+        records=records,
+        **_lineage(records, ids, n_tokens),
     )
 
 
@@ -356,3 +394,33 @@ def _params(records, tiers, layers):
                 raise FieldError(f"layer {t['layer']} {side}: {e}") from None
             out[(t["layer"], side)] = params
     return out
+
+
+PART_KINDS = ("build", "extend", "conversation")
+
+
+def _hex64(value):
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _lineage(records, ids, n_tokens):
+    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
+    doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
+    if not 1 <= doc <= n_tokens:
+        raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")
+    parts = _typed(records, K.LINEAGE_PARTS, list) if K.LINEAGE_PARTS in records else []
+    at = 0
+    for i, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("kind") in PART_KINDS and part.get("start") == at
+                and type(part.get("end")) is int and at < part["end"] <= n_tokens and _hex64(part.get("tokens_sha256"))):
+            raise FieldError(f"lineage.parts[{i}] is {str(part)[:120]}; expected {{kind in {PART_KINDS}, start {at}, "
+                             f"end {at + 1}..{n_tokens}, tokens_sha256 64 hex digits}}")
+        if hashlib.sha256(ids[4 * at:4 * part["end"]]).hexdigest() != part["tokens_sha256"]:
+            raise FieldError(f"lineage.parts[{i}]: tokens_sha256 does not match token ids {at}..{part['end']}")
+        at = part["end"]
+    if parts and at != n_tokens:
+        raise FieldError(f"lineage.parts cover tokens 0..{at}; the cartridge holds {n_tokens}")
+    source = _typed(records, K.LINEAGE_SOURCE, str) if K.LINEAGE_SOURCE in records else ""
+    if source and not _hex64(source):
+        raise FieldError(f"index key {K.LINEAGE_SOURCE!r} is {source[:70]!r}; expected 64 lowercase hex digits")
+    return {"document_tokens": doc, "parts": parts, "lineage_source": source}

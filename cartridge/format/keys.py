@@ -28,6 +28,11 @@ N_PAGES = "cache.n_pages"
 SOURCE_DTYPE = "cache.source_dtype"
 ROPE = "cache.rope"
 
+# format 1.3 (OPTIONAL; spec/FORMAT.md 4.5): where the document ends, and what the cartridge was made of
+DOCUMENT_TOKENS = "prompt.document_tokens"  # int: leading tokens that are the document; absent: tokens.count
+LINEAGE_PARTS = "lineage.parts"  # array of {kind, start, end, tokens_sha256}; absent: built at once
+LINEAGE_SOURCE = "lineage.source"  # hex SHA-256 of the MANIFEST of the cartridge this one was written from
+
 REQUIRED = (
     FORMAT_MAJOR, FORMAT_MINOR, MODEL_REF, MODEL_FINGERPRINT, MODEL_CONFIG, PROMPT_MODE,
     PROMPT_SEPARATOR, TOKENS_COUNT, TOKENS_IDS, N_LAYERS, N_KV_HEADS, HEAD_DIM, PAGE_SIZE, N_PAGES,
@@ -59,8 +64,27 @@ def page_table(layer, side, component):
     """Binary page table of one component extent: n_pages records of (u64 offset, u64 length, 32-byte sha256)."""
     return f"layer.{layer}.{side}.{component}.pages"
 
+# --- Source document (format 1.1, OPTIONAL; a 1.0 cartridge lacks them and readers show "-") ---
+SOURCE_NAME = "source.name"  # string: file name the document was read from ("stdin", or "" when not given)
+SOURCE_BYTES = "source.bytes"  # integer: bytes of the document's UTF-8 text as prefilled
+SOURCE_SHA256 = "source.sha256"  # string: lowercase hex SHA-256 of those bytes
+SOURCE_FIRST_LINE = "source.first_line"  # string: first non-blank line, stripped, at most 120 characters
+SOURCE_KEYS = (SOURCE_NAME, SOURCE_BYTES, SOURCE_SHA256, SOURCE_FIRST_LINE)
 
-# Format 1.1: what each layer's cache holds (spec/FORMAT.md section 8). Absent in 1.0 files, where
+# --- per-head checksums (issue 22, format 1.2; spec/FORMAT.md 4.3.1) ---------------------------------
+HEAD_RECORD_BYTES = 32  # one SHA-256 per (page, KV head)
+
+
+def head_table(layer, side, component):
+    """Binary per-head checksum table of one extent: n_pages * n_kv_heads SHA-256 digests, page-major.
+
+    Optional (format >= 1.2): a reader verifying only some KV heads (a tensor-parallel rank) checks these;
+    without it, it must verify whole pages.
+    """
+    return f"layer.{layer}.{side}.{component}.head_sums"
+
+
+# Format 1.4: what each layer's cache holds (spec/FORMAT.md section 5.5). Absent in files before 1.4, where
 # every layer is "attention" with the global cache.n_kv_heads / cache.head_dim.
 def layer_kind(layer):
     """Cache kind of a layer: "attention", "dense", "window" or "state"."""

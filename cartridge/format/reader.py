@@ -36,9 +36,21 @@ def open_cartridge(path, verify="pages"):
     """
     if verify not in VERIFY_MODES:
         raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if is_pack(path):
-        return open_packed(path, lambda folder: _open_dir(folder, verify))
-    return _open_dir(Path(path), verify)
+    try:
+        if is_pack(path):
+            return open_packed(path, lambda folder: _open_dir(folder, verify))
+        return _open_dir(Path(path), verify)
+    except CartridgeError as e:
+        name_cartridge(e, path)
+        raise
+
+
+def name_cartridge(error, path):
+    """`error` with its message prefixed by "cartridge PATH: " unless it names PATH already (same
+    exception object and class, so its attributes, e.g. ChecksumError.page, stay)."""
+    if str(path) not in str(error):
+        error.args = (f"cartridge {path}: {error}", *error.args[1:])
+    return error
 
 
 def _open_dir(path, verify):
@@ -71,7 +83,7 @@ def verify_cartridge(path):
         >>> cartridge.verify_cartridge("doc.cart").raise_for_error()  # doctest: +SKIP
     """
     if not is_pack(path):
-        return verify_directory(path)
+        return _named_report(verify_directory(path), path)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".cartridge-verify-") as tmp:
         try:
@@ -80,4 +92,10 @@ def verify_cartridge(path):
         except CartridgeError as e:
             report = VerifyReport(str(path), error=e)
     report.path, report.ok, report.seconds = str(path), report.error is None, time.perf_counter() - t0
+    return _named_report(report, path)
+
+
+def _named_report(report, path):
+    if report.error is not None:
+        name_cartridge(report.error, path)
     return report

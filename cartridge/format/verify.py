@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import CartridgeError, FieldError, LayoutError
 from ..tiers import TIERS
-from .container import PageData, check_index, open_snapshot, page_error
+from .container import PageData, bad_heads, check_index, head_error, open_snapshot, page_error
 from .header import parse_header
 from .layout import ALIGN
 
@@ -81,6 +81,10 @@ def _check_pages(info, data, report):
                                          "component": extent.component, "page": page})
                 if report.error is None:
                     report.error = page_error(extent, page)
+            if extent.head_checksums is not None and report.error is None:
+                wrong = bad_heads(extent, data.slabs(extent))
+                if wrong:  # page sums matched, head sums did not: the head table itself is damaged
+                    report.error = head_error(extent, *wrong[0])
             report.extents += 1
             report.pages += len(extent.checksums)
             report.bytes_hashed += len(extent.checksums) * extent.page_bytes

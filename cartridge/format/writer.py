@@ -5,6 +5,7 @@ atomically (`cartridge.format.atomic`). Named crash points let tests kill a writ
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -97,14 +98,18 @@ class CartridgeWriter:
             records.append(PAGE_RECORD.pack(start + i * page.nbytes, page.nbytes, hashlib.sha256(page.data).digest()))
         self._pos = start + raw.nbytes
         self._tables[K.page_table(layer, side, component)] = b"".join(records)
+        heads = raw.reshape(pages.shape[0] * pages.shape[1], -1)  # (n_pages * n_kv_heads, head_bytes)
+        self._tables[K.head_table(layer, side, component)] = b"".join(hashlib.sha256(h.data).digest() for h in heads)
         crash_point("extent-written")
 
-    def commit(self, header, token_ids):
+    def commit(self, header, token_ids, check=None):
         """Write the index and manifest, fsync, and rename into place.
 
         Args:
             header (dict[str, object]): JSON-valued header keys (keys from `cartridge.format.keys`).
             token_ids (np.ndarray): uint32 token ids of the prefix.
+            check (callable | None): called with the finished temporary directory before it is
+                published; an exception it raises leaves the destination as it was. Default: None.
 
         Returns:
             Path: the published cartridge directory.
@@ -122,8 +127,11 @@ class CartridgeWriter:
         _write_index(self.tmp, records)
         crash_point("index-written")
         self._stage = f"writing {MANIFEST_NAME}"
-        write_manifest(self.tmp, self._pos)
+        write_manifest(self.tmp, self._pos, header.get(K.FORMAT_MINOR, FORMAT_MINOR))
         crash_point("manifest-written")
+        if check is not None:
+            self._stage = "checking"
+            check(self.tmp)
         self._stage = "publishing"
         return self._tmp.publish(self.force)
 
@@ -133,11 +141,12 @@ def _write_error(dest, e, stage="creating a temporary directory"):
     return WriteError(f"could not write cartridge {dest} ({stage}): {what}; nothing was left behind")
 
 
-def write_manifest(folder, data_size):
-    """Write MANIFEST for the index.lmdb in `folder` and a pages.bin of `data_size` bytes (spec 2)."""
+def write_manifest(folder, data_size, minor=FORMAT_MINOR):
+    """Write MANIFEST for the index.lmdb in `folder` and a pages.bin of `data_size` bytes (spec 2); its
+    format_minor is the header's `cartridge.format_minor` (`minor`), so the two always agree."""
     folder = Path(folder)
     index_size = (folder / INDEX_NAME).stat().st_size
-    body = MANIFEST_STRUCT.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_SIZE, index_size, data_size,
+    body = MANIFEST_STRUCT.pack(MAGIC, FORMAT_MAJOR, minor, MANIFEST_SIZE, index_size, data_size,
                                 sha256_file(folder / INDEX_NAME))
     _write_synced(folder / MANIFEST_NAME, body + hashlib.sha256(body).digest())
 
@@ -185,6 +194,18 @@ def check_output_folder(dest):
         os.rmdir(tempfile.mkdtemp(prefix=".cartridge-probe-", dir=parent))
     except OSError as e:
         raise WriteError(f"cannot write in folder {parent}: {e.strerror or e}") from None
+
+
+def check_space(dest, nbytes):
+    """Refuse, before any expensive work, to write `nbytes` where the output's file system has less free.
+
+    Raises:
+        WriteError: naming the bytes needed, the bytes free and the folder.
+    """
+    parent = Path(dest).absolute().parent
+    free = shutil.disk_usage(parent).free
+    if free < nbytes:
+        raise WriteError(f"cartridge {dest} needs about {nbytes:,} bytes; only {free:,} are free in {parent}")
 
 
 def check_utf8_path(path, what):

@@ -10,7 +10,7 @@ arrive) with those caches, and records for every layer:
   compressed pages ("attention"); otherwise (gemma2 computes attention itself, latent attention
   multiplies the cached latent) the layer is loaded back into mlx-lm's own cache ("dense").
 
-Kinds (spec/FORMAT.md section 8):
+Kinds (spec/FORMAT.md section 5.5):
     attention   KVCache, attention routed: pages, attended by `CartridgeCache`.
     dense       KVCache, attention computed by the model: pages, decoded into an mlx-lm KVCache.
     window      RotatingKVCache(keep=0): the last `window` tokens, decoded into a RotatingKVCache.

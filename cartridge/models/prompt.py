@@ -38,6 +38,7 @@ def check_text(text, what):
 SEPARATOR = "\n\n"
 CHAT, PLAIN = "chat_template", "plain"
 _DOC, _QUESTION = "\x00CARTRIDGE_DOCUMENT\x00", "\x00CARTRIDGE_QUESTION\x00"
+_ANSWER = "\x00CARTRIDGE_ANSWER\x00"
 
 
 def prompt_mode(tokenizer):
@@ -119,6 +120,34 @@ def question_tokens(tokenizer, question, mode, separator=SEPARATOR):
     check_text(question, "the question")
     _, middle, tail = _pieces(tokenizer, mode, separator)
     return _encode(tokenizer, middle + question + tail, False)
+
+
+def followup_tokens(tokenizer, question, mode, separator=SEPARATOR, last_token=None):
+    """Tokens of a next question after a conversation (a saved conversation cartridge's tokens):
+    the end of the assistant's turn, a new user turn with `question`, the assistant header.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer. question (str): the question.
+        mode (str): "chat_template" or "plain". separator (str): the prompt separator (plain mode).
+        last_token (int | None): the conversation's last token; when it is the token the template
+            closes an assistant turn with (the answer stopped there), it is not repeated.
+
+    Returns:
+        list[int]
+
+    Raises:
+        InputError: if the question is empty or the template does not render the turns verbatim.
+    """
+    check_text(question, "the question")
+    if mode == PLAIN:
+        return _encode(tokenizer, separator + "Question: " + question + "\nAnswer:", False)
+    messages = [{"role": "user", "content": _DOC}, {"role": "assistant", "content": _ANSWER},
+                {"role": "user", "content": _QUESTION}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if any(text.count(m) != 1 for m in (_DOC, _ANSWER, _QUESTION)) or not text.index(_ANSWER) < text.index(_QUESTION):
+        raise InputError("the chat template does not render the conversation verbatim; cannot add a question")
+    ids = _encode(tokenizer, text.split(_ANSWER)[1].replace(_QUESTION, question), False)
+    return ids[1:] if ids and last_token is not None and ids[0] == last_token else ids
 
 
 ROLES = ("system", "user", "assistant")

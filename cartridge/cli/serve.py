@@ -1,0 +1,54 @@
+"""`cartridge serve`: parse options, start the server (cartridge.serve)."""
+
+import re
+
+import click
+
+from cartridge.errors import InputError
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text):
+    """"4G", "512M", "1000000" -> bytes (K/M/G/T are powers of 1024; a trailing "B" or "iB" is allowed).
+
+    Raises:
+        InputError: for anything else, or zero.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
+        raise InputError(f"--max-bytes {text!r} is not a size; give bytes, e.g. 4G, 512M or 1000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@click.command()
+@click.argument("paths", nargs=-1, metavar="[DIR|FILE.cart ...]")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
+@click.option("--model", default=None, help="Model to answer with (default: the one the cartridges record).")
+@click.option("--max-bytes", default=None,
+              help="Page bytes of cartridges kept loaded (LRU), e.g. 4G; default: no limit.")
+@click.option("--verify", default="pages", show_default=True, type=click.Choice(["pages", "header"]),
+              help="Checks at load: every page checksum, or the header only.")
+@click.option("--attention", default="auto", show_default=True,
+              help="Attention path: auto, fused (CUDA), portable or dequantize-once.")
+@click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1),
+              help="max_tokens of a request that gives none (clipped to the context left).")
+def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens):
+    """Serve cartridges over the OpenAI API: each cartridge is a model id (its name).
+
+    PATHS are cartridge directories, .cartz files, or folders holding them (default: the current folder).
+    """
+    from cartridge.serve import serve as run
+
+    if model is not None and not model.strip():
+        raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+
+    def ready(pool):
+        names = ", ".join(pool.entries) or "none"
+        click.echo(f"serving {len(pool.entries)} cartridges ({names}) and the base model {pool.base_id!r} "
+                   f"on http://{host}:{port}/v1", err=True)
+
+    run(list(paths) or ["."], host=host, port=port, model=model,
+        max_bytes=None if max_bytes is None else parse_bytes(max_bytes), verify=verify, attention=attention,
+        default_max_tokens=max_tokens, ready=ready)

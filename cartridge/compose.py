@@ -1,0 +1,191 @@
+"""Several cartridges in one context: documents built separately, laid out one after another.
+
+    a.tokens | separator + first N doc tokens of b (recomputed over a) | rest of b (stored) | question
+    position 0 ..                                                        shift b by Δ_b
+
+Stored keys carry their rotary positions (spec/FORMAT.md 5.1, `cache.rope = "post"`). Instead of
+rewriting them, a later document's part is attended with the query rotated back by its shift Δ
+(RoPE is a rotation: q·R(Δ)k = R(−Δ)q·k), one part per document, merged by log-sum-exp with the
+recomputed tokens and the tail. Each later document was built without seeing the earlier ones and
+opens with its own chat-template header: the header is skipped, and the separator plus its first N
+document tokens are prefilled again over what precedes them (EPIC's LegoLink recomputes ~16-32 tokens
+per chunk); N is `recompute`.
+"""
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from .attention import route
+from .attention.cache import CartridgeCache, sink_partial
+from .attention.kernels import merge, tail_partial
+from .errors import CartridgeError, InputError
+from .format.header import require_attention_layers
+from .models.prompt import SEPARATOR, _encode, _pieces, question_tokens
+
+DEFAULT_RECOMPUTE = 16
+
+
+@dataclass(frozen=True)
+class Part:
+    """A stored prefix attended in a composed context.
+
+    Attributes:
+        prefix (LayerPrefix): one layer's stored pages. shift (int): Δ, true position - stored position.
+        start (int): first stored token attended (those before it are skipped or recomputed).
+    """
+
+    prefix: object
+    shift: int
+    start: int
+
+
+def _part_partial(q, part):
+    """Attention partial over stored tokens [start, n_tokens) of one part (`kernels.portable.prefix_partial`)."""
+    p = part.prefix
+    s = p.k_codec.scores(q, p.k_parts, p.k_params)  # (n_pages, n_kv, R, P)
+    n_pages, _, _, page = s.shape
+    pos = mx.arange(n_pages * page).reshape(n_pages, 1, 1, page)
+    s = mx.where((pos >= part.start) & (pos < p.n_tokens), s, -mx.inf)
+    m = s.max(axis=(0, 3))  # (n_kv, R)
+    pr = mx.exp(s - m[None, :, :, None])
+    return p.v_codec.weighted_values(pr, p.v_parts, p.v_params), m, pr.sum(axis=(0, 3))
+
+
+class ComposedCache(CartridgeCache):
+    """One layer's cache over several stored parts, recomputed dense K/V, and a dense tail.
+
+    Args:
+        parts (list[Part]): stored parts, each with its shift.
+        patches (list[tuple]): recomputed (k, v), each (n_kv_heads, T, head_dim), at their true positions.
+        length (int): tokens of the composed context before the tail.
+        rope (callable): the layer's rotary embedding, called as rope(x, offset=...) (mlx-lm modules).
+    """
+
+    def __init__(self, parts, patches, length, rope, chunk_size=256):
+        super().__init__(parts[0].prefix, chunk_size)
+        self.parts, self.patches, self.length, self.rope = parts, patches, length, rope
+
+    @property
+    def offset(self):
+        """Tokens held: composed context + tail (the position of the next token)."""
+        return self.length + self.tail_len
+
+    def _rotated(self, queries, shift):
+        """Queries rotated by −shift, every row alike: (1, n_q, L, D) seen as (n_q * L, 1, D) positions."""
+        if shift == 0:
+            return queries
+        _, n_q, L, D = queries.shape
+        return self.rope(queries.reshape(n_q * L, 1, D), offset=-shift).reshape(1, n_q, L, D)
+
+    def attention(self, queries, scale, mask=None, sinks=None):
+        """Attention of `queries` over every part, patch and the tail (see `CartridgeCache.attention`;
+        `sinks`, (n_q_heads,) sink logits, add one more logit per head).
+
+        Raises:
+            CartridgeError: for an array mask (composed contexts take None or "causal").
+        """
+        if mask is not None and not isinstance(mask, str):
+            raise CartridgeError("array masks are not supported over composed cartridges")
+        _, n_q, L, D = queries.shape
+        n_kv = self.prefix.n_kv_heads
+        group = n_q // n_kv
+
+        def flat(x):  # (1, n_q, L, D) -> (n_kv, group * L, D), pre-scaled float32
+            return (x.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
+
+        q = flat(queries)
+        partials = [_part_partial(flat(self._rotated(queries.astype(mx.float32), p.shift)), p) for p in self.parts]
+        partials += [tail_partial(q, k, v, True) for k, v in self.patches]
+        keep = self._tail_keep(None, n_kv, group, L)
+        start = 0
+        for k, v in self._tail_parts():
+            end = start + k.shape[1]
+            partials.append(tail_partial(q, k, v, keep[..., start:end]))
+            start = end
+        if sinks is not None:
+            partials.append(sink_partial(sinks, n_kv, L, D))
+        # (n_kv, group * L, D) -> (1, n_q, L, D)
+        return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
+
+
+def _ropes(model):
+    try:
+        return [layer.self_attn.rope for layer in model.layers]
+    except AttributeError:
+        raise InputError("this model's attention has no `rope` module; cartridges cannot be composed for it") from None
+
+
+class ComposedCartridge:
+    """Loaded cartridges laid out one after another; used like a `Cartridge`.
+
+    Attributes:
+        model, tokenizer: what to generate with. carts (list[Cartridge]): the parts.
+        tokens (list[int]): the composed context's token ids. recompute (int): N.
+    """
+
+    def __init__(self, carts, recompute, separator):
+        self.carts, self.recompute = carts, recompute
+        self.model, self.tokenizer = carts[0].model, carts[0].tokenizer
+        self.info, self.attention = carts[-1].info, carts[0].attention
+        self._ropes = _ropes(self.model)
+        self._layers = [[Part(p, 0, 0)] for p in carts[0]._prefixes]
+        self._patches = [[] for _ in self._layers]
+        self.tokens = list(carts[0].tokens)
+        for cart in carts[1:]:
+            self._append(cart, separator)
+
+    def _append(self, cart, separator):
+        head = _encode(self.tokenizer, _pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator)[0], True)
+        if cart.tokens[: len(head)] != head or len(cart.tokens) <= len(head):
+            raise InputError(f"cartridge {cart.path} does not open with the chat template's header; cannot compose it")
+        sep = _encode(self.tokenizer, separator, False)
+        start = min(len(head) + self.recompute, len(cart.tokens))
+        fresh = sep + cart.tokens[len(head):start]
+        caches = self.prompt_cache()
+        if fresh:
+            self.model(mx.array(fresh)[None], cache=caches)  # recompute over everything before them
+        shift = len(self.tokens) + len(sep) - len(head)
+        for layer, cache in enumerate(caches):
+            if fresh:
+                self._patches[layer].append(cache.tail_kv())
+            if start < len(cart.tokens):  # a part with no token left would have no key at all
+                self._layers[layer].append(Part(replace(cart._prefixes[layer], kernel=None), shift, start))
+        self.tokens += fresh + cart.tokens[start:]
+
+    def question_prompt(self, question, cache=None):
+        """Tokens to feed after the composed context (as `Cartridge.question_prompt`; `cache` unchecked)."""
+        return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
+
+    def prompt_cache(self):
+        """A fresh cache list over the composed context."""
+        route.install()
+        return [ComposedCache(parts, patches, len(self.tokens), rope)
+                for parts, patches, rope in zip(self._layers, self._patches, self._ropes)]
+
+
+def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
+    """Lay loaded cartridges of one model out one after another.
+
+    Args:
+        carts (list[Cartridge]): at least two, same model (checked at load).
+        recompute (int): document tokens of each later cartridge prefilled again over what precedes
+            them (after the separator, which always is). Default: 16.
+        separator (str): text between documents. Default: "\\n\\n".
+
+    Returns:
+        ComposedCartridge
+
+    Raises:
+        InputError: fewer than two cartridges, different models, a negative `recompute`.
+    """
+    if len(carts) < 2:
+        raise InputError("compose needs at least two cartridges")
+    if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
+        raise InputError(f"recompute is {recompute!r}; it must be a whole number of tokens >= 0")
+    for c in carts:
+        require_attention_layers(c.info, "compose")
+    ids = {c.info.fingerprint["id"] for c in carts}
+    if len(ids) != 1:
+        raise InputError(f"the cartridges were built with {len(ids)} different models; compose needs one")
+    return ComposedCartridge(carts, recompute, separator)

@@ -1,0 +1,154 @@
+"""Re-encode the stored pages of an fp16 (or bf16) cartridge into other tiers, without any prefill.
+
+    NAME.cart (fp16/bf16 pages) --reader--> per (layer, side) K/V (n_kv_heads, T, head_dim)
+         --codec(tier of the new schema)--> page payloads --container writer--> NEW.cart (atomic)
+
+The header is the source's (model, fingerprint, tokens, prompt split, source document), with the
+tier keys of the new schema, so `convert` of an fp16 cartridge gives the same bytes as a direct
+`build` in that tier whenever the direct build encoded the same values: when the model's K/V dtype is
+float16 (an fp16 source) or bfloat16 (a bf16 source). From a float32 model the direct build quantizes
+the float32 K/V, while `convert` starts from their fp16 rounding; the pages then differ where a value's
+fp16 rounding moves a group minimum/maximum or a code across a rounding boundary (measured in
+tests/test_convert.py and benchmarks/convert.py).
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .attention.pages import encode_pages
+from .build import _tier_options, _to_numpy, cartridge_bytes, tier_keys
+from .errors import InputError
+from .format import keys as K
+from .format.header import SIDES, require_attention_layers
+from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
+from .format.reader import open_cartridge
+from .format.writer import CartridgeWriter, check_output_path, check_space
+from .tiers import DEFAULT_TIER, check_schema, get_tier, schema_for
+
+LOSSLESS_SOURCES = ("fp16", "bf16")  # tiers that hold the model's K/V closely enough to re-encode
+
+
+@dataclass
+class ConvertResult:
+    """What `convert` wrote.
+
+    Attributes:
+        path (str): the new cartridge directory. tokens (int): prefix tokens.
+        seconds (float): total time (read + encode + write).
+        bytes (int): total bytes on disk. bytes_per_token (int): K+V payload bytes per token.
+        schema (list[dict]): the tier of every (layer, side).
+    """
+
+    path: str
+    tokens: int
+    seconds: float
+    bytes: int
+    bytes_per_token: int
+    schema: list = field(default_factory=list)
+
+
+def _check_source(info, path):
+    """Refuse a source whose pages are already lossy: re-quantizing them would compound the error."""
+    require_attention_layers(info, "convert")
+    for row in info.tiers:
+        for side in SIDES:
+            if row[side] not in LOSSLESS_SOURCES:
+                raise InputError(
+                    f"cartridge {path} stores layer {row['layer']} {side.upper()} as {row[side]}; convert "
+                    f"re-encodes fp16 or bf16 pages only (rebuild from the document for another tier)")
+
+
+def _read_side(info, data, layer, side):
+    """The stored K or V of one layer as (n_kv_heads, T, head_dim) in its stored dtype."""
+    (extent,) = info.extents[(layer, side)]  # fp16/bf16: one "values" component
+    view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
+    pages = mx.array(view)  # (n_pages, n_kv, P, D)
+    if extent.dtype == "bfloat16":
+        pages = pages.view(mx.bfloat16)
+    n_pages, n_kv, page_size, head_dim = pages.shape
+    x = pages.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * page_size, head_dim)  # (n_kv, n_pages*P, D)
+    return x[:, : len(info.tokens), :]  # (n_kv, T, D)
+
+
+def _resolve_schema(info, tier, k_tier, v_tier, boundary_protect, schema):
+    rows = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
+    rows = rows or schema_for(info.n_layers, tier, k_tier, v_tier, boundary_protect)
+    check_schema(rows, info.n_layers, info.n_kv_heads, info.head_dim)
+    return rows
+
+
+def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0, schema=None,
+            force=False, verify="pages", progress=None):
+    """Re-encode an fp16 or bf16 cartridge into other tiers, without the model and without prefill.
+
+    Args:
+        source (str | Path): the fp16/bf16 cartridge (directory or .cartz).
+        output (str | Path): cartridge directory to create.
+        tier, k_tier, v_tier, boundary_protect, schema: the new tiers, exactly as in `cartridge.build`.
+        force (bool): replace an existing cartridge at `output`. Default: False.
+        verify (str): "pages" checks every source page checksum first (default); "header" skips them.
+        progress (callable | None): progress(done_layers, total_layers) after each layer.
+
+    Returns:
+        ConvertResult
+
+    Raises:
+        InputError: a source layer stored in a lossy tier (int8, mlx4g32, fp8, ...), an unknown tier, a
+            bad schema, or bad options. OutputExistsError: `output` exists and `force` is False.
+        WriteError: too little free space, or a failed write (nothing is left behind).
+        CartridgeError subclasses from reading the source (naming its path).
+
+    Example:
+        >>> cartridge.convert("doc.cart", "doc-q4.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    check_output_path(output, force)
+    info, data = open_cartridge(source, verify)
+    try:
+        _check_source(info, source)
+        rows = _resolve_schema(info, tier, k_tier, v_tier, boundary_protect, schema)
+        check_space(output, cartridge_bytes(rows, info.n_kv_heads, info.head_dim, len(info.tokens), info.page_size))
+        path = _write(info, data, rows, output, force, progress)
+    finally:
+        data.close()
+    total = sum(f.stat().st_size for f in Path(path).iterdir())
+    bpt = sum(get_tier(r[s]).bytes_per_token(info.n_kv_heads, info.head_dim) for r in rows for s in SIDES)
+    return ConvertResult(str(path), len(info.tokens), time.perf_counter() - t0, total, bpt, rows)
+
+
+def _write(info, data, rows, output, force, progress):
+    params = {}
+    with CartridgeWriter(output, force) as writer:
+        for layer in range(info.n_layers):
+            for side in SIDES:
+                codec = get_tier(rows[layer][side])
+                x = _read_side(info, data, layer, side)
+                params[(layer, side)] = codec.make_params(x, layer, side)
+                parts = encode_pages(codec, x, params[(layer, side)], info.page_size)
+                for comp in codec.components(info.head_dim):
+                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
+                del x, parts  # the source mapping must have no views left when it is closed
+            if progress:
+                progress(layer + 1, info.n_layers)
+        header = _header(info, rows, params)
+        return writer.commit(header, info.tokens)
+
+
+def _is_tier_key(key):
+    """layer.{i}.{side}.{tier,codec_version,params,components}, page and head tables: rewritten by convert."""
+    parts = key.split(".")
+    return parts[0] == "layer" and len(parts) >= 4 and parts[2] in SIDES and (
+        parts[3] in ("tier", "codec_version", "params", "components") or parts[-1] in ("pages", "head_sums"))
+
+
+def _header(info, rows, params):
+    """The source's JSON header records (every key, known or not) with the new schema's tier keys."""
+    header = {key: json.loads(raw) for key, raw in info.records.items()
+              if key != K.TOKENS_IDS and not _is_tier_key(key)}
+    header.update({K.FORMAT_MAJOR: FORMAT_MAJOR, K.FORMAT_MINOR: FORMAT_MINOR})
+    header.update(tier_keys(rows, params, info.head_dim))
+    return header

@@ -1,0 +1,222 @@
+"""The cartridges a server offers: found at start, loaded on first use, kept in an LRU under a byte budget.
+
+Every cartridge is answered with the one model the server loaded. A cartridge whose checks fail or that
+was built with another model is refused (`Refused`, with the reason) and the others keep being served;
+the refusal is remembered until the cartridge's files change.
+"""
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..cli.report import fold_tiers
+from ..errors import CartridgeError, InputError
+from ..format.layout import MANIFEST_NAME
+from ..format.pack import is_pack
+from ..format.reader import open_cartridge
+from ..load import check_fingerprint, load
+from ..models.loader import DEFAULT_MODEL, default_gguf_path
+
+SUFFIXES = (".cartz", ".cart")
+
+
+class Refused(Exception):
+    """A model id that cannot be served.
+
+    Attributes:
+        status (int): 404 for an unknown id, 422 for a cartridge that failed its checks or does not fit.
+        code (str): "model_not_found", "cartridge_refused" or "cartridge_too_large". message (str).
+    """
+
+    def __init__(self, status, code, message):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class Entry:
+    """One cartridge on offer.
+
+    Attributes:
+        name (str): its model id. path (Path): directory or .cartz file.
+        info (CartridgeInfo | None): its header (None if the header could not be read).
+        error (Refused | None): why it is refused, with the file signature it was refused for.
+    """
+
+    name: str
+    path: Path
+    info: object = None
+    error: Refused = None
+    refused_at: tuple = None
+
+
+def _is_cartridge(path):
+    return (path.is_dir() and (path / MANIFEST_NAME).is_file()) or is_pack(path)
+
+
+def find_cartridges(paths):
+    """Map model ids to cartridge paths: each path is a cartridge (directory or .cartz) or a folder of them.
+
+    Args:
+        paths (list[str | Path]): as given on the command line.
+
+    Returns:
+        dict: name (the file name without .cart/.cartz) -> Path, sorted by name.
+
+    Raises:
+        InputError: a path that is neither, or two cartridges with the same name.
+    """
+    found = {}
+    for raw in paths:
+        path = Path(raw)
+        if _is_cartridge(path):
+            items = [path]
+        elif path.is_dir():
+            items = sorted(p for p in path.iterdir() if _is_cartridge(p))
+        else:
+            raise InputError(f"{raw} is neither a cartridge (directory or .cartz) nor a folder of cartridges")
+        for item in items:
+            name = next((item.name[: -len(s)] for s in SUFFIXES if item.name.endswith(s)), item.name)
+            if name in found:
+                raise InputError(f"two cartridges are named {name!r}: {found[name]} and {item}; rename one")
+            found[name] = item
+    return dict(sorted(found.items()))
+
+
+def base_model_id(ref):
+    """The model id of the base model itself: its file or folder name ("default": the GGUF's name)."""
+    path = default_gguf_path() if ref == DEFAULT_MODEL else Path(ref)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _signature(path):
+    """What identifies the bytes of a cartridge on disk, to forget a refusal once they change."""
+    target = path / MANIFEST_NAME if path.is_dir() else path
+    try:
+        st = target.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _refusal(e):
+    return Refused(422, "cartridge_refused", f"{type(e).__name__}: {e}")
+
+
+class Pool:
+    """Cartridges loaded on first use and kept, most recently used last, while their pages fit the budget.
+
+    Args:
+        paths (dict): name -> Path, from `find_cartridges`.
+        lm (LoadedModel): the one model every cartridge is answered with.
+        max_bytes (int | None): most page bytes (pages.bin, as mapped) kept loaded; None: no limit.
+        verify (str): "pages" checks every page checksum at load (default), "header" skips them.
+        attention (str): the attention policy passed to `cartridge.load`. Default: "auto".
+    """
+
+    def __init__(self, paths, lm, max_bytes=None, verify="pages", attention="auto"):
+        self.lm, self.max_bytes, self.verify, self.attention = lm, max_bytes, verify, attention
+        self.base_id = base_model_id(lm.ref)
+        if self.base_id in paths:
+            raise InputError(f"a cartridge is named {self.base_id!r}, the base model's id; rename it")
+        self.entries = {name: self._read_header(name, path) for name, path in paths.items()}
+        self._loaded = OrderedDict()  # name -> Cartridge, least recently used first
+        self._lock = threading.Lock()  # models() is read from the event loop while the worker loads
+
+    def _read_header(self, name, path):
+        entry = Entry(name, path)
+        try:
+            entry.info, data = open_cartridge(path, verify="header")
+            data.close()
+        except CartridgeError as e:
+            entry.error, entry.refused_at = _refusal(e), _signature(path)
+        return entry
+
+    @property
+    def loaded_bytes(self):
+        """Page bytes of the cartridges loaded now."""
+        return sum(c.info.data_size for c in self._loaded.values())
+
+    def get(self, name):
+        """The loaded cartridge for `name`, or None for the base model's id.
+
+        Raises:
+            Refused: 404 for an unknown id; 422 for a cartridge that fails its checks, was built with
+            another model, or has more page bytes than the whole budget.
+        """
+        if name == self.base_id:
+            return None
+        entry = self.entries.get(name)
+        if entry is None:
+            raise Refused(404, "model_not_found", f"the model {name!r} does not exist; GET /v1/models lists "
+                          f"{len(self.entries)} cartridges and the base model {self.base_id!r}")
+        if name in self._loaded:
+            with self._lock:
+                self._loaded.move_to_end(name)
+            return self._loaded[name]
+        if entry.error is not None and entry.refused_at == _signature(entry.path):
+            raise entry.error
+        if entry.info is not None:
+            self._check_size(name, entry.info.data_size)
+        return self._load(entry)
+
+    def _load(self, entry):
+        try:
+            if entry.info is not None:  # refuse another model's cartridge before reading its pages
+                check_fingerprint(entry.info, self.lm.fingerprint, entry.path, self.lm.ref)
+            cart = load(entry.path, model=self.lm, verify=self.verify, attention=self.attention)
+        except CartridgeError as e:
+            with self._lock:
+                entry.error, entry.refused_at = _refusal(e), _signature(entry.path)
+            raise entry.error from None
+        with self._lock:
+            entry.info, entry.error = cart.info, None
+            self._make_room(entry.name, cart.info.data_size)
+            self._loaded[entry.name] = cart
+        return cart
+
+    def _check_size(self, name, size):
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise Refused(422, "cartridge_too_large", f"cartridge {name!r} maps {size:,} page bytes; "
+                          f"--max-bytes is {self.max_bytes:,}")
+
+    def _make_room(self, name, size):
+        if self.max_bytes is None:
+            return
+        self._check_size(name, size)
+        while self._loaded and self.loaded_bytes + size > self.max_bytes:
+            self._loaded.popitem(last=False)  # the mapping closes once its last array is gone
+
+    def models(self):
+        """The /v1/models entries: every cartridge, then the base model.
+
+        Returns:
+            list[dict]: OpenAI model objects with `base_model`, `tier`, `tiers`, `tokens`, `bytes`
+            (page bytes) and `loaded`; a refused cartridge also has `error`.
+        """
+        with self._lock:
+            rows = [self._row(e) for e in self.entries.values()]
+        rows.append({"id": self.base_id, "object": "model", "created": int(time.time()), "owned_by": "cartridge",
+                     "base_model": self.lm.ref, "cartridge": False, "tokens": 0, "bytes": 0, "loaded": True})
+        return rows
+
+    def _row(self, entry):
+        row = {"id": entry.name, "object": "model", "created": int(_mtime(entry.path)), "owned_by": "cartridge",
+               "cartridge": True, "path": str(entry.path), "loaded": entry.name in self._loaded}
+        if entry.info is not None:
+            tiers = fold_tiers(entry.info.tiers)
+            uniform = len(tiers) == 1 and tiers[0]["k"] == tiers[0]["v"]
+            row.update(base_model=entry.info.model_ref, tier=tiers[0]["k"] if uniform else "mixed", tiers=tiers,
+                       tokens=len(entry.info.tokens), bytes=entry.info.data_size)
+        if entry.error is not None:
+            row["error"] = entry.error.message
+        return row
+
+
+def _mtime(path):
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0

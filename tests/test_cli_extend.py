@@ -1,0 +1,59 @@
+"""The command line of issue 20: `extend` in place and to -o, `ask --save-as`, asking the saved
+conversation, and one clear line for bad input."""
+
+import subprocess
+import sys
+
+import cartridge
+
+DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
+MORE = "Pets are allowed with a deposit of 200 euros.\n"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_extend_then_ask_save_as_then_resume(tiny_dir, tmp_path):
+    cart = tmp_path / "doc.cart"
+    cartridge.build(DOC, cart, model=str(tiny_dir), page_size=16)
+    n_old = len(cartridge.open_cartridge(cart)[0].tokens)
+    (tmp_path / "more.txt").write_text(MORE)
+    r = run("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext.cart")
+    assert r.returncode == 0, r.stderr
+    info = cartridge.open_cartridge(tmp_path / "ext.cart")[0]
+    assert r.stdout.startswith(f"extended {tmp_path / 'ext.cart'}: {len(info.tokens)} tokens ({n_old} stored kept")
+    one = cartridge.build(DOC.rstrip() + "\n\n" + MORE, tmp_path / "one.cart", model=str(tiny_dir))
+    assert info.tokens.tolist() == cartridge.open_cartridge(one.path)[0].tokens.tolist()
+
+    r = run("ask", tmp_path / "ext.cart", "Are pets allowed?", "--max-tokens", 5, "--save-as", tmp_path / "chat.cart")
+    assert r.returncode == 0, r.stderr
+    chat = cartridge.open_cartridge(tmp_path / "chat.cart")[0]
+    assert chat.document_tokens == len(info.tokens) and len(chat.tokens) > len(info.tokens)
+    assert f"saved {tmp_path / 'chat.cart'}: {len(chat.tokens)} tokens" in r.stderr
+    r = run("ask", tmp_path / "chat.cart", "And the deposit?", "--max-tokens", 3)
+    assert r.returncode == 0, r.stderr
+    assert f"over {len(chat.tokens)} cached" in r.stderr
+
+
+def test_cli_errors_are_one_line(tiny_dir, tmp_path):
+    cart = tmp_path / "doc.cart"
+    cartridge.build(DOC, cart, model=str(tiny_dir))
+    (tmp_path / "empty.txt").write_text(" \n")
+    r = run("extend", cart, tmp_path / "empty.txt")
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "is empty" in r.stderr
+    r = run("ask", cart, "Who?", "--save-as", cart)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: output {cart} exists; pass --force (Python: force=True) to replace it"
+
+
+def test_ask_over_two_cartridges(tiny_dir, tmp_path):
+    a, b = tmp_path / "a.cart", tmp_path / "b.cart"
+    cartridge.build(DOC, a, model=str(tiny_dir))
+    cartridge.build(MORE, b, model=str(tiny_dir))
+    c = cartridge.load([a, b], recompute=2)
+    r = run("ask", a, b, "Are pets allowed?", "--max-tokens", 3, "--recompute", 2)
+    assert r.returncode == 0, r.stderr
+    assert f"over {len(c.tokens)} cached" in r.stderr
+    r = run("ask", a, b, "Who?", "--save-as", tmp_path / "x.cart")
+    assert r.returncode == 1 and "--save-as takes one cartridge" in r.stderr

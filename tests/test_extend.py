@@ -1,0 +1,261 @@
+"""extend(): only the new text is prefilled; the result holds the tokens, pages and answers of a one-shot
+build of the joined text; it is written atomically and records its parts."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from cartfiles import forge_records
+from conftest import ROOT, make_tiny
+
+import cartridge
+from cartridge.errors import InputError, OutputExistsError
+from cartridge.extend import EXTEND_SEPARATOR, token_sha256
+from cartridge.tiers import TIERS
+
+OLD = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3 + "The end."
+NEW = "Section 2. Rent is due on the first day of each month, payable to the lessor by bank transfer."
+PAGE = 16
+
+
+def _tokens_major(data, extent):
+    """An extent's pages as (n_kv_heads, n_pages * page_size, width), stored dtype (bf16 as uint16)."""
+    a = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
+    # (n_pages, n_kv, P, W) -> (n_kv, n_pages * P, W)
+    return a.transpose(1, 0, 2, 3).reshape(a.shape[1], -1, a.shape[-1])
+
+
+def _last_logits(cart, question):
+    cache = cart.prompt_cache()
+    logits = cart.model(mx.array(cart.question_prompt(question))[None], cache=cache)
+    return np.array(logits[0, -1].astype(mx.float32))
+
+
+def _greedy(cart, question, n=12):
+    return [r.token for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, cart.question_prompt(question),
+                                                    max_tokens=n, prompt_cache=cart.prompt_cache())]
+
+
+@pytest.fixture(scope="module")
+def carts(tiny, tmp_path_factory):
+    """A cartridge of OLD, its extension by NEW, and a one-shot build of the joined text (fp16)."""
+    d = tmp_path_factory.mktemp("extend")
+    cartridge.build(OLD, d / "old.cart", model=tiny, page_size=PAGE)
+    ext = cartridge.extend(d / "old.cart", NEW, output=d / "ext.cart", model=tiny)
+    one = cartridge.build(OLD + EXTEND_SEPARATOR + NEW, d / "one.cart", model=tiny, page_size=PAGE)
+    return d, ext, one
+
+
+@pytest.mark.parametrize("tier", sorted(TIERS))
+def test_encoding_is_per_token(tier):
+    """What extend's page splice relies on: a token's codes do not depend on the other tokens."""
+    x = mx.random.normal((2, 37, 64), key=mx.random.key(1)) * 3
+    codec = TIERS[tier]
+    params = codec.make_params(x, 0, "v")
+    whole, part = codec.encode(x, params), codec.encode(x[:, 11:], params)
+    for name in whole:
+        a, b = whole[name][:, 11:], part[name]
+        assert a.dtype == b.dtype and mx.array_equal(a, b).item(), name
+
+
+def test_extend_tokens_are_the_one_shot_tokens_of_the_joined_text(carts):
+    d, ext, one = carts
+    old = cartridge.open_cartridge(d / "old.cart")[0]
+    info = cartridge.open_cartridge(ext.path)[0]
+    assert info.tokens.tolist() == cartridge.open_cartridge(one.path)[0].tokens.tolist()
+    assert ext.tokens == one.tokens and ext.reused_tokens == len(old.tokens)
+    assert ext.new_tokens == one.tokens - len(old.tokens) > 0
+    assert len(old.tokens) % PAGE != 0  # the stored last page was partial: the splice was exercised
+    assert info.format_version == "1.4" and info.document_tokens == one.tokens
+    assert [(p["kind"], p["start"], p["end"]) for p in info.parts] == [
+        ("build", 0, len(old.tokens)), ("extend", len(old.tokens), one.tokens)]
+    assert info.parts[1]["tokens_sha256"] == token_sha256(info.tokens[len(old.tokens):])
+    assert cartridge.verify_cartridge(ext.path).ok
+
+
+def test_extend_pages_match_one_shot_build(carts):
+    """Stored tokens keep their exact bytes, padding is what build writes, new tokens are within fp16
+    rounding of a one-shot prefill (they attended over the fp16-rounded prefix)."""
+    d, ext, one = carts
+    n_old = len(cartridge.open_cartridge(d / "old.cart")[0].tokens)
+    ie, de = cartridge.open_cartridge(ext.path)
+    io, do = cartridge.open_cartridge(one.path)
+    for key, extents in ie.extents.items():
+        a, b = _tokens_major(de, extents[0]), _tokens_major(do, io.extents[key][0])
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a[:, :n_old], b[:, :n_old])
+        np.testing.assert_array_equal(a[:, one.tokens:], b[:, one.tokens:])
+        np.testing.assert_allclose(a[:, n_old:one.tokens].astype(np.float32), b[:, n_old:one.tokens], atol=4e-3)
+
+
+def test_extend_answers_like_one_shot_build(carts, tiny):
+    _, ext, one = carts
+    ce, co = cartridge.load(ext.path, model=tiny), cartridge.load(one.path, model=tiny)
+    for q in ("When is rent due?", "How much notice does the lessee give?"):
+        np.testing.assert_allclose(_last_logits(ce, q), _last_logits(co, q), atol=2e-3)
+        assert _greedy(ce, q) == _greedy(co, q)
+
+
+@pytest.fixture(scope="module")
+def tiny64(smol_tokenizer):
+    return make_tiny(smol_tokenizer, seed=0, head_dim=64)  # group-quantized tiers need head_dim % 32 == 0
+
+
+@pytest.mark.parametrize("tier", ["mlx4g32", "turbo3", "nvfp4", "bf16"])
+def test_quantized_extend_keeps_stored_codes(tiny64, tmp_path, tier):
+    """A quantized cartridge: stored tokens' codes are copied, new tokens encoded in its tier."""
+    tiny = tiny64
+    cartridge.build(OLD, tmp_path / "old.cart", model=tiny, tier=tier, page_size=PAGE)
+    ext = cartridge.extend(tmp_path / "old.cart", NEW, output=tmp_path / "ext.cart", model=tiny)
+    one = cartridge.build(OLD + EXTEND_SEPARATOR + NEW, tmp_path / "one.cart", model=tiny, tier=tier, page_size=PAGE)
+    io, do = cartridge.open_cartridge(tmp_path / "old.cart")
+    ie, de = cartridge.open_cartridge(ext.path)
+    i1, d1 = cartridge.open_cartridge(one.path)
+    n = len(io.tokens)
+    assert ie.tiers == io.tiers and ie.params == io.params
+    for key, extents in ie.extents.items():
+        for old_e, new_e, one_e in zip(io.extents[key], extents, i1.extents[key]):
+            np.testing.assert_array_equal(_tokens_major(de, new_e)[:, :n], _tokens_major(do, old_e)[:, :n])
+            if tier != "nvfp4":  # nvfp4's global scale is the amax of what was built: the joined text's differs
+                np.testing.assert_array_equal(_tokens_major(de, new_e)[:, :n], _tokens_major(d1, one_e)[:, :n])
+    assert cartridge.verify_cartridge(ext.path).ok
+
+
+def test_extend_in_place_replaces_only_the_finished_cartridge(tiny, tmp_path):
+    path = tmp_path / "doc.cart"
+    cartridge.build(OLD, path, model=tiny, page_size=PAGE)
+    before = cartridge.open_cartridge(path)[0]
+    r = cartridge.extend(path, NEW, model=tiny)
+    after = cartridge.open_cartridge(path)[0]
+    assert r.path == str(path) and len(after.tokens) == r.tokens > len(before.tokens)
+    assert after.tokens[: len(before.tokens)].tolist() == before.tokens.tolist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cart"]  # no temporaries left
+    assert len(after.lineage_source) == 64
+
+
+def test_extend_twice_records_three_parts(tiny, tmp_path):
+    path = tmp_path / "doc.cart"
+    cartridge.build(OLD, path, model=tiny, page_size=PAGE)
+    cartridge.extend(path, NEW, model=tiny)
+    cartridge.extend(path, "Section 3. Pets are allowed.", model=tiny)
+    info = cartridge.open_cartridge(path)[0]
+    one = cartridge.build(OLD + "\n\n" + NEW + "\n\nSection 3. Pets are allowed.", tmp_path / "one.cart", model=tiny)
+    assert info.tokens.tolist() == cartridge.open_cartridge(one.path)[0].tokens.tolist()
+    assert [p["kind"] for p in info.parts] == ["build", "extend", "extend"]
+
+
+def test_seam_that_retokenizes_reprefills_the_changed_tokens(tiny, tmp_path):
+    """Joined with no separator, the last stored word and the new text merge into other tokens: the
+    stored tokens up to the seam are kept, the rest are prefilled again."""
+    cartridge.build("The lessee may termin", tmp_path / "a.cart", model=tiny, page_size=4)
+    r = cartridge.extend(tmp_path / "a.cart", "ate the agreement.", output=tmp_path / "b.cart", model=tiny,
+                         separator="")
+    n_old = len(cartridge.open_cartridge(tmp_path / "a.cart")[0].tokens)
+    one = cartridge.build("The lessee may terminate the agreement.", tmp_path / "one.cart", model=tiny, page_size=4)
+    assert cartridge.open_cartridge(r.path)[0].tokens.tolist() == cartridge.open_cartridge(one.path)[0].tokens.tolist()
+    assert r.reused_tokens < n_old and r.new_tokens == r.tokens - r.reused_tokens
+    ce, co = cartridge.load(r.path, model=tiny), cartridge.load(one.path, model=tiny)
+    np.testing.assert_allclose(_last_logits(ce, "Who?"), _last_logits(co, "Who?"), atol=2e-3)
+
+
+@pytest.mark.parametrize("text, match", [("", "the new text is empty"), ("  \n", "the new text is empty")])
+def test_bad_text_refused_and_nothing_written(tiny, tmp_path, text, match):
+    cartridge.build(OLD, tmp_path / "a.cart", model=tiny)
+    with pytest.raises(InputError, match=match):
+        cartridge.extend(tmp_path / "a.cart", text, output=tmp_path / "b.cart", model=tiny)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cart"]
+
+
+def test_existing_output_refused(tiny, tmp_path):
+    cartridge.build(OLD, tmp_path / "a.cart", model=tiny)
+    cartridge.build(OLD, tmp_path / "b.cart", model=tiny)
+    with pytest.raises(OutputExistsError):
+        cartridge.extend(tmp_path / "a.cart", NEW, output=tmp_path / "b.cart", model=tiny)
+
+
+def test_extend_beyond_context_refused(tiny, tmp_path):
+    cartridge.build(OLD, tmp_path / "a.cart", model=tiny)
+    with pytest.raises(InputError, match="the model's context is 512 tokens"):
+        cartridge.extend(tmp_path / "a.cart", NEW * 40, model=tiny)
+    assert cartridge.open_cartridge(tmp_path / "a.cart")[0].parts == []
+
+
+def test_extended_header_follows_the_schema(carts):
+    import jsonschema
+
+    from cartridge.format.container import read_index, read_manifest
+    from cartridge.format.keys import TOKENS_IDS
+
+    _, ext, _ = carts
+    records = read_index(ext.path, read_manifest(ext.path))
+    header = {k: json.loads(v) for k, v in records.items() if k != TOKENS_IDS and not k.endswith((".pages", ".head_sums"))}
+    jsonschema.validate(header, json.loads((ROOT / "spec" / "header.schema.json").read_text()))
+    assert read_manifest(ext.path)["minor"] == header["cartridge.format_minor"] == 4
+
+
+def _forged(path, tmp_path, change):
+    out = tmp_path / "forged.cart"
+    shutil.copytree(path, out)
+    forge_records(out, lambda r: {**r, **{k: json.dumps(v).encode() for k, v in change(r).items()}})
+    return out
+
+
+def _parts(records):
+    return json.loads(records["lineage.parts"])
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("document end 0", lambda r: {"prompt.document_tokens": 0}, "prompt.document_tokens' is 0"),
+    ("parts with a hole", lambda r: {"lineage.parts": [dict(p, start=p["start"] + 1) if i else p for i, p in
+                                                        enumerate(_parts(r))]},
+     r"lineage.parts\[1\]"),
+    ("part digest wrong", lambda r: {"lineage.parts": [dict(p, tokens_sha256="0" * 64) for p in
+                                                        _parts(r)]},
+     r"lineage.parts\[0\]: tokens_sha256 does not match"),
+    ("unknown kind", lambda r: {"lineage.parts": [dict(p, kind="merge") for p in
+                                                   _parts(r)]},
+     r"lineage.parts\[0\] is"),
+    ("short cover", lambda r: {"lineage.parts": _parts(r)[:1]},
+     "lineage.parts cover tokens 0.."),
+    ("bad source", lambda r: {"lineage.source": "XYZ"}, "lineage.source' is 'XYZ'"),
+])
+def test_bad_lineage_keys_refused(carts, tmp_path, name, change, match):
+    from cartridge.errors import FieldError
+
+    _, ext, _ = carts
+    with pytest.raises(FieldError, match=match):
+        cartridge.open_cartridge(_forged(ext.path, tmp_path, change))
+
+
+@pytest.mark.parametrize("stage", ["before-publish", "after-exchange"])  # every stage: tests/test_crash.py
+def test_extend_in_place_killed_at_stage_leaves_a_whole_cartridge(tiny_dir, tmp_path, stage):
+    """SIGKILL during an in-place extend: the path holds the old cartridge (byte for byte) before the
+    swap and the verified extended one after it; the next extend removes the dead writer's temporary."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cartfiles import files
+
+    from cartridge.format.atomic import CRASH_ENV
+
+    path = tmp_path / "doc.cart"
+    cartridge.build(OLD, path, model=str(tiny_dir), page_size=PAGE)
+    old = files(path)
+    code = f"import cartridge; cartridge.extend({str(path)!r}, {NEW!r})"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, CRASH_ENV: stage}, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert cartridge.verify_cartridge(path).ok
+    info = cartridge.open_cartridge(path)[0]
+    if stage in ("after-exchange", "published"):
+        assert [p["kind"] for p in info.parts] == ["build", "extend"]
+        assert info.parts[0]["end"] < len(info.tokens)
+    else:
+        assert files(path) == old
+    cartridge.extend(path, "Section 9. Notices are written.", model=str(tiny_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cart"]
