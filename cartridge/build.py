@@ -18,7 +18,7 @@ from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from .format.writer import CartridgeWriter, check_output_path
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
+from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, presets, protect, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
@@ -152,9 +152,17 @@ def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
     return read_schema(schema)
 
 
+def _check_page_size(schema, page_size):
+    """Refuse a page size a tier with token-axis groups (kivi4) cannot fill with whole groups."""
+    for name in sorted({r[s] for r in schema for s in ("k", "v")}):
+        check = getattr(get_tier(name), "check_page_size", None)
+        if check:
+            check(page_size)
+
+
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
-          progress=None):
+          progress=None, protect_first=0, protect_last=0, preset=None):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -172,6 +180,10 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         prefill_step (int): tokens per forward pass. Default: 512.
         force (bool): replace an existing cartridge at `output`. Default: False.
         progress (callable | None): progress(done_tokens, total_tokens) during prefill.
+        protect_first, protect_last (int): also keep the first N / last M prefix tokens of every
+            (layer, side) in fp16 (`cartridge.tiers.protect`); clamped to leave one token. Default: 0.
+        preset (str | None): "exact", "safe", "balanced" or "compact" (`cartridge.tiers.presets`);
+            excludes the tier and protection options. Default: None.
 
     Returns:
         BuildResult
@@ -190,11 +202,16 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     check_output_path(output, force)  # before any expensive work
     check_text(document, "the corpus")
     _check_options(page_size, prefill_step)
+    o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
+    tier, k_tier, v_tier, boundary_protect, schema = (o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect",
+                                                                     "schema"))
+    protect.check_counts(o["protect_first"], o["protect_last"])
     schema = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     geometry = _geometry(lm.model)
     schema = schema or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
     check_schema(schema, *geometry)
+    _check_page_size(schema, page_size)
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, document, mode)
     limit = context_length(lm.model)
@@ -205,6 +222,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
     source_dtype = str(caches[0].keys.dtype).replace("mlx.core.", "")
+    first, last = protect.clamp(o["protect_first"], o["protect_last"], len(tokens))
     params = {}
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
@@ -215,10 +233,14 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
                 parts = encode_pages(codec, x, params[(layer, side)], page_size)
                 for comp in codec.components(geometry[2]):
                     writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
+                if first + last:
+                    writer.add_record(K.layer_protected(layer, side), protect.take(x, first, last))
             caches[layer] = None  # free this layer's dense K/V before encoding the next
         header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype)
+        header.update(protect.header_keys(first, last))
         path = writer.commit(header, np.asarray(tokens, dtype=np.uint32))
     seconds = time.perf_counter() - t0
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
+    bpt += protect.bytes_per_token(first, last, len(tokens), geometry)
     return BuildResult(str(path), len(tokens), t1 - t0, seconds, total, bpt, schema)

@@ -19,7 +19,7 @@ from .format.header import SIDES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
 from .models.prompt import conversation_tokens, question_tokens
-from .tiers import TIERS
+from .tiers import TIERS, protect
 
 
 def check_fingerprint(info, fp):
@@ -49,7 +49,8 @@ def _layer_prefix(info, data, layer):
         parts[side] = arrays
     tier = info.tiers[layer]
     return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], len(info.tokens),
-                       info.params[(layer, "k")], info.params[(layer, "v")])
+                       info.params[(layer, "k")], info.params[(layer, "v")],
+                       protected=protect.layer_protected(info, layer))
 
 
 class Cartridge:

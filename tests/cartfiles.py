@@ -10,7 +10,7 @@ import numpy as np
 
 from cartridge.format import keys as K
 from cartridge.format.container import read_index, read_manifest
-from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME
+from cartridge.format.layout import DATA_NAME, FORMAT_MINOR, INDEX_NAME, MANIFEST_NAME
 from cartridge.format.writer import CartridgeWriter, _write_index
 
 FP = {k: "ab" * 32 for k in ("id", "config", "weights", "tokenizer", "chat_template")}
@@ -23,7 +23,7 @@ def header(n_layers=2, n_kv=2, head_dim=8, page=4, n_tokens=7, tier="fp16", **fi
         fields: overrides by name: writer, ref, fingerprint, config, mode.
     """
     h = {
-        K.FORMAT_MAJOR: 1, K.FORMAT_MINOR: 0, K.WRITER: fields.get("writer", "test"),
+        K.FORMAT_MAJOR: 1, K.FORMAT_MINOR: FORMAT_MINOR, K.WRITER: fields.get("writer", "test"),
         K.MODEL_REF: fields.get("ref", "tiny"), K.MODEL_FINGERPRINT: fields.get("fingerprint", FP),
         K.MODEL_CONFIG: fields.get("config", {"model_type": "llama", "vocab_size": 100}),
         K.PROMPT_MODE: fields.get("mode", "plain"), K.PROMPT_SEPARATOR: "\n\n", K.TOKENS_COUNT: n_tokens,

@@ -33,7 +33,7 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
-    assert info["format_version"] == "1.0"
+    assert info["format_version"] == "1.1"
     assert (info["n_layers"], info["n_kv_heads"], info["head_dim"], info["kv_dim"]) == (2, 2, 16, 32)
     assert info["tiers"][1] == {"layer": 1, "k": "fp16", "v": "fp16"}
     assert info["bytes_per_token"] == info["fp16_bytes_per_token"] == 2 * 2 * 32 * 2

@@ -57,7 +57,7 @@ def test_vector_parses_to_known_values():
     info, data = open_cartridge(TINY)
     assert info.tokens.tolist() == TOKENS
     assert (info.n_layers, info.n_kv_heads, info.head_dim, info.page_size, info.n_pages) == (1, 1, 4, 2, 2)
-    assert info.fingerprint == FINGERPRINT and info.format_version == "1.0"
+    assert info.fingerprint == FINGERPRINT and info.format_version == "1.1"
     assert [e.offset for side in "kv" for e in info.extents[(0, side)]] == [0, ALIGN]
     for side in "kv":
         (extent,) = info.extents[(0, side)]
@@ -184,3 +184,15 @@ def test_vector_page_data_path_reads_committed_file():
     assert data.size == 2 * ALIGN
     data.close()
     assert read_index(TINY, read_manifest(TINY))[K.TOKENS_IDS] == np.asarray(TOKENS, "<u4").tobytes()
+
+
+def test_format_1_0_cartridge_still_loads():
+    """tests/vectors/tiny-1.0.cart, committed before format 1.1 (protected tokens), reads unchanged."""
+    info, data = open_cartridge(VECTORS / "tiny-1.0.cart")
+    assert info.format_version == "1.0"
+    assert (info.protect_first, info.protect_last, info.protected) == (0, 0, {})
+    assert info.tokens.tolist() == TOKENS
+    for side in "kv":
+        (extent,) = info.extents[(0, side)]
+        np.testing.assert_array_equal(data.view(extent, "float16"), vector_pages(side))
+    assert verify_cartridge(VECTORS / "tiny-1.0.cart").ok

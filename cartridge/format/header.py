@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
-from ..tiers import TIERS
+from ..tiers import TIERS, protect
 from . import keys as K
 from .container import Extent, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
@@ -59,6 +59,9 @@ class CartridgeInfo:
     source_dtype: str
     data_size: int
     params: dict = field(default_factory=dict)
+    protect_first: int = 0
+    protect_last: int = 0
+    protected: dict = field(default_factory=dict)  # (layer, side) -> np.ndarray (n_kv, N + M, head_dim) float16
 
     @property
     def kv_dim(self):
@@ -69,7 +72,8 @@ class CartridgeInfo:
         """K+V payload bytes of all layers per token, by the tiers' formulas."""
         return sum(
             TIERS[t[side]].bytes_per_token(self.n_kv_heads, self.head_dim) for t in self.tiers for side in SIDES
-        )
+        ) + protect.bytes_per_token(self.protect_first, self.protect_last, len(self.tokens),
+                                    (self.n_layers, self.n_kv_heads, self.head_dim))
 
     def fp16_bytes_per_token(self):
         """What the same cache would take in fp16: 2 sides * n_layers * kv_dim * 2 bytes."""
@@ -202,6 +206,7 @@ def parse_header(records, manifest):
         raise FieldError(f"cache.n_pages is {n_pages}; {n_tokens} tokens in pages of {page_size} need {-(-n_tokens // page_size)}")
     tiers = _tier_map(records, n_layers)
     _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
+    first, last, protected = protect.read(records, n_layers, geometry[1], geometry[2], n_tokens)
     return CartridgeInfo(
         format_version=f"{major}.{_typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
@@ -216,6 +221,7 @@ def parse_header(records, manifest):
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
         params=_params(records, tiers, geometry[1], geometry[2]),
+        protect_first=first, protect_last=last, protected=protected,
     )
 
 

@@ -9,7 +9,7 @@ import struct
 
 MAGIC = b"CARTRIDG"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1: protected tokens (cache.protect_first/last, layer.{i}.{side}.protected)
 MANIFEST_NAME, INDEX_NAME, DATA_NAME = "MANIFEST", "index.lmdb", "pages.bin"
 MANIFEST_STRUCT = struct.Struct("<8sHHIQQ32s")  # magic, major, minor, manifest_size, index_size, data_size, index sha256
 MANIFEST_SIZE = MANIFEST_STRUCT.size + 32  # + sha256 of the preceding 64 bytes

@@ -99,6 +99,10 @@ class CartridgeWriter:
         self._tables[K.page_table(layer, side, component)] = b"".join(records)
         crash_point("extent-written")
 
+    def add_record(self, key, raw):
+        """Add one binary index record (e.g. `layer.{i}.{side}.protected`), written at commit."""
+        self._tables[key] = bytes(raw)
+
     def commit(self, header, token_ids):
         """Write the index and manifest, fsync, and rename into place.
 
