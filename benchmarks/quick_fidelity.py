@@ -36,6 +36,7 @@ CONFIGS = {
     "preset balanced": {"preset": "balanced"},
     "preset compact": {"preset": "compact"},
     "preset safe": {"preset": "safe"},
+    "mlx4g32 pf4 pl28": {"tier": "mlx4g32", "protect_first": 4, "protect_last": 28},
     "k=kivi4 v=mlx4g32+rot": {"k_tier": "kivi4", "v_tier": "mlx4g32+rot"},
     "mlx4g32 pf16 pl64": {"tier": "mlx4g32", "protect_first": 16, "protect_last": 64},
     "mxfp4+rot": {"tier": "mxfp4+rot"},
@@ -90,7 +91,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     ap.add_argument("--max-tokens", type=int, default=50)
-    ap.add_argument("--needle-tokens", type=int, default=24)
+    ap.add_argument("--needle-tokens", type=int, default=0, help="0: no needle recall (the slowest part)")
     ap.add_argument("--only", default=None)
     ap.add_argument("--work", default="/tmp/quick_fidelity")
     args = ap.parse_args()
@@ -107,10 +108,12 @@ def main():
     for label in labels:
         t0 = time.perf_counter()
         carts = []
-        for role, doc in (("qa", corpus), ("probe", probe_doc)):
+        for role, doc in (("qa", corpus), ("probe", probe_doc if args.needle_tokens else head)):
+            print(f"{time.strftime('%H:%M:%S')} {label}: building {role}", flush=True)
             r = cartridge.build(doc, f"{args.work}/{role}-{len(out['rows'])}.cart", model=lm, force=True,
                                 **CONFIGS[label])
             carts.append(cartridge.load(r.path, model=lm))
+        print(f"{time.strftime('%H:%M:%S')} {label}: measuring", flush=True)
         if ref is None:
             ref = [greedy(lm.model, lm.tokenizer, carts[0].question_prompt(q["question"]), args.max_tokens,
                           carts[0].prompt_cache())["tokens"] for q in questions]

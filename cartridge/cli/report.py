@@ -41,6 +41,7 @@ def inspect_dict(info, path):
         "tiers": info.tiers,
         "tier_runs": fold_tiers(info.tiers),
         "tier_formulas": tier_formulas(info.tiers, info.n_kv_heads, info.head_dim),
+        "protected": {"first": info.protect_first, "last": info.protect_last},
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
         "total_bytes": total,
@@ -63,6 +64,8 @@ def inspect_table(d):
         + ("same as fp16)" if d['bytes_per_token'] == d['fp16_bytes_per_token'] else
            f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)"),
         f"on disk       {d['total_bytes']:,} bytes",
+        f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
+        f"also kept in fp16",
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
         "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]
