@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 import cartridge
 from cartridge.eval.dataset import load_needles, load_questions, plant_needles, split_heldout
@@ -45,10 +46,31 @@ CONFIGS = {
 }
 
 
-def memo_prefill():
-    """Prefill each document once for all configs (the K/V do not depend on the tier)."""
+def fp16_caches(path):
+    """mlx-lm KVCaches holding an fp16 cartridge's K/V (as float32): the prefill it was built from."""
+    info, data = cartridge.open_cartridge(path)
+    caches = []
+    for layer in range(info.n_layers):
+        c = KVCache()
+        for side in ("k", "v"):
+            (extent,) = info.extents[(layer, side)]
+            x = mx.array(data.view(extent, "float16")).astype(mx.float32)  # (n_pages, n_kv, P, D)
+            # (n_pages, n_kv, P, D) -> (1, n_kv, T, D)
+            x = x.transpose(1, 0, 2, 3).reshape(1, x.shape[1], -1, x.shape[-1])[:, :, : len(info.tokens)]
+            setattr(c, "keys" if side == "k" else "values", x)
+        c.offset = len(info.tokens)
+        caches.append(c)
+    return tuple(info.tokens.tolist()), caches
+
+
+def memo_prefill(kv_from):
+    """Prefill each document once for all configs (the K/V do not depend on the tier); with `kv_from`,
+    take them from the fp16 cartridges there (e.g. a `cartridge eval` work folder) instead."""
     build_module = sys.modules["cartridge.build"]  # the package's `build` name is the function
     original, memo = build_module.prefill, {}
+    for path in sorted(Path(kv_from).glob("fp16-*.cart")) if kv_from else ():
+        key, caches = fp16_caches(path)
+        memo[key] = caches
 
     def prefill(model, tokens, step=512, progress=None):
         key = tuple(tokens)
@@ -93,22 +115,24 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=50)
     ap.add_argument("--needle-tokens", type=int, default=0, help="0: no needle recall (the slowest part)")
     ap.add_argument("--only", default=None)
+    ap.add_argument("--questions", type=int, default=20, help="the first N questions")
+    ap.add_argument("--kv-from", default=None, help="folder of fp16 cartridges of the same documents")
     ap.add_argument("--work", default="/tmp/quick_fidelity")
     args = ap.parse_args()
     corpus = (ROOT / "samples/lgpl-3.0.txt").read_text()
-    questions = load_questions(ROOT / "samples/lgpl-3.0.questions.jsonl")
+    questions = load_questions(ROOT / "samples/lgpl-3.0.questions.jsonl")[: args.questions]
     needles = load_needles(ROOT / "samples/needles.jsonl")
     lm = load_model(None)
     head, tail = split_heldout(corpus, 0.15)
     probe_doc = plant_needles(head, needles)
     heldout = list(lm.tokenizer.encode(SEPARATOR + tail.strip(), add_special_tokens=False))
-    memo_prefill()
+    memo_prefill(args.kv_from)
     labels = ["fp16"] + [x for x in (args.only.split(",") if args.only else CONFIGS) if x != "fp16"]
     out, ref = {"max_tokens": args.max_tokens, "rows": []}, None
     for label in labels:
         t0 = time.perf_counter()
         carts = []
-        for role, doc in (("qa", corpus), ("probe", probe_doc if args.needle_tokens else head)):
+        for role, doc in (("qa", corpus), ("probe", probe_doc)):
             print(f"{time.strftime('%H:%M:%S')} {label}: building {role}", flush=True)
             r = cartridge.build(doc, f"{args.work}/{role}-{len(out['rows'])}.cart", model=lm, force=True,
                                 **CONFIGS[label])

@@ -6,6 +6,8 @@ A `--tiers` entry is colon-separated fields, its label is the entry as written:
     TIER:bpN        ... with boundary_protect=N (K fp16 everywhere,  mlx4g32:bp2
                     V fp16 on the first and last N layers)
     k=TIER:v=TIER   K and V tiers apart (build's k_tier / v_tier)     k=fp16:v=fp8, k=fp16:v=fp8:bp2
+    TIER:pfN:plM    ... with protect_first=N / protect_last=M         mlx4g32+rot:pf16:pl64
+    preset=NAME     a preset (build's preset)                         preset=balanced
 
 A `--schemas` file is a JSON object mapping a label to either a schema (a list of
 {"layer", "k", "v"}) or a dict of build keywords (tier, k_tier, v_tier, boundary_protect, schema;
