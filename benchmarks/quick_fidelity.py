@@ -94,7 +94,7 @@ def row_for(label, cart, probe, ref, questions, needles, heldout, args):
     lm = cart.model
     row = {"label": label, "bytes_per_token": cart.info.bytes_per_token(),
            "compression": cart.info.fp16_bytes_per_token() / cart.info.bytes_per_token()}
-    if ref is not None:
+    if ref:  # None for the reference row; empty with --questions 0 (perplexity only)
         agree = [forced_agreement(cart, cart.question_prompt(q["question"]), a) for q, a in zip(questions, ref)]
         row["first_token"] = sum(a[0] for a in agree)
         row["exact"] = sum(all(a) for a in agree)
