@@ -6,10 +6,10 @@ mxfp8) and dense fp16/bf16/fp32, against float64; then a small timing table. Run
 import json
 import sys
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-import cartridge  # noqa: F401
 from cartridge.attention.cache import CartridgeCache, LayerPrefix
 from cartridge.attention.kernels import cuda
 from cartridge.eval import bench

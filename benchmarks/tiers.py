@@ -19,11 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 
-import cartridge  # loads OpenBLAS before mlx
 from cartridge.build import prefill
 from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS

@@ -12,10 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 
-import cartridge  # loads OpenBLAS before mlx
 from cartridge.models.prompt import full_prompt_tokens
 
 ROOT = Path(__file__).resolve().parent.parent

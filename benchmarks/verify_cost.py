@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import numpy as np
 
-import cartridge  # loads OpenBLAS before mlx
 from cartridge.format.reader import open_cartridge, verify_cartridge
 from cartridge.format.writer import CartridgeWriter
 from cartridge.models.loader import architecture_config

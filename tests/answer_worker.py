@@ -8,9 +8,9 @@ import json
 import sys
 import time
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 
-import cartridge
 
 path, question, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 started = time.time()

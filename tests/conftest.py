@@ -5,12 +5,12 @@ import json
 import os
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-import cartridge  # noqa: F401  (loads OpenBLAS before mlx)
 from cartridge.models.gguf import tokenizer_from_metadata
 from cartridge.models.loader import LoadedModel, default_gguf_path, fingerprint
 

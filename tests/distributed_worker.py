@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 
-import cartridge
 from cartridge.distributed import build_sharded, load_sharded_model
 from cartridge.errors import CartridgeError
 

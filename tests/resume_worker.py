@@ -7,9 +7,9 @@ feed the given next-turn token ids and print the greedy continuation and its log
 import json
 import sys
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 
-import cartridge
 
 path, max_tokens, ids = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3:]]
 cart = cartridge.load(path)

@@ -1,9 +1,9 @@
 """build(): options are checked before any prefill; what it writes is what inspect and load report."""
 
 import pytest
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 from conftest import make_tiny
 
-import cartridge
 from cartridge.errors import InputError, OutputExistsError
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 6

@@ -5,13 +5,13 @@ Two comparisons, kept apart as mlx's test_qmm keeps kernel error apart from quan
 - against a fresh full prefill of document + question (includes fp16 storage rounding: looser).
 """
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-import cartridge
 from cartridge.attention.cache import CartridgeCache
 from cartridge.errors import CartridgeError
 from cartridge.models.prompt import full_prompt_tokens

@@ -2,13 +2,13 @@
 whole rendered conversation, `question_prompt` refuses a cache that already holds turns, `reset` empties
 it. The reference is an mlx-lm KVCache holding the decoded prefix pages, fed the whole conversation."""
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-import cartridge
 from cartridge.errors import InputError
 from cartridge.models.prompt import full_prompt_tokens
 

@@ -1,12 +1,12 @@
 """Composed cartridges: a later document attended with the query rotated back by its shift equals
 attention over its keys moved to their true positions; recomputing all of it equals a fresh prefill."""
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-import cartridge
 from cartridge.compose import compose
 from cartridge.errors import InputError
 from cartridge.models.prompt import SEPARATOR, _encode, _pieces

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -13,7 +14,6 @@ import pytest
 from conftest import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 
-import cartridge
 from cartridge.errors import InputError
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3 + "The end."

@@ -1,12 +1,12 @@
 """convert(): an fp16/bf16 cartridge re-encoded into other tiers equals a direct build in that tier,
 byte for byte, when the model computes its K/V in the source's dtype; lossy sources are refused."""
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny
 
-import cartridge
 from cartridge.errors import InputError, OutputExistsError
 from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME
 from cartridge.models.loader import LoadedModel, fingerprint

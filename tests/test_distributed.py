@@ -10,6 +10,7 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,7 +19,6 @@ from conftest import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen2
 
-import cartridge
 from cartridge.attention.shard import Slice, SliceData, slice_for
 from cartridge.distributed import RECORD_BYTES, _encode, _PipelineCache, agree, refusal
 from cartridge.errors import ChecksumError, RankMismatchError

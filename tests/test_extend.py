@@ -4,6 +4,7 @@ build of the joined text; it is written atomically and records its parts."""
 import json
 import shutil
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -11,7 +12,6 @@ import pytest
 from cartfiles import forge_records
 from conftest import ROOT, make_tiny
 
-import cartridge
 from cartridge.errors import InputError, OutputExistsError
 from cartridge.extend import EXTEND_SEPARATOR, token_sha256
 from cartridge.tiers import TIERS
@@ -83,10 +83,13 @@ def test_extend_pages_match_one_shot_build(carts):
     n_old = len(cartridge.open_cartridge(d / "old.cart")[0].tokens)
     ie, de = cartridge.open_cartridge(ext.path)
     io, do = cartridge.open_cartridge(one.path)
+    i0, d0 = cartridge.open_cartridge(d / "old.cart")
     for key, extents in ie.extents.items():
         a, b = _tokens_major(de, extents[0]), _tokens_major(do, io.extents[key][0])
         assert a.shape == b.shape
-        np.testing.assert_array_equal(a[:, :n_old], b[:, :n_old])
+        np.testing.assert_array_equal(a[:, :n_old], _tokens_major(d0, i0.extents[key][0])[:, :n_old])  # copied
+        # a one-shot prefill of the same tokens in other chunks: equal up to float rounding (OpenBLAS blocks by M)
+        np.testing.assert_allclose(a[:, :n_old].astype(np.float32), b[:, :n_old], atol=4e-3)
         np.testing.assert_array_equal(a[:, one.tokens:], b[:, one.tokens:])
         np.testing.assert_allclose(a[:, n_old:one.tokens].astype(np.float32), b[:, n_old:one.tokens], atol=4e-3)
 
@@ -120,7 +123,10 @@ def test_quantized_extend_keeps_stored_codes(tiny64, tmp_path, tier):
         for old_e, new_e, one_e in zip(io.extents[key], extents, i1.extents[key]):
             np.testing.assert_array_equal(_tokens_major(de, new_e)[:, :n], _tokens_major(do, old_e)[:, :n])
             if tier != "nvfp4":  # nvfp4's global scale is the amax of what was built: the joined text's differs
-                np.testing.assert_array_equal(_tokens_major(de, new_e)[:, :n], _tokens_major(d1, one_e)[:, :n])
+                # the one-shot build prefilled these tokens in other chunks: its float rounding may move a
+                # value across a code boundary (seen: 1 of 11,136 bf16 values), nothing more
+                same = _tokens_major(de, new_e)[:, :n] == _tokens_major(d1, one_e)[:, :n]
+                assert same.mean() >= 0.999, same.mean()
     assert cartridge.verify_cartridge(ext.path).ok
 
 

@@ -2,11 +2,11 @@
 at a paragraph break. The first half extended by the second holds the token ids of a one-shot build of
 the whole sample, and answers 5 sample questions token for token like it (50 greedy tokens, fp16)."""
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import pytest
 from conftest import SAMPLE, sample_questions
 
-import cartridge
 
 pytestmark = pytest.mark.slow
 

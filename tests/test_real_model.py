@@ -4,11 +4,11 @@ For 5 sample questions, 50 greedy tokens generated from the loaded fp16 cartridg
 token, what mlx-lm generates from the full prompt (document + question) with no cartridge.
 """
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import pytest
 from conftest import SAMPLE, sample_questions
 
-import cartridge
 from cartridge.models.prompt import full_prompt_tokens
 
 pytestmark = pytest.mark.slow

@@ -4,10 +4,10 @@ import importlib
 import json
 
 import pytest
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 from conftest import make_tiny
 from test_cli import run
 
-import cartridge
 from cartridge.cli.report import fold_tiers, inspect_dict, inspect_table
 from cartridge.errors import InputError
 from cartridge.tiers import read_schema, schema_for

@@ -11,12 +11,12 @@ import sys
 import threading
 import time
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-import cartridge
 
 from conftest import TINY_CONFIG, make_tiny
 

@@ -5,13 +5,13 @@ The tail is attended chunk by chunk; a query row that the causal mask hides from
 chunk used to give exp(-inf + inf) = NaN there, which the merge spread to every row.
 """
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny
 from mlx_lm.models.cache import KVCache
 
-import cartridge
 from cartridge.attention.policy import backend
 
 DOC = "The ferry to Inishmore leaves Rossaveal at 10:30 and returns at 17:00 daily in summer. " * 6

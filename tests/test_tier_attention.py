@@ -8,13 +8,13 @@ pages.
 
 import itertools
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny
 from test_cache import _decoded_kv_cache, _logits
 
-import cartridge
 from cartridge.attention.cache import LayerPrefix
 from cartridge.attention.kernels import merge, prefix_partial
 from cartridge.tiers import TIERS

@@ -4,13 +4,13 @@ Stated bounds: per layer and side, relative RMSE of the decoded K/V of the first
 the sample against the model's float32 K/V. Measured worst layers (docs/tiers.md) are below these.
 """
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
 from conftest import SAMPLE, sample_questions
 
-import cartridge
 from cartridge.build import prefill
 from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS
