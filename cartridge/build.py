@@ -4,21 +4,24 @@
          -> per (layer, side) tier codec -> pages -> container (atomic)
 """
 
+import inspect
 import time
 import warnings
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from .attention.pages import encode_pages
+from .attention.store import check_layer_tiers, to_numpy, write_layer
 from .errors import InputError
 from .format import keys as K
 from .format.keys import HEAD_RECORD_BYTES
 from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
 from .format.source import source_keys
 from .format.writer import CartridgeWriter, check_output_path, check_space
+from .models.families import LayerPlan, plan_layers
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
 from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
@@ -60,13 +63,6 @@ class BuildResult:
         return self.tokens / self.prefill_seconds if self.prefill_seconds else float("inf")
 
 
-def _geometry(model):
-    attn = model.layers[0].self_attn
-    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads")
-    head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
-    return len(model.layers), int(n_kv), int(head_dim)
-
-
 def context_length(model):
     """The model's context length in tokens (max_position_embeddings), or None if it does not say."""
     return getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -84,23 +80,16 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None, caches=None
             None makes fresh mlx-lm caches. Default: None.
 
     Returns:
-        list[KVCache]: one per layer, keys/values (1, n_kv_heads, >= len(tokens), head_dim) (or
-        `caches`, filled further).
-
-    Raises:
-        InputError: if the model needs a cache kind other than mlx-lm's full-attention KVCache.
+        list: mlx-lm's cache objects (`make_prompt_cache`), one per cache layer, filled (or `caches`,
+        filled further). Check the model's cache kinds first (`cartridge.models.families.plan_layers`).
     """
-    if caches is not None:
-        return _feed(model, tokens, step, progress, caches)
-    caches = make_prompt_cache(model)
-    if not all(type(c) is KVCache for c in caches):
-        kinds = sorted({type(c).__name__ for c in caches})
-        raise InputError(f"model uses {', '.join(kinds)}; cartridge stores full-attention KVCache models only")
-    return _feed(model, tokens, step, progress, caches)
+    return _feed(model, tokens, step, progress, make_prompt_cache(model) if caches is None else caches)
 
 
 def _feed(model, tokens, step, progress, caches):
     body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
+    if body is not model and "cache" not in inspect.signature(body.__call__).parameters:
+        body = model
     ids = mx.array(tokens, dtype=mx.uint32)
     if progress:
         progress(0, len(tokens))  # before the first chunk, so a progress bar's clock starts with the prefill
@@ -112,11 +101,7 @@ def _feed(model, tokens, step, progress, caches):
     return caches
 
 
-def _to_numpy(paged):
-    """A page-major mx array as the numpy array the writer stores (bfloat16 as its raw 16 bits)."""
-    if paged.dtype == mx.bfloat16:  # numpy has no bfloat16
-        paged = paged.view(mx.uint16)
-    return np.array(paged)
+_to_numpy = to_numpy  # convert and extend encode pages outside `write_layer`
 
 
 def tier_keys(schema, params, head_dim):
@@ -134,8 +119,8 @@ def tier_keys(schema, params, head_dim):
     return header
 
 
-def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype, source):
-    n_layers, n_kv, head_dim = geometry
+def _header(lm, tokens, plans, records, page_size, mode, source_dtype, source):
+    n_kv, head_dim = next((p.k_shape for p in plans if p.k_shape), (1, 1))  # pre-1.4 readers' global shape
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
         K.FORMAT_MINOR: FORMAT_MINOR,
@@ -146,7 +131,7 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype,
         K.PROMPT_MODE: mode,
         K.PROMPT_SEPARATOR: SEPARATOR,
         K.TOKENS_COUNT: len(tokens),
-        K.N_LAYERS: n_layers,
+        K.N_LAYERS: len(plans),
         K.N_KV_HEADS: n_kv,
         K.HEAD_DIM: head_dim,
         K.PAGE_SIZE: page_size,
@@ -155,7 +140,7 @@ def _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype,
         K.ROPE: "post",
         **source,
     }
-    header.update(tier_keys(schema, params, head_dim))
+    header.update(records)
     return header
 
 
@@ -166,12 +151,31 @@ def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
         int: page payloads (bytes/token of every (layer, side) x padded tokens), alignment, page
         tables, token ids and 1 MiB for the index's own structure and the manifest.
     """
-    n_pages = -(-n_tokens // page_size)
-    payload = n_pages * page_size * sum(get_tier(r[s]).bytes_per_token(n_kv_heads, head_dim)
-                                        for r in schema for s in ("k", "v"))
-    extents = sum(len(get_tier(r[s]).components(head_dim)) for r in schema for s in ("k", "v"))
-    tables = n_pages * (PAGE_RECORD.size + n_kv_heads * HEAD_RECORD_BYTES)  # page + per-head checksums
-    return payload + extents * (ALIGN + tables) + 4 * n_tokens + (1 << 20)
+    return layers_bytes(schema, attention_plans((len(schema), n_kv_heads, head_dim)), n_tokens, page_size)
+
+
+def layers_bytes(schema, plans, n_tokens, page_size):
+    """`cartridge_bytes` of layers of any kind (`LayerPlan`s): a window layer's pages hold its last
+    `window` tokens, a state layer's arrays one page each."""
+    total = 4 * n_tokens + (1 << 20)
+    for plan_, row in zip(plans, schema):
+        if plan_.kind == "state":
+            total += sum(ALIGN + PAGE_RECORD.size + HEAD_RECORD_BYTES + int(np.prod(shape)) * 4
+                         for _, _, shape in plan_.state)
+            continue
+        n_pages = -(-plan_.stored_tokens(n_tokens) // page_size)
+        for side, (n_kv, head_dim) in (("k", plan_.k_shape), ("v", plan_.v_shape)):
+            codec = get_tier(row[side])
+            tables = n_pages * (PAGE_RECORD.size + n_kv * HEAD_RECORD_BYTES)  # page + per-head checksums
+            total += (n_pages * page_size * codec.bytes_per_token(n_kv, head_dim)
+                      + len(codec.components(head_dim)) * (ALIGN + tables))
+    return total
+
+
+def attention_plans(geometry):
+    """One "attention" `LayerPlan` per layer of a model of `geometry` (n_layers, n_kv_heads, head_dim)."""
+    n_layers, n_kv, head_dim = geometry
+    return [LayerPlan("attention", (n_kv, head_dim), (n_kv, head_dim)) for _ in range(n_layers)]
 
 
 def _check_context(lm, tokens, reserve):
@@ -246,6 +250,27 @@ def plan(document, lm, geometry, options, reserve=0):
     return schema, mode, tokens, _check_context(lm, tokens, reserve)
 
 
+def probe_plan(document, lm, options, reserve=0):
+    """Like `plan`, with each layer's cache kind and K/V shapes probed from the model itself.
+
+    Returns:
+        tuple: (schema list[dict], plans list[LayerPlan], prompt mode str, tokens list[int],
+        context tokens left int | None).
+
+    Raises:
+        InputError: a cache kind a cartridge cannot store (`plan_layers`), a tier that cannot store a
+            layer's shape, a bad schema, or a corpus longer than the model's context; before any prefill.
+    """
+    tier, k_tier, v_tier, boundary_protect, _ = options
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    left = _check_context(lm, tokens, reserve)
+    plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
+    schema = _tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
+    check_layer_tiers(plans, schema)
+    return schema, plans, mode, tokens, left
+
+
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None, source_name=None, reserve=DEFAULT_RESERVE):
@@ -291,57 +316,63 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     options = (tier, k_tier, v_tier, boundary_protect, schema)
     check_options(document, options, page_size, prefill_step, reserve)
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    geometry = _geometry(lm.model)
-    schema, mode, tokens, left = plan(document, lm, geometry, options, reserve)
-    check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
+    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve)
+    check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    path = write_layers(output, lm, tokens, _drain(caches), schema, geometry, page_size, mode, force,
+    path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force,
                         source_keys(document, source_name))
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry, left)
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left)
 
 
 def _drain(caches):
     for layer, cache in enumerate(caches):
         caches[layer] = None  # free this layer's dense K/V before encoding the next
-        yield cache.keys, cache.values
+        yield cache
 
 
-def write_layers(output, lm, tokens, layers, schema, geometry, page_size, mode, force=False, source=None):
-    """Encode every layer's K/V with its tiers and write the cartridge (atomic).
+def kv_caches(layers):
+    """(keys, values) pairs, each (1, n_kv_heads, T, head_dim), as the cache objects `write_layers` takes."""
+    for keys, values in layers:
+        yield SimpleNamespace(keys=keys, values=values)
+
+
+def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, force=False, source=None):
+    """Encode every layer's K/V (or state) with its tiers and write the cartridge (atomic).
 
     Args:
         output (str | Path): cartridge directory to create.
         lm (LoadedModel): the model the K/V came from (ref, fingerprint and architecture are recorded).
         tokens (list[int]): the prefix tokens.
-        layers (iterable): per layer in order, (keys, values), each (1, n_kv_heads, >= len(tokens), head_dim).
-        schema (list[dict]), geometry (tuple): tiers and (n_layers, n_kv_heads, head_dim), already checked.
+        caches (iterable): per layer in order, its filled mlx-lm cache (or `kv_caches` of (keys, values)).
+        schema (list[dict]), plans (list[LayerPlan]): tiers and each layer's kind and shapes, already
+            checked (`probe_plan`; `attention_plans` for a model of full-attention layers only).
         page_size (int): tokens per page. mode (str): the prompt mode.
         force (bool): replace an existing cartridge at `output`. Default: False.
         source (dict | None): the source.* header keys (`format.source.source_keys`). Default: None.
 
     Returns:
         Path: the published cartridge directory.
+
+    Raises:
+        InputError: a cache holds shapes other than its plan's (nothing is published).
     """
-    params, source_dtype = {}, None
+    records, source_dtype = {}, next((p.dtype for p in plans if p.dtype), None)
     with CartridgeWriter(output, force) as writer:
-        for layer, (keys, values) in enumerate(layers):
-            source_dtype = source_dtype or str(keys.dtype).replace("mlx.core.", "")
-            for side, x in (("k", keys), ("v", values)):
-                codec = get_tier(schema[layer][side])
-                x = x[0, :, : len(tokens), :]  # (n_kv_heads, T, head_dim)
-                params[(layer, side)] = codec.make_params(x, layer, side)
-                parts = encode_pages(codec, x, params[(layer, side)], page_size)
-                for comp in codec.components(geometry[2]):
-                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
-        header = _header(lm, tokens, schema, params, geometry, page_size, mode, source_dtype, source or {})
+        for layer, cache in enumerate(caches):
+            if source_dtype is None and plans[layer].kind != "state":
+                source_dtype = str(cache.keys.dtype).replace("mlx.core.", "")
+            records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens)))
+        header = _header(lm, tokens, plans, records, page_size, mode, source_dtype or "float32", source or {})
         return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
 
 
-def build_result(path, tokens, prefill_seconds, seconds, schema, geometry, context_left=None):
-    """The BuildResult of a written cartridge (sizes read from disk)."""
+def build_result(path, tokens, prefill_seconds, seconds, schema, plans, context_left=None):
+    """The BuildResult of a written cartridge (sizes read from disk); bytes per token of the layers
+    that store every token."""
     total = sum(f.stat().st_size for f in path.iterdir())
-    bpt = sum(get_tier(r[s]).bytes_per_token(geometry[1], geometry[2]) for r in schema for s in ("k", "v"))
+    bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(p, f"{s}_shape"))
+              for p, r in zip(plans, schema) if p.kind in ("attention", "dense") for s in ("k", "v"))
     return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

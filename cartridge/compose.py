@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .attention import route
-from .attention.cache import CartridgeCache
+from .attention.cache import CartridgeCache, sink_partial
 from .attention.kernels import merge, tail_partial
 from .errors import CartridgeError, InputError
+from .format.header import require_attention_layers
 from .models.prompt import SEPARATOR, _encode, _pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
@@ -77,8 +78,9 @@ class ComposedCache(CartridgeCache):
         _, n_q, L, D = queries.shape
         return self.rope(queries.reshape(n_q * L, 1, D), offset=-shift).reshape(1, n_q, L, D)
 
-    def attention(self, queries, scale, mask=None):
-        """Attention of `queries` over every part, patch and the tail (see `CartridgeCache.attention`).
+    def attention(self, queries, scale, mask=None, sinks=None):
+        """Attention of `queries` over every part, patch and the tail (see `CartridgeCache.attention`;
+        `sinks`, (n_q_heads,) sink logits, add one more logit per head).
 
         Raises:
             CartridgeError: for an array mask (composed contexts take None or "causal").
@@ -101,6 +103,8 @@ class ComposedCache(CartridgeCache):
             end = start + k.shape[1]
             partials.append(tail_partial(q, k, v, keep[..., start:end]))
             start = end
+        if sinks is not None:
+            partials.append(sink_partial(sinks, n_kv, L, D))
         # (n_kv, group * L, D) -> (1, n_q, L, D)
         return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
 
@@ -179,6 +183,8 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
         raise InputError("compose needs at least two cartridges")
     if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
         raise InputError(f"recompute is {recompute!r}; it must be a whole number of tokens >= 0")
+    for c in carts:
+        require_attention_layers(c.info, "compose")
     ids = {c.info.fingerprint["id"] for c in carts}
     if len(ids) != 1:
         raise InputError(f"the cartridges were built with {len(ids)} different models; compose needs one")

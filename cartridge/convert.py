@@ -23,7 +23,7 @@ from .attention.pages import encode_pages
 from .build import _tier_options, _to_numpy, cartridge_bytes, tier_keys
 from .errors import InputError
 from .format import keys as K
-from .format.header import SIDES
+from .format.header import SIDES, require_attention_layers
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from .format.reader import open_cartridge
 from .format.writer import CartridgeWriter, check_output_path, check_space
@@ -53,6 +53,7 @@ class ConvertResult:
 
 def _check_source(info, path):
     """Refuse a source whose pages are already lossy: re-quantizing them would compound the error."""
+    require_attention_layers(info, "convert")
     for row in info.tiers:
         for side in SIDES:
             if row[side] not in LOSSLESS_SOURCES:

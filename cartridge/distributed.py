@@ -20,14 +20,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from .attention.cache import CartridgeCache
 from .attention.policy import prepare, resolve
 from .attention.shard import SliceData, slice_for
-from .build import DEFAULT_RESERVE, build_result, cartridge_bytes, check_options, plan, prefill, write_layers
+from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, kv_caches, plan,
+                    prefill, write_layers)
 from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError
 from .format.container import check_index, open_snapshot
-from .format.header import parse_header
+from .format.header import parse_header, require_attention_layers
 from .format.pack import is_pack, open_packed
 from .format.reader import name_cartridge
 from .format.source import source_keys
@@ -186,6 +188,7 @@ def _open_slice(path, model, tokenizer, group, verify):
             model, tokenizer = lm.model, lm.tokenizer
         elif tokenizer is None:
             raise InputError("pass the model's tokenizer together with the model")
+        require_attention_layers(info, "sharded loading (load it with cartridge.load)")
         part = slice_for(model, info.n_layers, info.n_kv_heads, group.rank(), group.size())
         whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
         fp = fingerprint(model, tokenizer)
@@ -199,6 +202,14 @@ def _open_slice(path, model, tokenizer, group, verify):
     except BaseException:
         snap.data.close()
         raise
+
+
+def _require_kv_caches(model):
+    """Refuse a model whose cache is not mlx-lm's full-attention KVCache in every layer."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
+    if kinds:
+        raise InputError(f"model uses {', '.join(kinds)}; a sharded build stores full-attention KVCache models "
+                         f"only: build it with cartridge.build")
 
 
 def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", attention="auto"):
@@ -242,7 +253,7 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
         raise
     snap, info, model, tokenizer, data, _ = opened
     prefixes = [_layer_prefix(info, data, i) for i in range(*data.part.layers)]
-    prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
+    prefixes = prepare(prefixes, policy, _model_dtype(model), [(info.head_dim, info.head_dim)] * len(prefixes))
     cart = ShardedCartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
     cart.part, cart.verified = data.part, data.verified
     cart.bytes_read, cart.bytes_held = data.bytes_read, data.bytes_held
@@ -330,6 +341,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         if group.rank() == 0:
             check_output_path(output, force)
         check_options(document, options, page_size, prefill_step, reserve)
+        _require_kv_caches(model.model)
         geometry = _global_geometry(model.model)
         schema, mode, tokens, left = plan(document, model, geometry, options, reserve)
         if group.rank() == 0:
@@ -348,12 +360,13 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
             pass
         return None
     try:
-        path = write_layers(output, model, tokens, layers, schema, geometry, page_size, mode, force,
+        path = write_layers(output, model, tokens, kv_caches(layers), schema, attention_plans(geometry), page_size,
+                            mode, force,
                             source_keys(document, source_name))
     finally:
         for _ in layers:  # a failed write still takes part in the remaining gathers
             pass
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, geometry, left)
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, attention_plans(geometry), left)
 
 
 def recorded_model(path):

@@ -24,7 +24,7 @@ from .build import DEFAULT_PREFILL_STEP, _to_numpy, context_length, prefill
 from .errors import InputError
 from .format import keys as K
 from .format.container import check_index, open_snapshot
-from .format.header import SIDES
+from .format.header import SIDES, require_attention_layers
 from .format.layout import FORMAT_MINOR, MANIFEST_NAME
 from .format.pack import is_pack
 from .format.verify import verify_directory
@@ -231,8 +231,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         ExtendResult
 
     Raises:
-        InputError: empty text, a conversation or packed cartridge, a result longer than the model's
-            context. OutputExistsError: `output` exists and `force` is False. Any `cartridge.load` error.
+        InputError: empty text, a conversation or packed cartridge, a layer other than attention, a
+            result longer than the model's context. OutputExistsError: `output` exists and `force` is False. Any `cartridge.load` error.
 
     Example:
         >>> cartridge.extend("log.cart", open("today.txt").read())  # doctest: +SKIP
@@ -242,6 +242,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)
     cart = load(path, model=model, attention=attention)
+    require_attention_layers(cart.info, "extend")
     ids, keep = extended_tokens(cart, text, separator)
     limit = context_length(cart.model)
     if limit and len(ids) >= limit:
@@ -270,10 +271,12 @@ def save(cart, path, cache, tokens=None, force=False):
         ExtendResult: `new_tokens` is the conversation's length.
 
     Raises:
-        InputError: a cache not made from `cart`, an empty or too short `tokens`, a packed cartridge.
+        InputError: a cache not made from `cart`, a layer other than attention, an empty or too short
+            `tokens`, a packed cartridge.
         OutputExistsError: `path` exists and `force` is False.
     """
     t0 = time.perf_counter()
+    require_attention_layers(cart.info, "save")
     dest, force = _destination(cart.path, path, force)
     tail = _conversation_tokens(cart, cache, tokens)
     held = cache[0].tail_len

@@ -13,9 +13,12 @@ from mlx.utils import tree_flatten
 
 from .attention import route
 from .attention.cache import CartridgeCache, LayerPrefix
+from .attention.layers import DenseLayer, StateLayer, WindowLayer, is_paged
 from .attention.policy import prepare, resolve
 from .errors import InputError, ModelMismatchError
+from .format import keys as K
 from .format.header import SIDES
+from .tiers import DTYPES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
 from .models.prompt import conversation_tokens, followup_tokens, question_tokens
@@ -47,18 +50,30 @@ def check_fingerprint(info, fp, path=None, model_ref=None):
     )
 
 
+def _array(data, extent):
+    view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
+    arr = mx.asarray(view)  # zero-copy where MLX can wrap host memory, one copy otherwise
+    return arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
+
+
 def _layer_prefix(info, data, layer):
-    parts = {}
-    for side in SIDES:
-        arrays = {}
-        for extent in info.extents[(layer, side)]:
-            view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
-            arr = mx.asarray(view)  # zero-copy where MLX can wrap host memory, one copy otherwise
-            arrays[extent.component] = arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
-        parts[side] = arrays
+    parts = {side: {e.component: _array(data, e) for e in info.extents[(layer, side)]} for side in SIDES}
     tier = info.tiers[layer]
-    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], len(info.tokens),
+    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], info.layers[layer].count,
                        info.params[(layer, "k")], info.params[(layer, "v")])
+
+
+def _layer(info, data, layer):
+    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State layer (`attention.layers`)."""
+    meta = info.layers[layer]
+    if meta.kind == "state":
+        arrays = {i: _array(data, e)[0] for i, e in zip((a[0] for a in meta.arrays), info.extents[(layer, K.STATE_SIDE)])}
+        return StateLayer(meta.state_size, arrays)
+    prefix = _layer_prefix(info, data, layer)
+    dtype = DTYPES[info.source_dtype]
+    if meta.kind == "window":
+        return WindowLayer(prefix, dtype, meta.window, len(info.tokens))
+    return DenseLayer(prefix, dtype) if meta.kind == "dense" else prefix
 
 
 class Cartridge:
@@ -103,8 +118,9 @@ class Cartridge:
             InputError: if the question is empty, or `cache` already holds tokens after the document
                 (its answer would follow the earlier turns and a malformed second document turn).
         """
-        if cache is not None and cache[0].offset > len(self.info.tokens):
-            held = cache[0].offset - len(self.info.tokens)
+        offset = next((c.offset for c in (cache or ()) if hasattr(c, "offset")), None)  # recurrent: none
+        if offset is not None and offset > len(self.info.tokens):
+            held = offset - len(self.info.tokens)
             raise InputError(f"this cache already holds {held} tokens after the document; call "
                              f"cart.reset(cache) or use cart.prompt_cache() for a new question, or "
                              f"cart.chat_prompt(messages, cache) to continue the conversation")
@@ -157,9 +173,16 @@ class Cartridge:
                 break
             common += 1
         common = min(common, len(full) - 1)  # feed at least one token: its logits start the answer
+        if not self._trimmable():  # a window or recurrent state cannot step back: start again
+            common = 0
+            self.reset(cache)
         cache.trim_tail(common)
         cache.tokens = list(full)
         return full[common:]
+
+    def _trimmable(self):
+        """True if every layer's tail can be trimmed back (page-attended and dense layers)."""
+        return all(is_paged(p) or p.kind == "dense" for p in self._prefixes)
 
     def reset(self, cache):
         """Empty the tail of a cache from `prompt_cache()`: it holds the bare document again.
@@ -167,8 +190,11 @@ class Cartridge:
         Args:
             cache (list): a cache from `prompt_cache()`.
         """
-        for c in cache:
-            c.trim(max(0, c.offset - len(self.info.tokens)))
+        for i, (c, layer) in enumerate(zip(cache, self._prefixes)):
+            if is_paged(layer) or layer.kind == "dense":
+                c.trim(max(0, c.offset - len(self.info.tokens)))
+            else:  # a window or recurrent state: a fresh copy of the stored one
+                cache[i] = layer.cache()
         if isinstance(cache, PromptCache):
             cache.tokens = []
 
@@ -192,7 +218,8 @@ class Cartridge:
             PromptCache: a list of one cache per layer, for `mlx_lm.generate(prompt_cache=...)`.
         """
         route.install()
-        return PromptCache([CartridgeCache(p) for p in self._prefixes], len(self.info.tokens))
+        return PromptCache([CartridgeCache(p) if is_paged(p) else p.cache() for p in self._prefixes],
+                           len(self.info.tokens))
 
 
 class PromptCache(list):
@@ -212,7 +239,8 @@ class PromptCache(list):
     def trim_tail(self, keep):
         """Drop every tail token after the first `keep` (generated ones included)."""
         for c in self:
-            c.trim(max(0, c.offset - self.prefix_tokens - keep))
+            if keep or hasattr(c, "offset"):  # a fresh recurrent state (reset) holds nothing to trim
+                c.trim(max(0, c.offset - self.prefix_tokens - keep))
 
 
 def _model_dtype(model):
@@ -278,8 +306,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         raise InputError("pass the model's tokenizer together with the model (or a LoadedModel, or a model "
                          "reference such as \"default\")")
     check_fingerprint(info, fingerprint(model, tokenizer), path, ref)
-    prefixes = [_layer_prefix(info, data, i) for i in range(info.n_layers)]
-    prefixes = prepare(prefixes, policy, _model_dtype(model), info.head_dim)
+    prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
+    head_dims = [(m.k_shape[1], m.v_shape[1]) if m.k_shape else (None, None) for m in info.layers]
+    prefixes = prepare(prefixes, policy, _model_dtype(model), head_dims)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart

@@ -1,9 +1,9 @@
 """build(): options are checked before any prefill; what it writes is what inspect and load report."""
 
 import pytest
-import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 from conftest import make_tiny
 
+import cartridge
 from cartridge.errors import InputError, OutputExistsError
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 6
@@ -131,7 +131,7 @@ def test_source_document_recorded(tiny, tmp_path):
     info, _ = cartridge.open_cartridge(r.path)
     assert info.source == {"name": "lease.txt", "bytes": len(text.encode()),
                            "sha256": hashlib.sha256(text.encode()).hexdigest(), "first_line": "Lease of 12 Elm St"}
-    assert info.format_version == "1.3"
+    assert info.format_version == "1.4"
 
 
 def test_context_reserve_warns_with_tokens_left(tiny, tmp_path):

@@ -180,7 +180,7 @@ def test_cli_tier_options_and_schema(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("args, expect", [
     (["--tier", "q4"], "error: unknown tier 'q4'"),
-    (["--k-tier", "mlx4g32"], "error: tier mlx4g32: head_dim 16 is not a multiple of the group size 32"),
+    (["--k-tier", "mlx4g32"], "error: layer 0 k (attention, 2 kv heads x head_dim 16): tier mlx4g32: head_dim 16 is not a multiple of the group size 32"),
     (["--boundary-protect", "-1"], "error: boundary_protect is -1; it must be an integer >= 0"),
     (["--boundary-protect", "2"], "error: boundary_protect 2 protects 4 layers; the model has 2"),
     (["--schema", "missing.json"], "error: schema file missing.json: No such file or directory"),

@@ -35,14 +35,16 @@ VECTORS = Path(__file__).resolve().parent / "vectors"
 sys.path.insert(0, str(VECTORS))
 from make_vectors import FINGERPRINT, TOKENS, vector_header, vector_pages, write_vector  # noqa: E402
 
-TINY = VECTORS / "tiny.cart"
+TINY_10 = VECTORS / "tiny-1.0.cart"  # format 1.0, as written before any optional key: must keep loading
+TINY = VECTORS / "tiny.cart"  # format 1.2 (per-head checksums), as written before per-layer keys: must keep loading
+TINY_14 = VECTORS / "tiny-1.4.cart"  # format 1.4: per-layer kind and shapes
 PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the OS page: bytes pinned at 4 KiB
 
 
 @pytest.mark.skipif(not PAGE_4K, reason="index.lmdb bytes depend on the OS page size (vector made at 4 KiB)")
 def test_writer_produces_the_committed_bytes(tmp_path):
     out = write_vector(tmp_path / "v.cart")
-    assert files(out) == files(TINY)
+    assert files(out) == files(TINY_14)
 
 
 def test_serialization_order_invariant(tmp_path):
@@ -53,17 +55,40 @@ def test_serialization_order_invariant(tmp_path):
         assert files(write_vector(tmp_path / f"s{seed}.cart", header=dict(items))) == base
 
 
-def test_vector_parses_to_known_values():
-    info, data = open_cartridge(TINY)
+@pytest.mark.parametrize("path,version", [(TINY_10, "1.0"), (TINY, "1.2"), (TINY_14, "1.4")])
+def test_vector_parses_to_known_values(path, version):
+    info, data = open_cartridge(path)
     assert info.tokens.tolist() == TOKENS
     assert (info.n_layers, info.n_kv_heads, info.head_dim, info.page_size, info.n_pages) == (1, 1, 4, 2, 2)
-    assert info.fingerprint == FINGERPRINT and info.format_version == "1.2"
+    assert info.fingerprint == FINGERPRINT and info.format_version == version
+    assert [(m.kind, m.k_shape, m.v_shape, m.start, m.count) for m in info.layers] == [("attention", (1, 4), (1, 4), 0, 3)]
     assert [e.offset for side in "kv" for e in info.extents[(0, side)]] == [0, ALIGN]
     for side in "kv":
         (extent,) = info.extents[(0, side)]
         np.testing.assert_array_equal(data.view(extent, "float16"), vector_pages(side))
-    assert os.path.getsize(TINY / DATA_NAME) == 2 * ALIGN
-    assert verify_cartridge(TINY).ok
+    assert os.path.getsize(path / DATA_NAME) == 2 * ALIGN
+    assert verify_cartridge(path).ok
+
+
+LAYER_CORRUPTIONS = {  # format 1.4 per-layer records (spec section 5.5) -> exact exception class
+    "layer shape disagrees with pages": (_set := lambda key, value: lambda r: {**r, key: value})(
+        K.layer_shape(0, "k"), b"[1,8]"),
+    "layer shape not two integers": _set(K.layer_shape(0, "v"), b"[1]"),
+    "unknown layer kind": _set(K.layer_kind(0), b'"latent"'),
+    "window count disagrees with tokens": lambda r: {**r, K.layer_kind(0): b'"window"',
+                                                     K.layer_window(0): b'{"size":2,"start":0,"count":3}'},
+    "state with too many arrays": lambda r: {**r, K.layer_kind(0): b'"state"',
+                                             K.layer_state(0): b'{"size":1,"arrays":[{},{}]}'},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CORRUPTIONS))
+def test_layer_record_corruption_raises_field_error(tmp_path, case):
+    path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
+    forge_records(path, LAYER_CORRUPTIONS[case])
+    with pytest.raises(CartridgeError) as e:
+        open_cartridge(path)
+    assert type(e.value) is FieldError, (case, repr(e.value))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -199,3 +224,17 @@ def test_vector_page_data_path_reads_committed_file():
     assert data.size == 2 * ALIGN
     data.close()
     assert read_index(TINY, read_manifest(TINY))[K.TOKENS_IDS] == np.asarray(TOKENS, "<u4").tobytes()
+
+
+def test_dense_layer_refused_by_attention_only_operations(tmp_path):
+    """Extend, save, compose, convert and sharded loading take paged attention layers only: one line."""
+    from cartridge.errors import InputError
+    from cartridge.format.header import require_attention_layers
+
+    require_attention_layers(open_cartridge(TINY_10)[0], "extend")  # a 1.0 file: every layer "attention"
+    path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
+    forge_records(path, lambda r: {**r, K.layer_kind(0): b'"dense"'})
+    info, _ = open_cartridge(path)
+    with pytest.raises(InputError) as e:
+        require_attention_layers(info, "sharded loading")
+    assert str(e.value) == "layer 0 is a dense layer (K (1, 4), V (1, 4)); sharded loading takes attention layers of (1, 4) only"

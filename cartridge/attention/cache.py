@@ -15,6 +15,21 @@ from ..errors import CartridgeError
 from .kernels import merge, prefix_partial, tail_partial
 
 
+def sink_partial(sinks, n_kv, L, v_dim):
+    """Attention sinks as one more partial (o, m, l) = (0, sink, 1) per query row: a logit with no value.
+
+    Args:
+        sinks (mx.array): (n_q_heads,) sink logits; head h = kv * group + g.
+        n_kv (int): KV heads. L (int): query tokens. v_dim (int): V's head_dim.
+
+    Returns:
+        tuple: o (n_kv, group * L, v_dim) zeros, m (n_kv, group * L) the sink, l ones; float32.
+    """
+    # (n_q,) -> (n_kv, group) -> (n_kv, group * L): row g * L + i holds head g's sink
+    m = mx.repeat(sinks.astype(mx.float32).reshape(n_kv, -1), L, axis=1)
+    return mx.zeros((*m.shape, v_dim), dtype=mx.float32), m, mx.ones(m.shape, dtype=mx.float32)
+
+
 @dataclass(frozen=True)
 class LayerPrefix:
     """The read-only prefix of one layer.
@@ -114,7 +129,7 @@ class CartridgeCache(_BaseCache):
             return None, None
         return tuple(mx.concatenate(side, axis=1) for side in zip(*parts))
 
-    def attention(self, queries, scale, mask=None):
+    def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over prefix + tail.
 
         Args:
@@ -122,15 +137,17 @@ class CartridgeCache(_BaseCache):
             scale (float): softmax scale, usually head_dim ** -0.5.
             mask (None | str | mx.array): None, "causal", or a bool array broadcastable to
                 (1, n_q_heads, L, offset); the causal structure among new tokens always applies.
+            sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss): one more logit per head in
+                the softmax, with no value. Default: None.
 
         Returns:
-            mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
+            mx.array: (1, n_q_heads, L, v_head_dim) in the queries' dtype.
 
         Raises:
             CartridgeError: for a mask that hides prefix tokens or is not boolean.
         """
         p = self.prefix
-        if p.kernel is not None and (mask is None or isinstance(mask, str)):
+        if p.kernel is not None and sinks is None and (mask is None or isinstance(mask, str)):
             out = p.kernel(self, queries, scale)
             if out is not None:
                 return out
@@ -146,8 +163,10 @@ class CartridgeCache(_BaseCache):
             end = start + k.shape[1]
             parts.append(tail_partial(q, k, v, keep[..., start:end]))
             start = end
-        # (n_kv, group * L, D) -> (1, n_q, L, D)
-        return merge(parts).reshape(1, n_q, L, D).astype(queries.dtype)
+        if sinks is not None:
+            parts.append(sink_partial(sinks, n_kv, L, parts[0][0].shape[-1]))
+        # (n_kv, group * L, Dv) -> (1, n_q, L, Dv)
+        return merge(parts).reshape(1, n_q, L, -1).astype(queries.dtype)
 
     def _tail_keep(self, mask, n_kv, group, L):
         """Which tail keys each query row sees: causal among the new tokens, and `mask` if given."""

@@ -57,7 +57,10 @@ def dequantize(prefix, dtype):
 
 
 def kernel_for(policy, prefix, head_dim):
-    """The fused attention of one layer for a concrete policy, or None for the portable path."""
+    """The fused attention of one layer for a concrete policy, or None for the portable path.
+
+    The fused kernel takes one head_dim for K and V; a layer whose widths differ takes the portable path.
+    """
     if policy == "portable" or backend() != "cuda":
         return None
     from .kernels import cuda
@@ -65,23 +68,28 @@ def kernel_for(policy, prefix, head_dim):
     return cuda.FusedAttention(prefix) if cuda.supported(prefix, head_dim) else None
 
 
-def prepare(prefixes, policy, dtype, head_dim):
+def prepare(prefixes, policy, dtype, head_dims):
     """Apply a concrete policy to loaded prefixes.
 
     Args:
-        prefixes (list[LayerPrefix]): one per layer, as stored.
+        prefixes (list): one per layer, as stored: a LayerPrefix for a page-attended layer; other
+            layers (`cartridge.attention.layers`) pass through unchanged.
         policy (str): a concrete policy from `resolve`.
         dtype (mx.Dtype): the model's activation dtype (dense pages use it).
-        head_dim (int): elements per head.
+        head_dims (list[tuple]): per layer (K head_dim, V head_dim); ignored for other layers.
 
     Returns:
-        list[LayerPrefix]: with `kernel` set where a fused kernel applies (and dense pages for
+        list: the LayerPrefixes with `kernel` set where a fused kernel applies (and dense pages for
         "dequantize-once").
     """
     out = []
-    for p in prefixes:
+    for p, (k_dim, v_dim) in zip(prefixes, head_dims):
+        if not isinstance(p, LayerPrefix):
+            out.append(p)
+            continue
         q = dequantize(p, dtype) if policy == "dequantize-once" else p
+        kernel = kernel_for(policy, q, k_dim) if k_dim == v_dim else None
         out.append(LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params,
-                               kernel_for(policy, q, head_dim)))
-    mx.eval([[list(p.k_parts.values()), list(p.v_parts.values())] for p in out])
+                               kernel))
+    mx.eval([[list(p.k_parts.values()), list(p.v_parts.values())] for p in out if isinstance(p, LayerPrefix)])
     return out

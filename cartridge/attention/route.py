@@ -7,13 +7,14 @@ so models run unchanged.
 """
 
 import sys
+from contextlib import contextmanager
 
 from mlx_lm.models import base
 
-from ..errors import CartridgeError
 from .cache import CartridgeCache
 
 _ORIGINAL = base.scaled_dot_product_attention
+_WATCHERS = []  # callables seen(queries, keys, values, cache, mask): `cartridge.models.families` probes
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
@@ -23,15 +24,15 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         queries (mx.array): (B, n_q_heads, L, head_dim).
         keys, values: what the cache's `update_and_fetch` returned.
         cache: the layer's cache. scale (float): softmax scale. mask: None, "causal" or an array.
-        sinks: attention sinks (not supported with a cartridge).
+        sinks (mx.array | None): (n_q_heads,) attention sink logits (gpt-oss), one more logit per head.
 
     Returns:
         mx.array: (B, n_q_heads, L, head_dim).
     """
+    for seen in _WATCHERS:
+        seen(queries, keys, values, cache, mask)
     if isinstance(cache, CartridgeCache):
-        if sinks is not None:
-            raise CartridgeError("attention sinks are not supported over a cartridge prefix")
-        return cache.attention(queries, scale, mask)
+        return cache.attention(queries, scale, mask, sinks)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -40,3 +41,13 @@ def install():
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
             module.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+@contextmanager
+def watching(seen):
+    """Call seen(queries, keys, values, cache, mask) on every routed attention call inside the block."""
+    _WATCHERS.append(seen)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(seen)

@@ -20,10 +20,40 @@ def fold_tiers(tiers):
 
 def tier_formulas(tiers, n_kv_heads, head_dim):
     """{tier: {"formula", "bytes_per_token_per_layer_side"}} for every tier the schema uses, in first-use order."""
-    used = dict.fromkeys(row[side] for row in tiers for side in ("k", "v"))
+    used = dict.fromkeys(row[side] for row in tiers for side in ("k", "v") if row[side] is not None)
     return {name: {"formula": TIERS[name].formula,
                    "bytes_per_token_per_layer_side": TIERS[name].bytes_per_token(n_kv_heads, head_dim)}
             for name in used}
+
+
+def layer_rows(info):
+    """Per layer: kind, K/V shapes, the prefix tokens it holds and its payload bytes (`inspect --json`)."""
+    rows = []
+    for i, m in enumerate(info.layers):
+        nbytes = sum(e.page_bytes * e.shape[0] for ext in (v for (j, _), v in info.extents.items() if j == i)
+                     for e in ext)
+        row = {"layer": i, "kind": m.kind, "tokens": m.count, "bytes": nbytes}
+        if m.kind == "state":
+            row["arrays"] = [{"index": a, "dtype": d, "shape": list(s)} for a, d, s in m.arrays]
+        else:
+            row.update(k_shape=list(m.k_shape), v_shape=list(m.v_shape))
+        if m.kind == "window":
+            row.update(window=m.window, start=m.start)
+        rows.append(row)
+    return rows
+
+
+def fold_layers(rows):
+    """Runs of layers with the same kind, shapes and tokens held: [{"layers": "0-3", ...}]."""
+    runs = []
+    for row in rows:
+        key = {k: v for k, v in row.items() if k not in ("layer", "bytes")}
+        if runs and runs[-1]["key"] == key and runs[-1]["last"] == row["layer"] - 1:
+            runs[-1]["last"] = row["layer"]
+        else:
+            runs.append({"first": row["layer"], "last": row["layer"], "key": key, "bytes": row["bytes"]})
+    return [{"layers": f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
+             "bytes_each": r["bytes"], **r["key"]} for r in runs]
 
 
 def inspect_dict(info, path):
@@ -42,6 +72,8 @@ def inspect_dict(info, path):
         "tiers": info.tiers,
         "tier_runs": fold_tiers(info.tiers),
         "tier_formulas": tier_formulas(info.tiers, info.n_kv_heads, info.head_dim),
+        "layers": layer_rows(info),
+        "fixed_bytes": info.fixed_bytes(),
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
         "total_bytes": total,
@@ -78,11 +110,30 @@ def inspect_table(d):
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
         "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]
+    shapes = {row["layer"]: row for row in d["layers"]}
     for run in d["tier_runs"]:
-        per = TIERS[run["k"]].bytes_per_token(d["n_kv_heads"], d["head_dim"]) + \
-            TIERS[run["v"]].bytes_per_token(d["n_kv_heads"], d["head_dim"])
+        first = shapes[int(run["layers"].split("-")[0])]
+        if run["k"] is None:
+            lines.append(f"              {run['layers']:<7} {'state':<8} {'state':<8} -")
+            continue
+        per = TIERS[run["k"]].bytes_per_token(*first["k_shape"]) + TIERS[run["v"]].bytes_per_token(*first["v_shape"])
         lines.append(f"              {run['layers']:<7} {run['k']:<8} {run['v']:<8} {per:,}")
+    lines.append("layers        layers  kind       holds")
+    for run in fold_layers(d["layers"]):
+        lines.append(f"              {run['layers']:<7} {run['kind']:<10} {_holds(run)}")
     lines.append("formulas      bytes/token/layer-side (H = n_kv_heads)")
     for name, f in d["tier_formulas"].items():
         lines.append(f"              {name:<8} {f['formula']} = {f['bytes_per_token_per_layer_side']:,}")
     return "\n".join(lines)
+
+
+def _holds(run):
+    """What a run of layers holds, in words: tokens and shapes, or state arrays; bytes per layer."""
+    if run["kind"] == "state":
+        arrays = ", ".join(f"{a['dtype']}{a['shape']}" for a in run["arrays"])
+        return f"recurrent state {arrays} ({run['bytes_each']:,} bytes each)"
+    k, v = run["k_shape"], run["v_shape"]
+    what = f"{run['tokens']:,} tokens"
+    if run["kind"] == "window":
+        what += f" (window {run['window']:,}: positions {run['start']:,}..{run['start'] + run['tokens'] - 1:,})"
+    return f"{what}; K {k[0]}x{k[1]}, V {v[0]}x{v[1]} ({run['bytes_each']:,} bytes each)"

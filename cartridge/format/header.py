@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptCartridgeError, FieldError, LayoutError, UnsupportedVersionError
-from ..tiers import TIERS
+from ..errors import CorruptCartridgeError, FieldError, InputError, LayoutError, UnsupportedVersionError
+from ..tiers import DTYPES, TIERS
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
@@ -26,6 +26,39 @@ LIMITS = {  # key -> (min, max), inclusive
     K.N_PAGES: (1, 1 << 31),
 }
 SIDES = ("k", "v")
+KINDS = ("attention", "dense", "window", "state")
+MAX_STATE_ARRAYS = 64
+STATE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What one layer stores (spec/FORMAT.md section 5.5; a file before 1.4: every layer "attention").
+
+    Attributes:
+        kind (str): "attention", "dense", "window" or "state".
+        k_shape, v_shape (tuple | None): (n_kv_heads, head_dim) of each side; None for "state".
+        start, count (int): the stored prefix positions start .. start + count - 1 (0 for "state").
+        window (int | None): a "window" layer's size.
+        state_size (int | None): a "state" layer's slots. arrays (tuple): ((index, dtype, shape), ...).
+    """
+
+    kind: str
+    k_shape: tuple = None
+    v_shape: tuple = None
+    start: int = 0
+    count: int = 0
+    window: int = None
+    state_size: int = None
+    arrays: tuple = ()
+
+    def n_pages(self, page_size):
+        """Pages per K/V component of this layer."""
+        return -(-self.count // page_size)
+
+    def shape(self, side):
+        """(n_kv_heads, head_dim) of side "k" or "v"."""
+        return self.k_shape if side == "k" else self.v_shape
 
 
 @dataclass
@@ -68,6 +101,7 @@ class CartridgeInfo:
     source_dtype: str
     data_size: int
     params: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)
     source: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict, repr=False)
     document_tokens: int = 0
@@ -79,15 +113,42 @@ class CartridgeInfo:
         """n_kv_heads * head_dim."""
         return self.n_kv_heads * self.head_dim
 
+    def _growing(self):
+        """(layer, side, (n_kv_heads, head_dim)) of every side that stores every prefix token."""
+        return [(i, side, info.shape(side)) for i, info in enumerate(self.layers)
+                if info.kind in ("attention", "dense") for side in SIDES]
+
     def bytes_per_token(self):
-        """K+V payload bytes of all layers per token, by the tiers' formulas."""
-        return sum(
-            TIERS[t[side]].bytes_per_token(self.n_kv_heads, self.head_dim) for t in self.tiers for side in SIDES
-        )
+        """K+V payload bytes per token of the layers that store every token, by the tiers' formulas."""
+        return sum(TIERS[self.tiers[i][side]].bytes_per_token(*shape) for i, side, shape in self._growing())
 
     def fp16_bytes_per_token(self):
-        """What the same cache would take in fp16: 2 sides * n_layers * kv_dim * 2 bytes."""
-        return 2 * self.n_layers * self.kv_dim * 2
+        """What the same layers would take in fp16: 2 bytes per element of every K and V row."""
+        return sum(2 * shape[0] * shape[1] for _, _, shape in self._growing())
+
+    def fixed_bytes(self):
+        """Payload bytes that do not grow with the document: window pages and recurrent state."""
+        return sum(e.page_bytes * e.shape[0] for (i, _), ext in self.extents.items()
+                   if self.layers[i].kind in ("window", "state") for e in ext)
+
+
+def require_attention_layers(info, what):
+    """Refuse a cartridge with a layer that is not "attention" of the global (n_kv_heads, head_dim).
+
+    Extend, save, compose, convert and sharded loading handle paged attention layers of one shape
+    only; dense, window and state layers (format 1.4, section 5.5) are refused in one line.
+
+    Args:
+        info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
+
+    Raises:
+        InputError: naming the first such layer, its kind and shapes.
+    """
+    shape = (info.n_kv_heads, info.head_dim)
+    for i, layer in enumerate(info.layers):
+        if layer.kind != "attention" or layer.k_shape != shape or layer.v_shape != shape:
+            raise InputError(f"layer {i} is a {layer.kind} layer (K {layer.k_shape}, V {layer.v_shape}); {what} "
+                             f"takes attention layers of {shape} only")
 
 
 def _json(records, key):
@@ -127,40 +188,116 @@ def _choice(records, key):
     return value
 
 
-def _extents(records, geometry, tiers, data_size):
+def _extents(records, layers, tiers, page_size, data_size):
     """Build every Extent, requiring the writer's exact layout: aligned, in order, no holes, no overlap."""
-    n_layers, n_kv, head_dim, page_size, n_pages = geometry
     pos, out = 0, {}
-    for layer in range(n_layers):
-        for side in SIDES:
-            codec = TIERS[tiers[layer][side]]
-            expected = [{"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)]
-            found = _json(records, K.layer_components(layer, side))
-            if found != expected:
-                raise FieldError(
-                    f"layer {layer} {side}: components {str(found)[:200]} do not match tier {codec.name}: {expected}"
-                )
-            out[(layer, side)] = []
-            for comp in codec.components(head_dim):
-                page_bytes = n_kv * page_size * comp.width * comp.itemsize
+    for layer, info in enumerate(layers):
+        for side, comps, n_pages in _layer_components(records, layer, info, tiers, page_size):
+            out.setdefault((layer, side), [])
+            for name, dtype, shape in comps:
+                page_bytes = int(np.prod(shape[1:])) * DTYPES[dtype].size
                 start = align_up(pos)
                 if start + n_pages * page_bytes > data_size:
                     raise LayoutError(
-                        f"layer {layer} {side} {comp.name}: extent ends at {start + n_pages * page_bytes}, "
+                        f"layer {layer} {side} {name}: extent ends at {start + n_pages * page_bytes}, "
                         f"beyond the data file ({data_size} bytes)"
                     )
-                key = K.page_table(layer, side, comp.name)
+                key = K.page_table(layer, side, name)
                 offsets, lengths, sums = parse_page_table(records.get(key), key, n_pages)
                 want = [start + i * page_bytes for i in range(n_pages)]
                 if offsets != want or any(n != page_bytes for n in lengths):
                     raise LayoutError(f"page table {key}: offsets/lengths do not follow the layout (spec 3.2)")
-                heads = parse_head_table(records.get(K.head_table(layer, side, comp.name)),
-                                         K.head_table(layer, side, comp.name), n_pages, n_kv)
-                out[(layer, side)].append(Extent(layer, side, comp.name, comp.dtype, (n_pages, n_kv, page_size, comp.width),
-                                                 start, page_bytes, sums, heads))
+                head_key = K.head_table(layer, side, name)
+                heads = parse_head_table(records.get(head_key), head_key, n_pages, shape[1])
+                out[(layer, side)].append(Extent(layer, side, name, dtype, shape, start, page_bytes, sums, heads))
                 pos = start + n_pages * page_bytes
     if align_up(pos, ALIGN) != data_size:
         raise LayoutError(f"data file is {data_size} bytes; the page tables cover {align_up(pos)}")
+    return out
+
+
+def _layer_components(records, layer, info, tiers, page_size):
+    """[(side, [(component, dtype, extent shape)], n_pages)] of one layer, in the order they are stored."""
+    if info.kind == "state":
+        return [(K.STATE_SIDE, [(K.state_component(i), d, (1, *shape))], 1) for i, d, shape in info.arrays]
+    out = []
+    for side in SIDES:
+        codec = TIERS[tiers[layer][side]]
+        n_kv, head_dim = info.shape(side)
+        expected = [{"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)]
+        found = _json(records, K.layer_components(layer, side))
+        if found != expected:
+            raise FieldError(
+                f"layer {layer} {side}: components {str(found)[:200]} do not match tier {codec.name}: {expected}"
+            )
+        n_pages = info.n_pages(page_size)
+        comps = [(c.name, c.dtype, (n_pages, n_kv, page_size, c.width)) for c in codec.components(head_dim)]
+        out.append((side, comps, n_pages))
+    return out
+
+
+def _shape(records, layer, side):
+    value = _typed(records, K.layer_shape(layer, side), list)
+    if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+            or not (1 <= value[0] <= LIMITS[K.N_KV_HEADS][1] and 1 <= value[1] <= LIMITS[K.HEAD_DIM][1]):
+        raise FieldError(f"{K.layer_shape(layer, side)} is {str(value)[:60]}; expected [n_kv_heads 1..1024, "
+                         f"head_dim 1..4096]")
+    return tuple(value)
+
+
+def _window(records, layer, n_tokens):
+    w = _typed(records, K.layer_window(layer), dict)
+    size = w.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= LIMITS[K.TOKENS_COUNT][1]:
+        raise FieldError(f"{K.layer_window(layer)}.size is {str(size)[:40]}; expected an integer >= 1")
+    want = {"size": size, "start": n_tokens - min(n_tokens, size), "count": min(n_tokens, size)}
+    if w != want:
+        raise FieldError(f"{K.layer_window(layer)} is {str(w)[:120]}; {n_tokens} tokens need {want}")
+    return want
+
+
+def _state(records, layer):
+    st = _typed(records, K.layer_state(layer), dict)
+    size, arrays = st.get("size"), st.get("arrays")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_STATE_ARRAYS \
+            or not isinstance(arrays, list) or len(arrays) > size:
+        raise FieldError(f"{K.layer_state(layer)} is {str(st)[:120]}; expected size 1..{MAX_STATE_ARRAYS} "
+                         f"and at most size arrays")
+    out, last = [], -1
+    for a in arrays:
+        ok = isinstance(a, dict) and set(a) == {"index", "dtype", "shape"} and isinstance(a["index"], int) \
+            and not isinstance(a["index"], bool) and last < a["index"] < size and a["dtype"] in STATE_DTYPES \
+            and isinstance(a["shape"], list) and 1 <= len(a["shape"]) <= 8 \
+            and all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1 << 31 for n in a["shape"]) \
+            and int(np.prod(a["shape"], dtype=np.float64)) <= 1 << 34
+        if not ok:
+            raise FieldError(f"{K.layer_state(layer)}: array {str(a)[:120]} is not "
+                             f"{{index (increasing, < size), dtype ({', '.join(STATE_DTYPES)}), shape}}")
+        last = a["index"]
+        out.append((a["index"], a["dtype"], tuple(a["shape"])))
+    return size, tuple(out)
+
+
+def _layers(records, n_layers, n_kv, head_dim, n_tokens):
+    """Every layer's LayerInfo; a layer without `layer.{i}.kind` (format < 1.4) is "attention" of the global shape."""
+    out = []
+    for layer in range(n_layers):
+        if K.layer_kind(layer) not in records:
+            out.append(LayerInfo("attention", (n_kv, head_dim), (n_kv, head_dim), 0, n_tokens))
+            continue
+        kind = _typed(records, K.layer_kind(layer), str)
+        if kind not in KINDS:
+            raise FieldError(f"{K.layer_kind(layer)} is {kind[:40]!r}; allowed {', '.join(KINDS)}")
+        if kind == "state":
+            size, arrays = _state(records, layer)
+            out.append(LayerInfo(kind, state_size=size, arrays=arrays))
+            continue
+        shapes = _shape(records, layer, "k"), _shape(records, layer, "v")
+        if kind == "window":
+            w = _window(records, layer, n_tokens)
+            out.append(LayerInfo(kind, *shapes, w["start"], w["count"], window=w["size"]))
+        else:
+            out.append(LayerInfo(kind, *shapes, 0, n_tokens))
     return out
 
 
@@ -177,10 +314,13 @@ def _fingerprint(records):
     return fp
 
 
-def _tier_map(records, n_layers):
+def _tier_map(records, layers):
     tiers = []
-    for layer in range(n_layers):
+    for layer, info in enumerate(layers):
         row = {"layer": layer}
+        if info.kind == "state":  # stored as produced, no tier
+            tiers.append({"layer": layer, "k": None, "v": None})
+            continue
         for side in SIDES:
             name = _typed(records, K.layer_tier(layer, side), str)
             if name not in TIERS:
@@ -216,14 +356,15 @@ def parse_header(records, manifest):
     n_layers, _, _, page_size, n_pages = geometry
     if n_pages != -(-n_tokens // page_size):
         raise FieldError(f"cache.n_pages is {n_pages}; {n_tokens} tokens in pages of {page_size} need {-(-n_tokens // page_size)}")
-    tiers = _tier_map(records, n_layers)
+    layers = _layers(records, n_layers, geometry[1], geometry[2], n_tokens)
+    tiers = _tier_map(records, layers)
     _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
     return CartridgeInfo(
         format_version=f"{major}.{_typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
         n_layers=n_layers, n_kv_heads=geometry[1], head_dim=geometry[2], page_size=page_size, n_pages=n_pages,
         tiers=tiers,
-        extents=_extents(records, geometry, tiers, manifest["data_size"]),
+        extents=_extents(records, layers, tiers, page_size, manifest["data_size"]),
         model_ref=_typed(records, K.MODEL_REF, str),
         fingerprint=_fingerprint(records),
         model_config=_typed(records, K.MODEL_CONFIG, dict),
@@ -231,21 +372,24 @@ def parse_header(records, manifest):
         separator=_typed(records, K.PROMPT_SEPARATOR, str),
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
-        params=_params(records, tiers, geometry[1], geometry[2]),
+        params=_params(records, tiers, layers),
+        layers=layers,
         source=read_source(records),
         records=records,
         **_lineage(records, ids, n_tokens),
     )
 
 
-def _params(records, tiers, n_kv, head_dim):
+def _params(records, tiers, layers):
     """Every (layer, side)'s params object, checked by its tier (spec/FORMAT.md section 6)."""
     out = {}
-    for t in tiers:
+    for t, info in zip(tiers, layers):
+        if info.kind == "state":
+            continue
         for side in SIDES:
             params = _typed(records, K.layer_params(t["layer"], side), dict)
             try:
-                TIERS[t[side]].check_params(params, n_kv, head_dim)
+                TIERS[t[side]].check_params(params, *info.shape(side))
             except CorruptCartridgeError as e:  # the codec names the field; we name the (layer, side)
                 raise FieldError(f"layer {t['layer']} {side}: {e}") from None
             out[(t["layer"], side)] = params

@@ -82,3 +82,33 @@ def head_table(layer, side, component):
     without it, it must verify whole pages.
     """
     return f"layer.{layer}.{side}.{component}.head_sums"
+
+
+# Format 1.4: what each layer's cache holds (spec/FORMAT.md section 5.5). Absent in files before 1.4, where
+# every layer is "attention" with the global cache.n_kv_heads / cache.head_dim.
+def layer_kind(layer):
+    """Cache kind of a layer: "attention", "dense", "window" or "state"."""
+    return f"layer.{layer}.kind"
+
+
+def layer_shape(layer, side):
+    """[n_kv_heads, head_dim] of one side of a layer, as the model wrote it."""
+    return f"layer.{layer}.{side}.shape"
+
+
+def layer_window(layer):
+    """A "window" layer's {"size": window, "start": first stored position, "count": stored tokens}."""
+    return f"layer.{layer}.window"
+
+
+def layer_state(layer):
+    """A "state" layer's {"size": slots, "arrays": [{"index", "dtype", "shape"}, ...]}."""
+    return f"layer.{layer}.state"
+
+
+STATE_SIDE = "s"  # page tables of state arrays: layer.{i}.s.a{index}.pages, one page each
+
+
+def state_component(index):
+    """Component name of slot `index` of a state layer."""
+    return f"a{index}"

@@ -149,7 +149,7 @@ def _digest(obj):
 
 def architecture_config(model):
     """The model's architecture settings (mlx-lm `ModelArgs`) as a JSON-safe dict."""
-    args = getattr(model, "args", None)
+    args = getattr(model, "args", None) or getattr(model, "config", None)  # plamo2, baichuan_m1: `config`
     if args is None:
         raise ModelLoadError(f"{type(model).__name__} has no `args`; not an mlx-lm model")
     raw = args if isinstance(args, dict) else vars(args)

@@ -1,4 +1,4 @@
-"""Regenerate tests/vectors/tiny.cart. Running this is a deliberate format change: the committed bytes
+"""Regenerate tests/vectors/tiny-1.4.cart (tiny-1.0.cart and tiny.cart, format 1.2, are kept as written then). Running this is a deliberate format change: the committed bytes
 pin the writer (tests/test_vectors.py), so review the diff and bump the spec if they move.
 
     python tests/vectors/make_vectors.py
@@ -16,6 +16,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from cartfiles import header  # noqa: E402
 
+from cartridge.format import keys as K  # noqa: E402
+
 from cartridge.format.writer import CartridgeWriter  # noqa: E402
 
 # 1 layer, 1 KV head, head_dim 4, pages of 2 tokens, 3 tokens -> 2 pages of 16 bytes per (layer, side)
@@ -26,10 +28,13 @@ FINGERPRINT = {"id": "1" * 64, "config": "2" * 64, "weights": "3" * 64, "tokeniz
 
 
 def vector_header():
-    """The JSON header records of the vector (spec 4.2)."""
-    return header(n_layers=1, n_kv=N_KV, head_dim=HEAD_DIM, page=PAGE, n_tokens=N_TOKENS,
-                  writer="cartridge test vector", ref="vector", fingerprint=FINGERPRINT,
-                  config={"model_type": "llama", "vocab_size": 4243})
+    """The JSON header records of the vector (spec 4.2 and, format 1.4, section 5.5)."""
+    h = header(n_layers=1, n_kv=N_KV, head_dim=HEAD_DIM, page=PAGE, n_tokens=N_TOKENS,
+               writer="cartridge test vector", ref="vector", fingerprint=FINGERPRINT,
+               config={"model_type": "llama", "vocab_size": 4243})
+    h.update({K.FORMAT_MINOR: 4, K.layer_kind(0): "attention",
+              K.layer_shape(0, "k"): [N_KV, HEAD_DIM], K.layer_shape(0, "v"): [N_KV, HEAD_DIM]})
+    return h
 
 
 def vector_pages(side):
@@ -49,6 +54,6 @@ def write_vector(path, header=None, force=False):
 
 
 if __name__ == "__main__":
-    target = HERE / "tiny.cart"
+    target = HERE / "tiny-1.4.cart"
     shutil.rmtree(target, ignore_errors=True)
     print(write_vector(target))

@@ -1,0 +1,128 @@
+"""Layers that are not attended over compressed pages: each loads back into mlx-lm's own cache kind.
+
+- "dense" (a KVCache layer whose model computes attention itself: gemma2, latent attention): the
+  decoded prefix in an mlx-lm `KVCache`.
+- "window" (sliding-window attention): the last `window` prefix tokens, decoded, in an mlx-lm
+  `RotatingKVCache` in the state mlx-lm's own prefill leaves, so the window moves during generation
+  exactly as mlx-lm's does.
+- "state" (recurrent layers): the stored arrays in an mlx-lm `ArraysCache`.
+
+Each class decodes once at load and hands every `prompt_cache()` a cache of its own: generation
+mutates a cache (a rotating cache writes in place; a recurrent step replaces its arrays), never the
+shared arrays. The page-attended kind ("attention") is `cartridge.attention.cache.CartridgeCache`.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from .cache import LayerPrefix
+
+
+def decode_prefix(prefix, dtype):
+    """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`."""
+    out = []
+    for codec, parts, params in ((prefix.k_codec, prefix.k_parts, prefix.k_params),
+                                 (prefix.v_codec, prefix.v_parts, prefix.v_params)):
+        x = codec.decode(parts, params)  # (n_pages, n_kv, P, D) float32
+        n_pages, n_kv, page, d = x.shape
+        # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
+        x = x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens]
+        out.append(x.astype(dtype))
+    mx.eval(out)
+    return out
+
+
+class DenseLayer:
+    """A full-attention layer whose model attends itself: the decoded prefix in an mlx-lm KVCache.
+
+    Args:
+        prefix (LayerPrefix): the stored pages. dtype (mx.Dtype): the dtype the model computed K/V in.
+    """
+
+    kind = "dense"
+
+    def __init__(self, prefix, dtype):
+        self.prefix = prefix
+        self.keys, self.values = decode_prefix(prefix, dtype)
+
+    def cache(self):
+        """A fresh KVCache holding the prefix (its first update copies into new storage)."""
+        c = KVCache()
+        c.keys, c.values, c.offset = self.keys, self.values, self.keys.shape[2]
+        return c
+
+    @property
+    def nbytes(self):
+        """Bytes of the decoded K/V this layer keeps."""
+        return self.keys.nbytes + self.values.nbytes
+
+
+class WindowLayer(DenseLayer):
+    """A sliding-window layer: the last `window` tokens of a `total`-token prefix in a RotatingKVCache.
+
+    Args:
+        prefix (LayerPrefix): pages of the last min(total, window) tokens.
+        dtype (mx.Dtype): K/V dtype. window (int): mlx-lm's max_size. total (int): prefix tokens.
+    """
+
+    kind = "window"
+
+    def __init__(self, prefix, dtype, window, total):
+        super().__init__(prefix, dtype)
+        self.window, self.total = window, total
+
+    def cache(self):
+        """A RotatingKVCache as mlx-lm's prefill leaves it: temporal order, offset = prefix tokens."""
+        c = RotatingKVCache(max_size=self.window, keep=0)
+        # copies: a one-token step writes into the cache's arrays in place
+        c.keys, c.values = mx.array(self.keys), mx.array(self.values)
+        c.offset, c._idx = self.total, self.keys.shape[2]
+        return c
+
+
+class StateLayer:
+    """A recurrent layer: its stored arrays in an ArraysCache.
+
+    Args:
+        size (int): the ArraysCache's slots. arrays (dict[int, mx.array]): slot -> array, as produced.
+    """
+
+    kind = "state"
+
+    def __init__(self, size, arrays):
+        self.size, self.arrays = size, arrays
+
+    def cache(self):
+        """A fresh ArraysCache holding the stored arrays (a step replaces them, never writes into them)."""
+        c = ArraysCache(self.size)
+        for i, a in self.arrays.items():
+            c[i] = a
+        return c
+
+    @property
+    def nbytes(self):
+        """Bytes of the stored arrays."""
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def stored_kv(cache, kind, n_tokens):
+    """The K and V a layer's filled mlx-lm cache holds for the prefix, as a cartridge stores them.
+
+    Args:
+        cache (KVCache | RotatingKVCache): after the prefill of `n_tokens` tokens.
+        kind (str): "attention", "dense" or "window".
+
+    Returns:
+        tuple: K, V (n_kv_heads, T, head_dim), T = n_tokens or, for "window", the last
+        min(n_tokens, window) tokens.
+    """
+    if kind != "window":
+        return cache.keys[0, :, :n_tokens, :], cache.values[0, :, :n_tokens, :]
+    n = min(n_tokens, cache.max_size)
+    k, v = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    return k[0, :, -n:, :], v[0, :, -n:, :]
+
+
+def is_paged(layer):
+    """True for a layer attended over its pages (a `LayerPrefix`)."""
+    return isinstance(layer, LayerPrefix)

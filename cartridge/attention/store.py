@@ -1,0 +1,106 @@
+"""Store one layer's filled mlx-lm cache as extents and header records (spec/FORMAT.md section 5.5).
+
+K/V layers ("attention", "dense", "window") go through the layer's tiers into pages; a "state" layer's
+arrays are stored as produced, one single-page extent per array. Every shape written is the shape the
+model wrote into its cache, checked against the probe's plan: a disagreement is refused, not written.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import InputError
+from ..format import keys as K
+from ..tiers import get_tier
+from .layers import stored_kv
+from .pages import encode_pages
+
+
+def check_layer_tiers(plans, schema):
+    """Refuse a schema whose tier cannot store a layer's K/V shape, naming the layer, side and shape.
+
+    Args:
+        plans (list[LayerPlan]): from `cartridge.models.families.plan_layers`.
+        schema (list[dict]): one row per layer; rows of "state" layers are not used.
+
+    Raises:
+        InputError: a wrong layer count, or one line naming (layer, side, shape) and the tier's reason.
+    """
+    if len(schema) != len(plans):
+        raise InputError(f"schema has {len(schema)} layers; the model has {len(plans)}")
+    for i, (plan, row) in enumerate(zip(plans, schema)):
+        if plan.kind == "state":
+            continue
+        for side, shape in (("k", plan.k_shape), ("v", plan.v_shape)):
+            try:
+                get_tier(row[side]).check(*shape)
+            except InputError as e:
+                raise InputError(f"layer {i} {side} ({plan.kind}, {shape[0]} kv heads x head_dim {shape[1]}): "
+                                 f"{e}") from None
+
+
+def to_numpy(x):
+    """An mx array as the numpy array the writer stores (bfloat16 as its raw 16 bits)."""
+    if x.dtype == mx.bfloat16:  # numpy has no bfloat16
+        x = x.view(mx.uint16)
+    return np.array(x)
+
+
+def _dtype_name(x):
+    return str(x.dtype).replace("mlx.core.", "")
+
+
+def _write_state(writer, layer, plan, cache):
+    arrays = []
+    for index, dtype, shape in plan.state:
+        a = cache[index]
+        if a is None or _dtype_name(a) != dtype or list(a.shape) != list(shape):
+            found = None if a is None else (_dtype_name(a), list(a.shape))
+            raise InputError(f"layer {layer} state slot {index}: the prefill left {found}; the probe saw "
+                             f"{(dtype, list(shape))}")
+        writer.add_extent(layer, K.STATE_SIDE, K.state_component(index), to_numpy(a)[None])
+        arrays.append({"index": index, "dtype": dtype, "shape": list(shape)})
+    return {K.layer_kind(layer): "state", K.layer_state(layer): {"size": plan.size, "arrays": arrays}}
+
+
+def write_layer(writer, layer, plan, cache, row, page_size, n_tokens):
+    """Encode and append one layer's extents.
+
+    Args:
+        writer (CartridgeWriter): open writer. layer (int): layer index.
+        plan (LayerPlan): the probe's plan. cache: the layer's filled mlx-lm cache.
+        row (dict): {"k": tier, "v": tier}. page_size (int): tokens per page. n_tokens (int): prefix tokens.
+
+    Returns:
+        dict: the layer's header records (kind, shapes, window or state, tiers, params, components).
+
+    Raises:
+        InputError: the cache holds shapes other than the plan's (nothing is written: the writer aborts).
+    """
+    if plan.kind == "state":
+        return _write_state(writer, layer, plan, cache)
+    records = {K.layer_kind(layer): plan.kind}
+    for side, x, shape in zip("kv", stored_kv(cache, plan.kind, n_tokens), (plan.k_shape, plan.v_shape)):
+        want = (shape[0], plan.stored_tokens(n_tokens), shape[1])
+        if tuple(x.shape) != want:
+            raise InputError(f"layer {layer} {side}: the cache holds {tuple(x.shape)}; the header would say {want}")
+        codec = get_tier(row[side])
+        params = codec.make_params(x, layer, side)
+        parts = encode_pages(codec, x, params, page_size)
+        for comp in codec.components(shape[1]):
+            page_shape = (-(-want[1] // page_size), shape[0], page_size, comp.width)
+            if tuple(parts[comp.name].shape) != page_shape:
+                raise InputError(f"layer {layer} {side} {comp.name}: pages {tuple(parts[comp.name].shape)}; "
+                                 f"the header would say {page_shape}")
+            writer.add_extent(layer, side, comp.name, to_numpy(parts[comp.name]))
+        records.update({
+            K.layer_shape(layer, side): list(shape),
+            K.layer_tier(layer, side): codec.name,
+            K.layer_codec_version(layer, side): codec.codec_version,
+            K.layer_params(layer, side): params,
+            K.layer_components(layer, side): [{"name": c.name, "dtype": c.dtype, "width": c.width}
+                                              for c in codec.components(shape[1])],
+        })
+    if plan.kind == "window":
+        count = plan.stored_tokens(n_tokens)
+        records[K.layer_window(layer)] = {"size": plan.window, "start": n_tokens - count, "count": count}
+    return records

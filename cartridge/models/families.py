@@ -1,0 +1,218 @@
+"""What a cartridge stores for each layer of a model, found before the prefill by a probe.
+
+mlx-lm gives every layer a cache object (`make_prompt_cache`). A probe runs the model's own forward
+pass over the document's first three tokens (two at once, then one, as a question and its answer
+arrive) with those caches, and records for every layer:
+
+- what the model wrote into the cache: (n_kv_heads, head_dim) of K and of V, or the recurrent arrays;
+- whether the model's attention reached `cartridge.attention.route` with exactly the K/V its cache
+  returned and a mask the cartridge attention understands. Only then can the layer attend over the
+  compressed pages ("attention"); otherwise (gemma2 computes attention itself, latent attention
+  multiplies the cached latent) the layer is loaded back into mlx-lm's own cache ("dense").
+
+Kinds (spec/FORMAT.md section 5.5):
+    attention   KVCache, attention routed: pages, attended by `CartridgeCache`.
+    dense       KVCache, attention computed by the model: pages, decoded into an mlx-lm KVCache.
+    window      RotatingKVCache(keep=0): the last `window` tokens, decoded into a RotatingKVCache.
+    state       ArraysCache: the recurrent arrays after the document, lossless.
+
+Any other cache kind is refused with one line naming the model family and the kind.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from ..attention import route
+from ..attention.cache import CartridgeCache
+from ..attention.layers import DenseLayer, StateLayer, WindowLayer, stored_kv
+from ..attention.pages import make_prefix
+from ..errors import InputError
+from ..tiers import get_tier
+
+KINDS = ("attention", "dense", "window", "state")
+SUPPORTED = "KVCache, RotatingKVCache (keep=0) and ArraysCache"
+
+
+@dataclass
+class LayerPlan:
+    """What one layer's cache holds and how a cartridge stores it.
+
+    Attributes:
+        kind (str): one of `KINDS`.
+        k_shape, v_shape (tuple | None): (n_kv_heads, head_dim) of K and V as the model wrote them.
+        window (int | None): a "window" layer's size (mlx-lm's `max_size`).
+        state (list | None): a "state" layer's arrays: [(index, dtype name, shape)], one per
+            non-empty slot of the ArraysCache; `size` is its slot count.
+        size (int | None): the ArraysCache's number of slots.
+        dtype (str | None): K/V dtype as the model computed them ("float16", ...).
+    """
+
+    kind: str
+    k_shape: tuple = None
+    v_shape: tuple = None
+    window: int = None
+    state: list = None
+    size: int = None
+    dtype: str = None
+
+    def stored_tokens(self, n_tokens):
+        """Prefix tokens this layer stores: all of them, the last `window`, or 0 for a state."""
+        if self.kind == "state":
+            return 0
+        return min(n_tokens, self.window) if self.kind == "window" else n_tokens
+
+
+def family(model):
+    """The model's mlx-lm family name (its `model_type`), or its class's module name."""
+    args = getattr(model, "args", None) or getattr(model, "config", None)
+    name = getattr(args, "model_type", None) or getattr(model, "model_type", None)
+    return name or type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _refuse_kinds(model, caches):
+    for c in caches:
+        kind = type(c).__name__
+        if type(c) not in (KVCache, RotatingKVCache, ArraysCache):
+            raise InputError(f"model family {family(model)} uses {kind} caches; a cartridge stores {SUPPORTED}")
+        if type(c) is RotatingKVCache and c.keep:
+            raise InputError(f"model family {family(model)} uses RotatingKVCache with keep={c.keep}; "
+                             f"a cartridge stores {SUPPORTED}")
+
+
+class _Recorder:
+    """Wraps each cache's update_and_fetch to remember what it returned (the identity the route checks)."""
+
+    def __init__(self, caches):
+        self.returned = {}
+        self.windowed = False  # a full-attention cache was asked for a sliding-window mask
+        for c in caches:
+            if isinstance(c, (KVCache, RotatingKVCache)):
+                c.update_and_fetch = self._wrap(c, c.update_and_fetch)
+            if type(c) is KVCache:
+                c.make_mask = self._wrap_mask(c.make_mask)
+                c.keys_and_values = self._wrap_read(c, c.keys_and_values)
+        self.read = set()  # ids of caches whose arrays the model read itself
+        self.inside = False
+
+    def _wrap_read(self, cache, fn):
+        def keys_and_values():
+            if not self.inside:
+                self.read.add(id(cache))
+            return fn()
+        return keys_and_values
+
+    def _wrap_mask(self, fn):
+        def make_mask(*args, window_size=None, **kwargs):
+            self.windowed = self.windowed or window_size is not None
+            return fn(*args, window_size=window_size, **kwargs)
+        return make_mask
+
+    def _wrap(self, cache, fn):
+        def update_and_fetch(keys, values):
+            self.inside = True  # KVCache.update_and_fetch reads keys_and_values itself
+            try:
+                out = fn(keys, values)
+            finally:
+                self.inside = False
+            self.returned[id(cache)] = out
+            return out
+        return update_and_fetch
+
+
+def _forward(model, caches, tokens):
+    recorder = _Recorder(caches)
+    routed = {}
+
+    def seen(queries, keys, values, cache, mask):
+        ret = recorder.returned.get(id(cache))
+        plain = mask is None or isinstance(mask, str) or mask.dtype == mx.bool_
+        same = ret is not None and keys is ret[0] and values is ret[1]
+        ok = plain and same and queries.shape[-1] == keys.shape[-1] and queries.shape[1] % keys.shape[1] == 0
+        routed[id(cache)] = routed.get(id(cache), True) and ok
+
+    route.install()
+    with route.watching(seen):
+        for chunk in (tokens[:2], tokens[2:3]):
+            if chunk:
+                mx.eval(model(mx.array([chunk], dtype=mx.uint32), cache=caches))
+    if recorder.windowed:
+        return {}
+    return {k: v and k not in recorder.read for k, v in routed.items()}
+
+
+def _plan(cache, routed):
+    if isinstance(cache, ArraysCache):
+        arrays = [(i, str(a.dtype).replace("mlx.core.", ""), list(a.shape))
+                  for i, a in enumerate(cache.cache) if a is not None]
+        return LayerPlan("state", state=arrays, size=len(cache.cache))
+    shapes = (cache.keys.shape[1], cache.keys.shape[3]), (cache.values.shape[1], cache.values.shape[3])
+    dtype = str(cache.keys.dtype).replace("mlx.core.", "")
+    if isinstance(cache, RotatingKVCache):
+        return LayerPlan("window", *shapes, window=cache.max_size, dtype=dtype)
+    return LayerPlan("attention" if routed.get(id(cache)) else "dense", *shapes, dtype=dtype)
+
+
+def plan_layers(model, tokens):
+    """Probe the model on the first tokens of the document; one `LayerPlan` per cache layer.
+
+    Args:
+        model (nn.Module): an mlx-lm model. tokens (list[int]): the document's tokens (>= 1).
+
+    Returns:
+        list[LayerPlan]: in the order of `make_prompt_cache(model)`.
+
+    Raises:
+        InputError: a cache kind a cartridge cannot store, or a model whose forward pass fails
+            (one line naming the family); nothing is prefilled.
+    """
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as e:  # a family whose cache cannot even be made: one line, not a traceback
+        raise InputError(f"model family {family(model)}: cannot make its cache ({type(e).__name__}: {e})") from None
+    _refuse_kinds(model, caches)
+    try:
+        routed = _forward(model, caches, list(tokens[:3]))
+    except Exception as e:
+        raise InputError(f"model family {family(model)}: its forward pass failed on the probe tokens "
+                         f"({type(e).__name__}: {str(e)[:160]})") from None
+    for c in caches:
+        if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is None:
+            raise InputError(f"model family {family(model)}: a {type(c).__name__} layer got no keys in the probe")
+    plans = [_plan(c, routed) for c in caches]
+    if _restored_runs(model, plans, caches, tokens) is None:
+        return plans
+    plans = [LayerPlan("dense", p.k_shape, p.v_shape, dtype=p.dtype) if p.kind == "attention" else p for p in plans]
+    error = _restored_runs(model, plans, caches, tokens)
+    if error is not None:
+        raise InputError(f"model family {family(model)}: it cannot generate over restored caches ({error})")
+    return plans
+
+
+def _restore(plan, cache):
+    """The probe's filled cache stored (fp16 pages) and restored as a cartridge would."""
+    if plan.kind == "state":
+        return StateLayer(plan.size, {i: cache[i] for i, _, _ in plan.state}).cache()
+    k, v = stored_kv(cache, plan.kind, cache.offset)
+    fp16 = get_tier("fp16")
+    prefix = make_prefix(fp16, k, fp16, v, page_size=2)
+    if plan.kind == "attention":
+        return CartridgeCache(prefix)
+    if plan.kind == "window":
+        return WindowLayer(prefix, k.dtype, plan.window, cache.offset).cache()
+    return DenseLayer(prefix, k.dtype).cache()
+
+
+def _restored_runs(model, plans, caches, tokens):
+    """None if the model takes a 2-token and a 1-token step over the restored caches with finite
+    logits; otherwise what went wrong, in a few words."""
+    try:
+        restored = [_restore(p, c) for p, c in zip(plans, caches)]
+        for chunk in (tokens[:2], tokens[:1]):
+            logits = model(mx.array([chunk], dtype=mx.uint32), cache=restored)
+            if not mx.all(mx.isfinite(logits)).item():
+                return "logits not finite"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    return None
