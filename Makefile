@@ -8,7 +8,7 @@ QUESTION := Who publishes revised versions of the GNU Lesser General Public Lice
 
 TIERS ?= fp16,bf16
 
-.PHONY: setup demo test test-fast bench bench-tiers eval clean
+.PHONY: setup demo test test-fast test-families bench bench-tiers eval clean
 
 $(BIN)/cartridge: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -23,10 +23,13 @@ demo: setup
 	$(BIN)/cartridge ask $(CART) "$(QUESTION)" --max-tokens 60
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not families"
+
+test-families: setup
+	$(BIN)/python -m pytest -q -m families
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not families"
 
 bench: setup
 	$(BIN)/python benchmarks/ttft.py --json out/ttft.json

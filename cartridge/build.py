@@ -233,7 +233,7 @@ def check_options(document, options, page_size, prefill_step, reserve=0):
     _tier_options(*options)
 
 
-def plan(document, lm, geometry, options, reserve=0):
+def plan(document, lm, geometry, options, reserve=0, system=None):
     """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
 
     Returns:
@@ -246,11 +246,11 @@ def plan(document, lm, geometry, options, reserve=0):
     schema = _tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
     check_schema(schema, *geometry)
     mode = prompt_mode(lm.tokenizer)
-    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    tokens = prefix_tokens(lm.tokenizer, document, mode, system=system)
     return schema, mode, tokens, _check_context(lm, tokens, reserve)
 
 
-def probe_plan(document, lm, options, reserve=0):
+def probe_plan(document, lm, options, reserve=0, system=None):
     """Like `plan`, with each layer's cache kind and K/V shapes probed from the model itself.
 
     Returns:
@@ -263,7 +263,7 @@ def probe_plan(document, lm, options, reserve=0):
     """
     tier, k_tier, v_tier, boundary_protect, _ = options
     mode = prompt_mode(lm.tokenizer)
-    tokens = prefix_tokens(lm.tokenizer, document, mode)
+    tokens = prefix_tokens(lm.tokenizer, document, mode, system=system)
     left = _check_context(lm, tokens, reserve)
     plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
     schema = _tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
@@ -273,7 +273,7 @@ def probe_plan(document, lm, options, reserve=0):
 
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
-          progress=None, source_name=None, reserve=DEFAULT_RESERVE):
+          progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -295,13 +295,17 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             with the document's size, SHA-256 and first line (spec/FORMAT.md 4.2). Default: None.
         reserve (int): warn (`ContextWarning`) when fewer tokens than this are left of the model's
             context after the document. Default: 256.
+        system (str | None): a system message, rendered before the document where the chat template
+            puts it and recorded (`prompt.system`, spec/FORMAT.md 5.4); questions and conversations are
+            then answered under it. Default: None (the template's own default, if any).
 
     Returns:
         BuildResult
 
     Raises:
         InputError: empty corpus, unknown tier, a tier that cannot store the model's K/V shape, a bad
-            schema, corpus longer than the model's context, bad options; all before any prefill.
+            schema, corpus longer than the model's context, bad options, a system message for a model
+            without a chat template; all before any prefill.
         OutputExistsError: `output` exists and `force` is False.
         WriteError: the output's file system has less free space than the cartridge needs (checked
             before prefill), or a write failed.
@@ -315,16 +319,23 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     check_output_path(output, force)  # before any expensive work
     options = (tier, k_tier, v_tier, boundary_protect, schema)
     check_options(document, options, page_size, prefill_step, reserve)
+    if system is not None:
+        check_text(system, "the system message")
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve)
+    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
     path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force,
-                        source_keys(document, source_name))
+                        header_extras(document, source_name, system))
     return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left)
+
+
+def header_extras(document, source_name, system):
+    """The optional header keys of a build: source.* (spec 4.2.1) and prompt.system (spec 5.4)."""
+    return source_keys(document, source_name) | ({} if system is None else {K.PROMPT_SYSTEM: system})
 
 
 def _drain(caches):
@@ -351,7 +362,8 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
             checked (`probe_plan`; `attention_plans` for a model of full-attention layers only).
         page_size (int): tokens per page. mode (str): the prompt mode.
         force (bool): replace an existing cartridge at `output`. Default: False.
-        source (dict | None): the source.* header keys (`format.source.source_keys`). Default: None.
+        source (dict | None): more header keys: source.* (`format.source.source_keys`), prompt.system.
+            Default: None.
 
     Returns:
         Path: the published cartridge directory.

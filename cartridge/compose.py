@@ -136,7 +136,8 @@ class ComposedCartridge:
             self._append(cart, separator)
 
     def _append(self, cart, separator):
-        head = _encode(self.tokenizer, _pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator)[0], True)
+        head = _encode(self.tokenizer, _pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator,
+                                               cart.info.system)[0], True)
         if cart.tokens[: len(head)] != head or len(cart.tokens) <= len(head):
             raise InputError(f"cartridge {cart.path} does not open with the chat template's header; cannot compose it")
         sep = _encode(self.tokenizer, separator, False)
@@ -155,7 +156,7 @@ class ComposedCartridge:
 
     def question_prompt(self, question, cache=None):
         """Tokens to feed after the composed context (as `Cartridge.question_prompt`; `cache` unchecked)."""
-        return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
+        return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator, self.info.system)
 
     def prompt_cache(self):
         """A fresh cache list over the composed context."""

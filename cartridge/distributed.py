@@ -25,14 +25,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from .attention.cache import CartridgeCache
 from .attention.policy import prepare, resolve
 from .attention.shard import SliceData, slice_for
-from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, kv_caches, plan,
-                    prefill, write_layers)
+from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, header_extras,
+                    kv_caches, plan, prefill, write_layers)
 from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError
 from .format.container import check_index, open_snapshot
 from .format.header import parse_header, require_attention_layers
 from .format.pack import is_pack, open_packed
 from .format.reader import name_cartridge
-from .format.source import source_keys
 from .format.writer import check_output_path, check_space
 from .load import Cartridge, _layer_prefix, _model_dtype, check_fingerprint
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
@@ -310,7 +309,7 @@ def _gather_layers(caches, part, geometry, n_tokens, group):
 
 def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None,
                   boundary_protect=0, schema=None, page_size=256, prefill_step=512, force=False, progress=None,
-                  source_name=None, reserve=DEFAULT_RESERVE):
+                  source_name=None, reserve=DEFAULT_RESERVE, system=None):
     """`cartridge.build` on every rank of `group` with a sharded model; rank 0 writes the cartridge.
 
     Every rank prefills its shard (mlx-lm's sharded forward); rank 0 gathers all K/V heads (tensor) or
@@ -322,7 +321,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         model (LoadedModel): this rank's model, sharded with `shard_model` (or whole).
         group (mx.distributed.Group | None): the ranks; None means `mx.distributed.init()`.
         tier, k_tier, v_tier, boundary_protect, schema, page_size, prefill_step, force, progress,
-            source_name, reserve: as `cartridge.build`.
+            source_name, reserve, system: as `cartridge.build`.
 
     Returns:
         BuildResult | None: on rank 0; None on the other ranks.
@@ -343,7 +342,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         check_options(document, options, page_size, prefill_step, reserve)
         _require_kv_caches(model.model)
         geometry = _global_geometry(model.model)
-        schema, mode, tokens, left = plan(document, model, geometry, options, reserve)
+        schema, mode, tokens, left = plan(document, model, geometry, options, reserve, system)
         if group.rank() == 0:
             check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
         part = slice_for(model.model, geometry[0], geometry[1], group.rank(), group.size())
@@ -361,8 +360,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         return None
     try:
         path = write_layers(output, model, tokens, kv_caches(layers), schema, attention_plans(geometry), page_size,
-                            mode, force,
-                            source_keys(document, source_name))
+                            mode, force, header_extras(document, source_name, system))
     finally:
         for _ in layers:  # a failed write still takes part in the remaining gathers
             pass

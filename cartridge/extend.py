@@ -71,7 +71,7 @@ def document_text(cart):
         InputError: if the decoded tokens do not start with the template's opening.
     """
     tok, info = cart.tokenizer, cart.info
-    head, _, _ = _pieces(tok, info.prompt_mode, info.separator)
+    head, _, _ = _pieces(tok, info.prompt_mode, info.separator, info.system)
     text = tok.decode(cart.tokens[: info.document_tokens], skip_special_tokens=False,
                       clean_up_tokenization_spaces=False)
     bos = getattr(tok, "bos_token", None)
@@ -101,7 +101,8 @@ def extended_tokens(cart, text, separator=EXTEND_SEPARATOR):
     if info.document_tokens != len(info.tokens):
         raise InputError(f"the cartridge holds a conversation after its document (tokens {info.document_tokens}.."
                          f"{len(info.tokens)}); extend the document's cartridge instead")
-    ids = prefix_tokens(cart.tokenizer, document_text(cart) + separator + text, info.prompt_mode, info.separator)
+    ids = prefix_tokens(cart.tokenizer, document_text(cart) + separator + text, info.prompt_mode, info.separator,
+                        info.system)
     old = cart.tokens
     reused = next((i for i, (a, b) in enumerate(zip(old, ids)) if a != b), min(len(old), len(ids)))
     if reused == 0 or len(ids) <= reused:

@@ -127,7 +127,7 @@ class Cartridge:
         if self.info.document_tokens < len(self.info.tokens):  # a saved conversation: a new user turn
             return followup_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator,
                                    int(self.info.tokens[-1]))
-        return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator)
+        return question_tokens(self.tokenizer, question, self.info.prompt_mode, self.info.separator, self.info.system)
 
     def chat_prompt(self, messages, cache=None):
         """Tokens that continue a conversation about the document in `cache`.
@@ -149,8 +149,9 @@ class Cartridge:
             list[int]: pass as `prompt` to `mlx_lm.generate` / `stream_generate` with `cache`.
 
         Raises:
-            InputError: bad messages, a system message the template puts before the document, or a
-                cache that did not come from this cartridge's `prompt_cache()`.
+            InputError: bad messages, a system message the template puts before the document that is not
+                the one the cartridge was built with (`info.system`; a conversation without one is
+                answered under it), or a cache that did not come from this cartridge's `prompt_cache()`.
 
         Example:
             >>> cache = cart.prompt_cache()  # doctest: +SKIP
@@ -162,7 +163,8 @@ class Cartridge:
         if self.info.document_tokens < len(self.info.tokens):
             raise InputError(f"{self.path} holds a saved conversation: continue it one turn at a time with "
                              f"question_prompt (chat_prompt renders conversations from the bare document)")
-        full = conversation_tokens(self.tokenizer, messages, self.info.prompt_mode, self.info.separator)
+        full = conversation_tokens(self.tokenizer, messages, self.info.prompt_mode, self.info.separator,
+                                   self.info.system)
         if cache is None:
             return full
         if not isinstance(cache, PromptCache) or cache.prefix_tokens != len(self.info.tokens):

@@ -99,3 +99,33 @@ def test_bad_conversations_are_refused(cart, messages, error):
 def test_chat_prompt_needs_a_cache_of_this_cartridge(cart):
     with pytest.raises(InputError, match="prompt_cache"):
         cart.chat_prompt([{"role": "user", "content": "q"}], [KVCache()])
+
+
+@pytest.fixture(scope="module")
+def system_cart(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "system.cart"
+    cartridge.build(DOC, path, model=tiny, page_size=64, system="Answer in one word.")
+    return cartridge.load(path, model=tiny, attention="portable")
+
+
+def test_system_message_recorded_at_build_is_the_prefix_and_answers_under_it(system_cart, tiny):
+    assert system_cart.info.system == "Answer in one word."
+    q = "Who is the shipping manager?"
+    want = full_prompt_tokens(tiny.tokenizer, DOC, q, system="Answer in one word.")
+    assert want == tiny.tokenizer.encode(tiny.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": DOC.rstrip() + "\n\n" + q}],
+        add_generation_prompt=True, tokenize=False))
+    assert system_cart.tokens + system_cart.question_prompt(q) == want
+    user = [{"role": "user", "content": q}]
+    with_system = [{"role": "system", "content": "Answer in one word."}, *user]
+    # a conversation without a system message is answered under the cartridge's; sending it is the same
+    assert system_cart.tokens + system_cart.chat_prompt(user) == want
+    assert system_cart.chat_prompt(with_system) == system_cart.chat_prompt(user)
+    with pytest.raises(InputError, match="prefilled with the system message 'Answer in one word.'"):
+        system_cart.chat_prompt([{"role": "system", "content": "Be verbose."}, *user])
+
+
+def test_system_message_refused_before_load_when_blank(tiny, tmp_path):
+    with pytest.raises(InputError, match="^the system message is empty"):
+        cartridge.build(DOC, tmp_path / "x.cart", model="/nonexistent-model-dir", system="  ")
+    assert list(tmp_path.iterdir()) == []

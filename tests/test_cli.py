@@ -55,6 +55,18 @@ def test_inspect_shows_the_document(built):
     assert f"first line    {DOC.strip()!r}" in table
 
 
+def test_build_system_message_is_shown_and_refused_blank(built, tiny_dir, tmp_path):
+    corpus = built[0].parent / "doc.txt"
+    r = run("build", corpus, "-o", tmp_path / "s.cart", "--model", tiny_dir, "--system", "Answer briefly.")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "system        'Answer briefly.'" in run("inspect", tmp_path / "s.cart").stdout.decode()
+    assert json.loads(run("inspect", tmp_path / "s.cart", "--json").stdout)["system"] == "Answer briefly."
+    assert "system " not in run("inspect", built[0]).stdout.decode()
+    r = run("build", corpus, "-o", tmp_path / "b.cart", "--model", tiny_dir, "--system", " ")
+    assert r.returncode != 0 and r.stderr.decode().strip() == "error: the system message is empty (or only whitespace)"
+    assert not (tmp_path / "b.cart").exists()
+
+
 def test_inspect_of_a_format_1_0_cartridge_shows_dashes():
     from pathlib import Path
 

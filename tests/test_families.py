@@ -1,6 +1,7 @@
 """Every text family of the installed mlx-lm (issue 17): passes the matrix against a fresh mlx-lm
 prefill (tests/family_models.py) or is refused before any prefill with one line. The families named in
-the issue run by default; the rest are marked slow. docs/models.json (written by
+the issue run by default; the rest are marked `families` (`make test-families`: `make test` leaves them out
+to stay under 15 minutes). docs/models.json (written by
 scripts/family_table.py from the same checks) must agree with what each family does now.
 """
 
@@ -33,7 +34,7 @@ def _params():
     fixing it (or a tiny config for it) fails the run until docs/models.json is regenerated."""
     out = []
     for n in families():
-        marks = [] if n in FAST else [pytest.mark.slow]
+        marks = [] if n in FAST else [pytest.mark.families]
         status = RECORDED.get(n, {}).get("status")
         if status in ("FAIL", "no tiny model"):
             marks.append(pytest.mark.xfail(strict=True, reason=f"{status}: {RECORDED[n]['detail'][:100]}"))

@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n" * 3
 OTHER = "Section 2. The landlord repairs the roof; the tenant waters the garden every week.\n" * 4
 QUESTION = "How much is the rent?"
+SYSTEM = "Answer briefly."
 MAX = 12
 
 
@@ -36,11 +37,13 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def shelf(tiny_dir, smol_tokenizer, tmp_path_factory):
-    """lease and other (the server's model), wrong (another model's weights), broken (a flipped page byte)."""
+    """lease and other (the server's model), brief (lease built with a system message), wrong (another
+    model's weights), broken (a flipped page byte)."""
     folder = tmp_path_factory.mktemp("shelf")
     lm = cartridge.load_model(str(tiny_dir))
     for name, text in (("lease", DOC), ("other", OTHER)):
         cartridge.build(text, folder / f"{name}.cart", model=lm, page_size=16)
+    cartridge.build(DOC, folder / "brief.cart", model=lm, page_size=16, system=SYSTEM)
     wrong_dir = tmp_path_factory.mktemp("wrong-model")
     shutil.copytree(tiny_dir, wrong_dir, dirs_exist_ok=True)
     other_weights = make_tiny(smol_tokenizer, seed=1)
@@ -111,7 +114,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def carts(shelf):
     folder, lm = shelf
-    return {name: cartridge.load(folder / f"{name}.cart", model=lm) for name in ("lease", "other")}
+    return {name: cartridge.load(folder / f"{name}.cart", model=lm) for name in ("lease", "other", "brief")}
 
 
 def _greedy(model, tokenizer, prompt, cache=None, max_tokens=MAX, sampler=None):
@@ -134,7 +137,7 @@ def _user(q=QUESTION):
 
 def test_models_lists_cartridges_and_base(client, server, carts, tiny_dir):
     rows = {m.id: m.model_extra for m in client.models.list().data}
-    assert set(rows) == {"lease", "other", "wrong", "broken", tiny_dir.name}
+    assert set(rows) == {"lease", "other", "brief", "wrong", "broken", tiny_dir.name}
     lease = rows["lease"]
     assert lease["tokens"] == len(carts["lease"].tokens)
     assert lease["bytes"] == carts["lease"].info.data_size == server[1]
@@ -185,11 +188,18 @@ def test_several_turns_follow_the_document(client, carts):
 
 
 def test_system_message_where_the_template_cannot_place_it(client, carts, tiny_dir):
-    """SmolLM2's template puts the system message first, before the prefilled document: refused (400);
-    the base model takes it."""
-    messages = [{"role": "system", "content": "Answer briefly."}, *_user()]
+    """SmolLM2's template puts the system message first, before the prefilled document: a cartridge built
+    without it refuses it (400), one built with it (`build --system`) answers it, token-identical to the
+    in-process answer; the base model takes any."""
+    messages = [{"role": "system", "content": SYSTEM}, *_user()]
     with pytest.raises(openai.BadRequestError, match="puts the system message before the document"):
         _chat(client, "lease", messages)
+    cart = carts["brief"]
+    tokens, _ = _greedy(cart.model, cart.tokenizer, cart.chat_prompt(messages), cart.prompt_cache())
+    assert _chat(client, "brief", messages)[1] == tokens
+    assert _chat(client, "brief", _user())[1] == tokens  # no system message: the cartridge's applies
+    with pytest.raises(openai.BadRequestError, match="prefilled with the system message 'Answer briefly.'"):
+        _chat(client, "brief", [{"role": "system", "content": "Be verbose."}, *_user()])
     assert _chat(client, tiny_dir.name, messages)[0].choices[0].finish_reason == "length"
 
 
@@ -357,7 +367,7 @@ def test_pool_finds_cartridges_and_refuses_what_cannot_fit(shelf):
 
     folder, lm = shelf
     found = find_cartridges([folder])
-    assert list(found) == ["broken", "lease", "other", "wrong"]
+    assert list(found) == ["brief", "broken", "lease", "other", "wrong"]
     assert find_cartridges([folder / "lease.cart"]) == {"lease": folder / "lease.cart"}
     with pytest.raises(InputError, match="two cartridges are named 'lease'"):
         find_cartridges([folder, folder / "lease.cart"])

@@ -44,11 +44,14 @@ def cli():
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
               help="Warn when fewer than N tokens of the model's context are left for questions.")
+@click.option("--system", default=None, metavar="TEXT",
+              help="A system message rendered before the document (chat clients that send it are then served "
+                   "from the cartridge).")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
               help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
 def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, reserve,
-          force, parallel):
+          system, force, parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from tqdm import tqdm
 
@@ -72,7 +75,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
 
     options = dict(tier=tier, k_tier=k_tier, v_tier=v_tier, boundary_protect=boundary_protect, schema=schema,
                    page_size=page_size, prefill_step=prefill_step, force=force,
-                   source_name="stdin" if corpus == "-" else corpus, reserve=reserve)
+                   source_name="stdin" if corpus == "-" else corpus, reserve=reserve, system=system)
     try:
         with warnings_as_lines():
             if group is None:

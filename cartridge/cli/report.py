@@ -79,6 +79,7 @@ def inspect_dict(info, path):
         "total_bytes": total,
         "source_dtype": info.source_dtype,
         "prompt_mode": info.prompt_mode,
+        "system": info.system,
         "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"]},
         "source": info.source,
         "attention": {"backend": backend(), "auto": resolve("auto")},
@@ -107,6 +108,7 @@ def inspect_table(d):
            f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)"),
         f"on disk       {d['total_bytes']:,} bytes",
         *source_lines(d["source"]),
+        *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
         "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]

@@ -73,6 +73,7 @@ class CartridgeInfo:
         extents (dict): (layer, side) -> list[Extent], in component order.
         model_ref (str), fingerprint (dict), model_config (dict): the model it was built with.
         prompt_mode (str), separator (str): the prompt split (spec 5.4).
+        system (str | None): the system message rendered before the document (format 1.5; None if absent).
         source_dtype (str): dtype of K/V as the model computed them.
         data_size (int): bytes of pages.bin.
         params (dict): (layer, side) -> the tier's params object.
@@ -107,6 +108,7 @@ class CartridgeInfo:
     document_tokens: int = 0
     parts: list = field(default_factory=list)
     lineage_source: str = ""
+    system: str | None = None
 
     @property
     def kv_dim(self):
@@ -370,6 +372,7 @@ def parse_header(records, manifest):
         model_config=_typed(records, K.MODEL_CONFIG, dict),
         prompt_mode=_choice(records, K.PROMPT_MODE),
         separator=_typed(records, K.PROMPT_SEPARATOR, str),
+        system=_typed(records, K.PROMPT_SYSTEM, str) if K.PROMPT_SYSTEM in records else None,
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
         params=_params(records, tiers, layers),

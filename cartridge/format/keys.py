@@ -16,6 +16,7 @@ MODEL_CONFIG = "model.config"
 
 PROMPT_MODE = "prompt.mode"
 PROMPT_SEPARATOR = "prompt.separator"
+PROMPT_SYSTEM = "prompt.system"  # OPTIONAL (format 1.5): the system message rendered before the document
 
 TOKENS_COUNT = "tokens.count"
 TOKENS_IDS = "tokens.ids"  # binary: uint32 little-endian, tokens.count of them

@@ -46,11 +46,23 @@ def prompt_mode(tokenizer):
     return CHAT if getattr(tokenizer, "chat_template", None) else PLAIN
 
 
-def _pieces(tokenizer, mode, separator):
-    """(head, middle, tail): the rendered prompt is head + document + middle + question + tail."""
+def _system_turn(system, mode):
+    """[the system message] to render before the document's user turn ([] without one)."""
+    if system is None:
+        return []
     if mode == PLAIN:
+        raise InputError("a system message needs a chat template; this model has none")
+    check_text(system, "the system message")
+    return [{"role": "system", "content": system}]
+
+
+def _pieces(tokenizer, mode, separator, system=None):
+    """(head, middle, tail): the rendered prompt is head + document + middle + question + tail; `system`
+    (str | None) is a system message rendered where the chat template puts it (spec 5.4)."""
+    if mode == PLAIN:
+        _system_turn(system, mode)
         return "", separator + "Question: ", "\nAnswer:"
-    messages = [{"role": "user", "content": _DOC + separator + _QUESTION}]
+    messages = _system_turn(system, mode) + [{"role": "user", "content": _DOC + separator + _QUESTION}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if text.count(_DOC) != 1 or text.count(_QUESTION) != 1 or text.index(_DOC) > text.index(_QUESTION):
         raise InputError("the chat template does not render the user message verbatim; cannot split the prompt")
@@ -66,28 +78,30 @@ def _encode(tokenizer, text, first):
     return list(tokenizer.encode(text, add_special_tokens=special))
 
 
-def full_prompt_tokens(tokenizer, document, question, mode=None, separator=SEPARATOR):
+def full_prompt_tokens(tokenizer, document, question, mode=None, separator=SEPARATOR, system=None):
     """Tokens of the whole rendered prompt (document and question), as mlx-lm would encode it.
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper or HF tokenizer.
         document (str): the corpus text (trailing whitespace is removed, as in the prefix).
         question (str): the question.
+        system (str | None): a system message before the document's turn. Default: None.
 
     Returns:
         list[int]
     """
     mode = mode or prompt_mode(tokenizer)
-    head, middle, tail = _pieces(tokenizer, mode, separator)
+    head, middle, tail = _pieces(tokenizer, mode, separator, system)
     return _encode(tokenizer, head + document.rstrip() + middle + question + tail, True)
 
 
-def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR):
+def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR, system=None):
     """Tokens of the cartridge prefix: the template's opening through the end of the document.
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper or HF tokenizer.
         document (str): non-empty corpus text.
+        system (str | None): a system message the template renders before the document. Default: None.
 
     Returns:
         list[int]
@@ -98,17 +112,17 @@ def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR):
     check_text(document, "the corpus")
     mode = mode or prompt_mode(tokenizer)
     document = document.rstrip()
-    head, _, _ = _pieces(tokenizer, mode, separator)
+    head, _, _ = _pieces(tokenizer, mode, separator, system)
     prefix = _encode(tokenizer, head + document, True)
     probe = "Is this split stable?"
-    if prefix + question_tokens(tokenizer, probe, mode, separator) != full_prompt_tokens(
-        tokenizer, document, probe, mode, separator
+    if prefix + question_tokens(tokenizer, probe, mode, separator, system) != full_prompt_tokens(
+        tokenizer, document, probe, mode, separator, system
     ):
         raise InputError("prefix + question tokens differ from the full prompt's tokens for this tokenizer")
     return prefix
 
 
-def question_tokens(tokenizer, question, mode, separator=SEPARATOR):
+def question_tokens(tokenizer, question, mode, separator=SEPARATOR, system=None):
     """Tokens that follow the prefix: separator, question, end of turn and assistant header.
 
     Returns:
@@ -118,7 +132,7 @@ def question_tokens(tokenizer, question, mode, separator=SEPARATOR):
         InputError: if the question is empty.
     """
     check_text(question, "the question")
-    _, middle, tail = _pieces(tokenizer, mode, separator)
+    _, middle, tail = _pieces(tokenizer, mode, separator, system)
     return _encode(tokenizer, middle + question + tail, False)
 
 
@@ -173,7 +187,7 @@ def check_messages(messages):
         raise InputError(f"the last message must be a user turn (the model answers it), not {turns[-1]}")
 
 
-def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR):
+def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR, system=None):
     """Tokens that follow the cartridge prefix for a whole conversation about the document.
 
     The first user turn is joined to the document as `document + separator + content` (as
@@ -184,15 +198,20 @@ def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR):
         tokenizer: mlx-lm TokenizerWrapper. messages (list[dict]): OpenAI-style role/content turns
             that continue after the document; the last is a user turn.
         mode (str): CHAT or PLAIN (the cartridge's prompt mode). separator (str): the cartridge's.
+        system (str | None): the system message the cartridge was built with (`prompt.system`): a
+            conversation without a system message is answered as if it had sent this one.
 
     Returns:
         list[int]: with the prefix tokens before them, the tokens of the whole rendered conversation.
 
     Raises:
         InputError: bad messages (`check_messages`), or a system message that the template places
-            before the document (the cartridge holds the prefill of its own opening, so it cannot).
+            before the document and that differs from the cartridge's (the cartridge holds the prefill
+            of its own opening, so it cannot).
     """
     check_messages(messages)
+    if system is not None and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system}, *messages]
     if mode == PLAIN:
         if any(m["role"] == "system" for m in messages):
             raise InputError("a system message needs a chat template; this cartridge's model has none")
@@ -204,8 +223,10 @@ def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR):
     turns = [dict(m) for m in messages]
     turns[first_user]["content"] = _DOC + separator + turns[first_user]["content"]
     text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    head, _, _ = _pieces(tokenizer, mode, separator)
+    head, _, _ = _pieces(tokenizer, mode, separator, system)
     if text.count(_DOC) != 1 or not text.startswith(head) or text.index(_DOC) != len(head):
-        raise InputError("this model's chat template puts the system message before the document, which the "
-                         "cartridge holds already prefilled; drop the system message or build a cartridge for it")
+        built = "no system message" if system is None else f"the system message {system[:60]!r}"
+        raise InputError(f"this model's chat template puts the system message before the document, which the "
+                         f"cartridge holds already prefilled with {built}; send that one (or none), or build a "
+                         f"cartridge with `cartridge build --system`")
     return _encode(tokenizer, text[len(head) + len(_DOC):], False)
