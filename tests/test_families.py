@@ -21,6 +21,7 @@ from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.pages import make_prefix
 from cartridge.errors import InputError
 from cartridge.format.reader import open_cartridge
+from cartridge.models.families import plan_layers
 from cartridge.tiers import get_tier
 
 FAST = {"llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "lfm2",
@@ -71,6 +72,15 @@ def test_header_and_pages_disagreeing_is_refused_at_build(smol_tokenizer, tmp_pa
     with pytest.raises(InputError, match=r"^layer 0 k: the cache holds \(2, \d+, 16\); the header would say \(2, \d+, 32\)"):
         cartridge.build(DOC, tmp_path / "x.cart", model=lm)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_layer_whose_kv_another_layer_attends_over_is_dense(smol_tokenizer):
+    """gemma4's last layers attend over the K/V of the last earlier layer of their type: that layer is
+    "dense" (its cache hands out the whole K/V); the other full-attention layer stays on its pages."""
+    lm = make_model("gemma4_text", smol_tokenizer, num_hidden_layers=6,
+                    layer_types=["sliding_attention", "full_attention"] * 3)
+    kinds = [p.kind for p in plan_layers(lm.model, smol_tokenizer.encode(DOC))]
+    assert kinds == ["window", "attention", "window", "dense"]
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ arrive) with those caches, and records for every layer:
 
 - what the model wrote into the cache: (n_kv_heads, head_dim) of K and of V, or the recurrent arrays;
 - whether the model's attention reached `cartridge.attention.route` with exactly the K/V its cache
-  returned and a mask the cartridge attention understands. Only then can the layer attend over the
-  compressed pages ("attention"); otherwise (gemma2 computes attention itself, latent attention
-  multiplies the cached latent) the layer is loaded back into mlx-lm's own cache ("dense").
+  returned and a mask the cartridge attention understands, and no other layer attended over that
+  K/V. Only then can the layer attend over the compressed pages ("attention"); otherwise (gemma2
+  computes attention itself, latent attention multiplies the cached latent, gemma4's KV-shared layers
+  attend over an earlier layer's K/V) the layer is loaded back into mlx-lm's own cache ("dense").
 
 Kinds (spec/FORMAT.md section 5.5):
     attention   KVCache, attention routed: pages, attended by `CartridgeCache`.
@@ -131,6 +132,9 @@ def _forward(model, caches, tokens):
         same = ret is not None and keys is ret[0] and values is ret[1]
         ok = plain and same and queries.shape[-1] == keys.shape[-1] and queries.shape[1] % keys.shape[1] == 0
         routed[id(cache)] = routed.get(id(cache), True) and ok
+        for other, (k, v) in recorder.returned.items():  # another layer's K/V (gemma4's KV-shared layers)
+            if other != id(cache) and (keys is k or values is v):
+                routed[other] = False
 
     route.install()
     with route.watching(seen):
@@ -205,14 +209,15 @@ def _restore(plan, cache):
 
 
 def _restored_runs(model, plans, caches, tokens):
-    """None if the model takes a 2-token and a 1-token step over the restored caches with finite
-    logits; otherwise what went wrong, in a few words."""
+    """None if the model takes a 2-token and a 1-token step over the restored caches with logits that
+    are numbers (-inf is one: phi3small masks the ids it never emits with it; NaN and +inf are not);
+    otherwise what went wrong, in a few words."""
     try:
         restored = [_restore(p, c) for p, c in zip(plans, caches)]
         for chunk in (tokens[:2], tokens[:1]):
             logits = model(mx.array([chunk], dtype=mx.uint32), cache=restored)
-            if not mx.all(mx.isfinite(logits)).item():
-                return "logits not finite"
+            if mx.any(mx.isnan(logits) | (logits == float("inf"))).item():
+                return "logits NaN or +inf"
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:120]}"
     return None

@@ -8,6 +8,7 @@ On a CPU device quantized weights are dequantized to float32 by default: MLX's q
 at about 3 GFLOP/s on CPU, float32 matmul with OpenBLAS at 237-435 GFLOP/s (measured, DEVELOPERS.md).
 """
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -153,7 +154,20 @@ def architecture_config(model):
     if args is None:
         raise ModelLoadError(f"{type(model).__name__} has no `args`; not an mlx-lm model")
     raw = args if isinstance(args, dict) else vars(args)
-    return {k: v for k, v in sorted(raw.items()) if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
+    return {k: _plain(v) for k, v in sorted(raw.items())
+            if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
+
+
+def _plain(value):
+    """`value` with dataclass objects inside lists and dicts made dicts (nemotron-nas keeps its
+    `block_configs` as a list of frozen dataclasses), so it can be digested as JSON."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def weights_digest(model):
