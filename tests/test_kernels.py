@@ -106,11 +106,11 @@ def test_dequantize_once_matches_float64():
 
 
 def _fused_cases():
-    """(tier, shape, tensor cores, single launch): every tier and shape; mlx4g32 also without tensor cores,
-    mlx4g32 and int8 also with the finish as a second kernel."""
+    """(tier, shape, tensor cores, single launch): every tier and shape; mlx4g32, int8, fp16 and turbo4 also
+    without tensor cores (the plain pass 1), mlx4g32 and int8 also with the finish as a second kernel."""
     for tier, shape in itertools.product(sorted(TIERS), SHAPES):
         yield tier, shape, True, True
-        if tier == "mlx4g32":
+        if tier in ("mlx4g32", "int8", "fp16", "turbo4"):
             yield tier, shape, False, True
         if tier in ("mlx4g32", "int8"):
             yield tier, shape, True, False
@@ -133,8 +133,9 @@ def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, monkeypat
     fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
                         prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
     n_q, n_kv, D, _, _, _, L = shape
-    mma = tensor_cores and tier == "mlx4g32" and n_q // n_kv * L <= 4 and D in (64, 128) and cuda.has_tensor_cores()
-    assert fused.kernel.uses_tensor_cores(n_q // n_kv * L, D) == mma
+    # every shape's page is a multiple of 16 tokens; mxfp4 and nvfp4 have only the tensor-core pass 1
+    tc = (tensor_cores or tier in ("mxfp4", "nvfp4")) and D in (64, 128) and cuda.has_tensor_cores()
+    assert fused.kernel.uses_tensor_cores(n_q // n_kv * L, D) == tc
     for dtype in (mx.float32, mx.float16):
         got = _run(fused, q, tk, tv, dtype)
         if dtype == mx.float16:  # inputs rounded to fp16: compare against the same rounded inputs

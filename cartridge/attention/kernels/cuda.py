@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO = range(7)
+FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4 = range(9)
 # tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
 FUSED_TIERS = {
     "fp16": (FP16, 0, ("values",)),
@@ -38,7 +38,10 @@ FUSED_TIERS = {
     "turbo4": (TURBO, 4, ("codes", "norms")),
     "turbo3": (TURBO, 3, ("codes", "norms")),
     "turbo2": (TURBO, 2, ("codes", "norms")),
+    "mxfp4": (MXFP4, 0, ("codes", "scales")),
+    "nvfp4": (NVFP4, 0, ("codes", "scales")),
 }
+TC_ONLY = (MXFP4, NVFP4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
 DENSE_IDS = {mx.float16: FP16, mx.bfloat16: BF16, mx.float32: F32}
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
@@ -59,6 +62,8 @@ MMA_TARGET_BLOCKS_D64 = 528
 MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
 MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
+TC_STAGES = 3  # tiles of 16 tokens in flight per warp in flash_pass1_tc
+TC_WARPS = 4
 MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
 # 3 = no finish in the single launch (outputs are then garbage)
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
@@ -72,6 +77,10 @@ PASS1_CALL = """cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, W
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
 MMA_INPUTS = ["q", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
+TC_CALL = """cart::flash_pass1_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS, STAGES>(
+    q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
+    (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
+"""
 MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG>(
     q, SCALE, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
     (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
@@ -118,7 +127,7 @@ def _constants(consts):
 
 
 def kernel_spec(kind, n_chunks=0, consts=()):
-    """(name, input names, output names, body) of one kernel: "pass1" or "mma" (pass 1 alone), "finish"
+    """(name, input names, output names, body) of one kernel: "pass1", "mma" or "tc" (pass 1 alone), "finish"
     (merge, tail and output; `n_chunks` tail chunks), or "pass1+finish" / "mma+finish" (one launch: pass 1,
     `tail_rows` in the last split's block, then `finish_rows` in each KV head's last block). `consts` are
     (name, value) pairs compiled into the body, so the call passes no template arguments; the name carries
@@ -132,8 +141,8 @@ def kernel_spec(kind, n_chunks=0, consts=()):
                 "blockIdx.y, blockIdx.z);\n")
     else:
         base = kind.split("+")[0]
-        inputs = list(PASS1_INPUTS if base == "pass1" else MMA_INPUTS)
-        body = PASS1_CALL if base == "pass1" else MMA_CALL
+        inputs = list(MMA_INPUTS if base == "mma" else PASS1_INPUTS)
+        body = {"pass1": PASS1_CALL, "mma": MMA_CALL, "tc": TC_CALL}[base]
         outputs = ["O", "M", "L"]
         if kind.endswith("+finish"):
             inputs += ["work", "tk0", "tv0"]
@@ -145,11 +154,33 @@ def kernel_spec(kind, n_chunks=0, consts=()):
 
 
 @functools.cache
-def _kernel(kind, n_chunks, consts):
-    """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`."""
+def _kernel(kind, n_chunks, consts, shared_memory=0):
+    """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`, with `shared_memory` dynamic bytes."""
     name, inputs, outputs, body = kernel_spec(kind, n_chunks, consts)
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
-                               header=_header()[0])
+                               header=_header()[0], shared_memory=shared_memory)
+
+
+def _tc_side_bytes(tid, bits, D):
+    """(tile bytes, code-pair table bytes) of one side in flash_pass1_tc (TcSide in flash_decode.cuh)."""
+    b0 = 2 * D if tid in (FP16, BF16) else D if tid in (AFF8, MXFP8) else D * bits // 8 if tid == TURBO else D // 2
+    b1 = {AFF8: D // 16, AFF4: D // 16, MXFP8: D // 32, MXFP4: D // 32, NVFP4: D // 16, TURBO: 2}.get(tid, 0)
+    b2 = D // 16 if tid in (AFF8, AFF4) else 0
+    rs = b0 + 16 if b0 % 16 == 0 else b0
+    tile = 16 * rs + (16 * b1 + 15) // 16 * 16 + (16 * b2 + 15) // 16 * 16
+    if tid not in (MXFP4, NVFP4, TURBO):
+        return tile, 0
+    entries = 1 << (2 * (bits if tid == TURBO else 4))
+    copies = 32 if entries * 128 <= 8192 else 8192 // (4 * entries)
+    return tile, entries * copies * 4
+
+
+def tc_smem_bytes(k_spec, v_spec, D, warps=None, stages=None):
+    """Dynamic shared memory of flash_pass1_tc (tc_smem_bytes in flash_decode.cuh): tables, then the stages or
+    the warps' outputs, whichever is larger."""
+    warps, stages = warps or TC_WARPS, stages or TC_STAGES
+    (tk, lk), (tv, lv) = _tc_side_bytes(k_spec[0], k_spec[1], D), _tc_side_bytes(v_spec[0], v_spec[1], D)
+    return lk + lv + max(warps * stages * (tk + tv), warps * 8 * D * 4)
 
 
 @functools.cache
@@ -169,15 +200,25 @@ def tier_spec(codec, parts):
 
 
 def supported(prefix, head_dim):
-    """True if both sides' tiers and the head_dim have a fused kernel."""
-    return (head_dim in HEAD_DIMS and tier_spec(prefix.k_codec, prefix.k_parts) is not None
-            and tier_spec(prefix.v_codec, prefix.v_parts) is not None)
+    """True if both sides' tiers and the head_dim have a fused kernel (mxfp4 and nvfp4: only the tensor-core
+    pass 1, so head_dim 64 or 128, pages of a multiple of 16 tokens and a GPU with tensor cores)."""
+    specs = [tier_spec(prefix.k_codec, prefix.k_parts), tier_spec(prefix.v_codec, prefix.v_parts)]
+    if head_dim not in HEAD_DIMS or None in specs:
+        return False
+    if any(s[0] in TC_ONLY for s in specs):
+        page = prefix.k_parts[next(iter(prefix.k_parts))].shape[2]
+        return head_dim in MMA_HEAD_DIMS and page % 16 == 0 and has_tensor_cores()
+    return True
 
 
 def _side_inputs(spec, parts, params):
     """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy."""
     tid, _, names = spec
     arrays = [parts[n] for n in names] + [mx.zeros((4,), dtype=mx.uint32)] * (3 - len(names))
+    if tid == NVFP4:  # cb[0]: the global factor global_scale / (448 * 6)
+        cb = np.zeros(16, dtype=np.float32)
+        cb[0] = params["global_scale"] / (448.0 * 6.0)
+        return arrays, mx.array(cb), mx.zeros((1,), dtype=mx.float32)
     if tid == TURBO:
         cb = np.zeros(16, dtype=np.float32)
         cb[: len(params["codebook"])] = params["codebook"]
@@ -228,6 +269,7 @@ class FusedAttention:
         _, self.n_kv, self.page, _ = self.k_in[0].shape
         self.n_tokens = prefix.n_tokens
         self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0
+        self.tc_only = self.k_spec[0] in TC_ONLY or self.v_spec[0] in TC_ONLY
         self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (6,) device row per tail length]
         self._plans = {}
 
@@ -247,13 +289,19 @@ class FusedAttention:
             mx.eval(rows)
         return rows[tail_len]
 
-    def uses_tensor_cores(self, R, D):
-        """True if pass 1 runs `flash_pass1_mma` for R query rows per KV head and head_dim D."""
+    def uses_mma(self, R, D):
+        """True if pass 1 runs `flash_pass1_mma` (mlx4g32 K and V) for R query rows per KV head and head_dim D."""
         return TENSOR_CORES and self.mma and R <= 4 and D in MMA_HEAD_DIMS and has_tensor_cores()
+
+    def uses_tensor_cores(self, R, D):
+        """True if pass 1 runs on tensor cores (`flash_pass1_mma` or `flash_pass1_tc`) for R query rows per KV
+        head and head_dim D; mxfp4 and nvfp4 always do (they have no other pass 1)."""
+        return (self.tc_only or TENSOR_CORES) and D in MMA_HEAD_DIMS and self.page % 16 == 0 and has_tensor_cores()
 
     def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single):
         R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
-        if self.uses_tensor_cores(R, D):
+        smem = 0
+        if self.uses_mma(R, D):
             target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
             # splits of whole 16-token tiles, equal within a tile: at 131072 tokens, 32 x 3984 + 3584 tokens
             # rather than 32 x 4032 + 2048 (a block with half the work, and the others longer)
@@ -262,6 +310,19 @@ class FusedAttention:
             consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
                       ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG)]
             grid = (n_splits * threads, self.n_kv, 1)
+        elif self.uses_tensor_cores(R, D):
+            target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
+            row_blocks = -(-R // 8)
+            per, n_splits = split_plan(self.n_tokens, self.n_kv, row_blocks, 16 * TC_WARPS, target, granule=16)
+            (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
+            kind, inputs, threads = "tc", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], TC_WARPS * 32
+            consts = [("T", dtype), ("TK", tk), ("BK", bk), ("TV", tv), ("BV", bv), ("HD", D), ("NKV", self.n_kv),
+                      ("PAGE", self.page), ("WARPS", TC_WARPS), ("STAGES", TC_STAGES), ("DIAG", 0)]
+            grid = (n_splits * threads, self.n_kv, row_blocks)
+            smem = tc_smem_bytes(self.k_spec, self.v_spec, D)
+            # MLX raises a kernel's shared-memory limit only for more than 48000 dynamic bytes; with the static
+            # arrays (about 6 KB) a smaller request could still pass the default 48 KiB
+            smem = smem if smem <= 48 * 1024 - 8192 else max(smem, 48004)
         else:
             rows, epl = (R, DECODE_EPL) if R <= 4 else (8, 8)
             slots = (32 // (D // epl)) * WARPS * UNROLL  # tokens a block consumes per round
@@ -277,12 +338,12 @@ class FusedAttention:
         if single and threads == 128:
             consts = (*consts, ("CH", chunk_size))
             work = (n_splits + 1) * self.n_kv * R * (D + 2) + self.n_kv
-            return _Plan(_kernel(kind + "+finish", 1, consts), consts, inputs, grid, threads, True, None, R, per,
+            return _Plan(_kernel(kind + "+finish", 1, consts, smem), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
         finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
                   ("VTURBO", self.v_spec[0] == TURBO), ("SCALE", float(scale))]
         consts = tuple(consts)
-        return _Plan(_kernel(kind, 0, consts), consts, inputs, grid, threads, False,
+        return _Plan(_kernel(kind, 0, consts, smem), consts, inputs, grid, threads, False,
                      _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
 
     def __call__(self, cache, queries, scale):
@@ -307,7 +368,7 @@ class FusedAttention:
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
                   and tail_len <= chunk_size and self.v_spec[0] != TURBO)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
-               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG)
+               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single)

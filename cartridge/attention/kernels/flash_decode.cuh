@@ -948,3 +948,369 @@ __device__ bool last_block(const int32_t* counter, int h, int n) {
   return is_last;
 }
 }  // namespace cart
+
+namespace cart {
+// ---- Tensor-core pass 1 for every tier (`flash_pass1_tc`): the mlx4g32 kernel's pipeline, one tile decode per
+// tier. A warp takes tiles of 16 prefix tokens, copied by cp.async (STAGES deep, in dynamic shared memory) as the
+// pages store them. Scores: mma.m16n8k16, tokens as M, head_dim as K, the block's 8 query rows as N (fp16,
+// each row scaled by a power of two into fp16's range, exact for fp16 and bf16 queries); a lane dequantizes 4
+// consecutive head_dim elements of a token at a time to fp16 (`tile_deq4`). Output: mma.m16n8k16 with head_dim
+// as M (lane g owns D/8 consecutive elements; row g of M block b is element g D/8 + 2b, row g + 8 the next),
+// tokens as K, the rows' probabilities (fp16) as N; V is dequantized by the same function and token pairs are
+// interleaved with PRMT. Per tier: fp16 as stored; bf16 converted to fp16; int8 / mlx4g32 s c + b (exact codes,
+// one rounding); fp8 E4M3 by bit moves times its E8M0 scale; mxfp4 / nvfp4 and TurboQuant through a table of
+// code pairs -> half2 in shared memory (copies per lane class against bank conflicts), times the group scale
+// (mxfp4, nvfp4; nvfp4's global factor and TurboQuant's norms are applied per score / folded into the
+// probabilities). TurboQuant runs in the rotated basis: q is rotated once per block, the output is rotated
+// back by the finish.
+constexpr int MXFP4 = 7, NVFP4 = 8;
+
+template <int TIER, int BITS, int D>
+struct TcSide {
+  static constexpr bool DENSE = TIER == FP16 || TIER == BF16;
+  static constexpr int B0 = DENSE ? 2 * D : (TIER == AFF8 || TIER == MXFP8) ? D : TIER == TURBO ? D * BITS / 8 : D / 2;
+  static constexpr int B1 = (TIER == AFF8 || TIER == AFF4) ? D / 16 : (TIER == MXFP8 || TIER == MXFP4) ? D / 32
+                          : TIER == NVFP4 ? D / 16 : TIER == TURBO ? 2 : 0;
+  static constexpr int B2 = (TIER == AFF8 || TIER == AFF4) ? D / 16 : 0;
+  static constexpr int RS = B0 % 16 == 0 ? B0 + 16 : B0;  // row stride of array 0 (padded against bank conflicts)
+  static constexpr int O1 = 16 * RS;
+  static constexpr int O2 = O1 + (16 * B1 + 15) / 16 * 16;
+  static constexpr int BYTES = O2 + (16 * B2 + 15) / 16 * 16;  // one 16-token tile
+  static constexpr bool LUT = TIER == MXFP4 || TIER == NVFP4 || TIER == TURBO;
+  static constexpr int LB = TIER == TURBO ? BITS : 4;  // bits per code
+  static constexpr int ENTRIES = LUT ? 1 << (2 * LB) : 0;  // code pairs
+  static constexpr int COPIES = !LUT ? 1 : ENTRIES * 128 <= 8192 ? 32 : 8192 / (4 * ENTRIES);
+  static constexpr int LUT_BYTES = LUT ? ENTRIES * COPIES * 4 : 0;
+};
+
+// 16-byte copies of a tile's rows of one array (B bytes per token, rows RS apart in shared memory), zero past
+// `lim` tokens (cp.async with a short source size fills the rest of the 16 bytes with zeros).
+template <int B, int RS>
+__device__ __forceinline__ void tc_copy(uint32_t dst, const char* src, unsigned lim, int lane) {
+#pragma unroll
+  for (int p = lane; p < B; p += 32) {  // 16 tokens x B bytes = B pieces of 16 bytes
+    const int byte = 16 * p;
+    const uint32_t d = RS == B ? dst + byte : dst + (byte / B) * RS + byte % B;
+    const int left = (int)(lim * B) - byte;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src + byte),
+                 "r"(left <= 0 ? 0 : left >= 16 ? 16 : left));
+  }
+}
+
+__device__ __forceinline__ __half2 h2_splat(float x) { return __float2half2_rn(x); }
+
+// Elements d0 .. d0 + 3 (d0 % 4 == 0) of tile row r as two fp16 pairs (d0, d0 + 1) and (d0 + 2, d0 + 3):
+// the decoded value, except TurboQuant (codebook value, the norm comes later) and nvfp4 (without the global
+// factor). `lut` is this lane's column of the code-pair table.
+template <int TIER, int BITS, int D>
+__device__ __forceinline__ void tile_deq4(const char* tile, int r, int d0, const uint32_t* lut, uint32_t& x01,
+                                          uint32_t& x23) {
+  using S = TcSide<TIER, BITS, D>;
+  const char* row = tile + r * S::RS;
+  if constexpr (TIER == FP16) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * d0);
+    x01 = u.x;
+    x23 = u.y;
+  } else if constexpr (TIER == BF16) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * d0);
+    x01 = h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x))));
+    x23 = h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y))));
+  } else if constexpr (TIER == AFF8 || TIER == AFF4) {
+    const __half* sb = reinterpret_cast<const __half*>(tile + S::O1) + r * (D / 32) + d0 / 32;
+    const __half2 s = __half2half2(sb[0]);
+    const __half2 b = __half2half2(*reinterpret_cast<const __half*>(reinterpret_cast<const char*>(sb) + (S::O2 - S::O1)));
+    const __half2 k1024 = bits_h2(0x64006400u);
+    uint32_t c01, c23;
+    if constexpr (TIER == AFF8) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(row + d0);
+      c01 = __byte_perm(w, 0x64646464u, 0x4140);  // (1024 + c0, 1024 + c1), exact
+      c23 = __byte_perm(w, 0x64646464u, 0x4342);
+    } else {
+      const uint32_t w = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
+      c01 = (w & 0xFu) | ((w & 0xF0u) << 12) | 0x64006400u;
+      c23 = ((w >> 8) & 0xFu) | ((w & 0xF000u) << 4) | 0x64006400u;
+    }
+    x01 = h2_bits(__hfma2(__hsub2(bits_h2(c01), k1024), s, b));
+    x23 = h2_bits(__hfma2(__hsub2(bits_h2(c23), k1024), s, b));
+  } else if constexpr (TIER == MXFP8) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + d0);
+    const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 32) + d0 / 32];
+    const __half2 s = h2_splat(__uint_as_float(min(e + 8u, 254u) << 23));  // 2^(e - 127) * 2^8
+    const uint32_t t01 = __byte_perm(w, 0u, 0x1404), t23 = __byte_perm(w, 0u, 0x3424);  // bytes to the high halves
+    const uint32_t h01 = ((t01 >> 1) & 0x3F803F80u) | (t01 & 0x80008000u);  // E4M3 value * 2^-8 as fp16
+    const uint32_t h23 = ((t23 >> 1) & 0x3F803F80u) | (t23 & 0x80008000u);
+    x01 = h2_bits(__hmul2(bits_h2(h01), s));
+    x23 = h2_bits(__hmul2(bits_h2(h23), s));
+  } else {  // code-pair table: mxfp4, nvfp4, TurboQuant
+    constexpr int LB = S::LB, C = S::COPIES, MASK = (1 << (2 * LB)) - 1;
+    uint32_t bits;
+    if constexpr (LB == 3) {
+      const int bit = 3 * d0, wi = bit / 32, sh = bit % 32;
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
+      bits = sh <= 20 ? w[wi] >> sh : __funnelshift_r(w[wi], w[wi + 1], sh);
+    } else if constexpr (LB == 4) {
+      bits = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
+    } else {
+      bits = *reinterpret_cast<const uint8_t*>(row + d0 / 4);
+    }
+    x01 = lut[(bits & MASK) * C];
+    x23 = lut[((bits >> (2 * LB)) & MASK) * C];
+    if constexpr (TIER == MXFP4) {
+      const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 32) + d0 / 32];
+      const __half2 s = h2_splat(__uint_as_float(max(e, 1u) << 23));
+      x01 = h2_bits(__hmul2(bits_h2(x01), s));
+      x23 = h2_bits(__hmul2(bits_h2(x23), s));
+    } else if constexpr (TIER == NVFP4) {
+      const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 16) + d0 / 16];
+      const __half2 s = h2_splat(e4m3_to_float(e));
+      x01 = h2_bits(__hmul2(bits_h2(x01), s));
+      x23 = h2_bits(__hmul2(bits_h2(x23), s));
+    }
+  }
+}
+
+// Fill this side's code-pair table: entry e = (code e & mask, code e >> LB) as half2, COPIES copies interleaved.
+template <int TIER, int BITS, int D>
+__device__ void tc_fill_lut(uint32_t* lut, const float* cb) {
+  using S = TcSide<TIER, BITS, D>;
+  if constexpr (S::LUT) {
+    constexpr int M = (1 << S::LB) - 1;
+    for (int i = threadIdx.x; i < S::ENTRIES * S::COPIES; i += blockDim.x) {
+      const int e = i / S::COPIES;
+      float v[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int c = (e >> (k * S::LB)) & M;
+        if constexpr (TIER == TURBO) {
+          v[k] = cb[c];
+        } else {  // E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6, sign in bit 3
+          const int m = c & 7;
+          const float mag = m < 4 ? 0.5f * m : (float)(1 << (m / 2 - 1)) * (m & 1 ? 1.5f : 1.f);
+          v[k] = c & 8 ? -mag : mag;
+        }
+      }
+      lut[i] = h2_bits(__floats2half2_rn(v[0], v[1]));
+    }
+  }
+}
+
+// Per-token factor of a score (TurboQuant K: the token's norm; nvfp4 K: the global factor cb[0]) or of a
+// probability (TurboQuant V: the norm), 1 otherwise.
+template <int TIER, int BITS, int D>
+__device__ __forceinline__ float tc_token_factor(const char* tile, int r, const float* cb) {
+  if constexpr (TIER == TURBO) {
+    return __half2float(reinterpret_cast<const __half*>(tile + TcSide<TIER, BITS, D>::O1)[r]);
+  } else {
+    return 1.f;
+  }
+}
+
+template <int TK, int BK, int TV, int BV, int D, int WARPS, int STAGES>
+__host__ __device__ constexpr int tc_smem_bytes() {
+  using SK = TcSide<TK, BK, D>;
+  using SV = TcSide<TV, BV, D>;
+  constexpr int stages = WARPS * STAGES * (SK::BYTES + SV::BYTES), outs = WARPS * 8 * D * 4;
+  return SK::LUT_BYTES + SV::LUT_BYTES + (stages > outs ? stages : outs);
+}
+
+template <typename T, int TK, int BK, int TV, int BV, int D, int NKV, int P, int WARPS, int STAGES>
+__device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const void* k0, const void* k1,
+                               const void* k2, const void* v0, const void* v1, const void* v2, const float* cbk,
+                               const float* cbv, const int32_t* prm, float* O, float* M, float* L) {
+  using SK = TcSide<TK, BK, D>;
+  using SV = TcSide<TV, BV, D>;
+  constexpr int DL = D / 8, NB = D / 16;  // head_dim elements per lane in the output; M blocks
+  constexpr int STAGE = SK::BYTES + SV::BYTES;
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  const int n_tokens = prm[0], R = prm[1], per_split = prm[2];
+  const int h = blockIdx.y, rb = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, tig = lane & 3;
+
+  extern __shared__ __align__(16) unsigned char dsm[];
+  {
+    uint32_t have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (uint32_t)tc_smem_bytes<TK, BK, TV, BV, D, WARPS, STAGES>()) __trap();
+  }
+  uint32_t* lut_k = reinterpret_cast<uint32_t*>(dsm);
+  uint32_t* lut_v = reinterpret_cast<uint32_t*>(dsm + SK::LUT_BYTES);
+  unsigned char* stages = dsm + SK::LUT_BYTES + SV::LUT_BYTES;
+  __shared__ float sq[8][D], sqs[8];
+  __shared__ __align__(16) __half sp[WARPS][8][16];
+  __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
+
+  const int t0 = blockIdx.x * per_split;
+  const int t1 = min(t0 + per_split, n_tokens);
+  const int n_tiles = (t1 - t0 + 15) / 16;
+  const char* kc[3] = {static_cast<const char*>(k0), static_cast<const char*>(k1), static_cast<const char*>(k2)};
+  const char* vc[3] = {static_cast<const char*>(v0), static_cast<const char*>(v1), static_cast<const char*>(v2)};
+  const uint32_t stage0 = (uint32_t)__cvta_generic_to_shared(stages + warp * STAGES * STAGE);
+
+  auto load_tile = [&](int tile, int buf) {
+    const unsigned tb = t0 + 16 * tile, lim = t1 - tb;
+    const size_t tok = ((size_t)(tb / P) * NKV + h) * P + tb % P;
+    const uint32_t st = stage0 + buf * STAGE;
+    tc_copy<SK::B0, SK::RS>(st, kc[0] + tok * SK::B0, lim, lane);
+    if constexpr (SK::B1 > 0) tc_copy<SK::B1, SK::B1>(st + SK::O1, kc[1] + tok * SK::B1, lim, lane);
+    if constexpr (SK::B2 > 0) tc_copy<SK::B2, SK::B2>(st + SK::O2, kc[2] + tok * SK::B2, lim, lane);
+    tc_copy<SV::B0, SV::RS>(st + SK::BYTES, vc[0] + tok * SV::B0, lim, lane);
+    if constexpr (SV::B1 > 0) tc_copy<SV::B1, SV::B1>(st + SK::BYTES + SV::O1, vc[1] + tok * SV::B1, lim, lane);
+    if constexpr (SV::B2 > 0) tc_copy<SV::B2, SV::B2>(st + SK::BYTES + SV::O2, vc[2] + tok * SV::B2, lim, lane);
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (warp + s * WARPS < n_tiles) load_tile(warp + s * WARPS, s);
+    cp_async_commit();
+  }
+
+  tc_fill_lut<TK, BK, D>(lut_k, cbk);
+  tc_fill_lut<TV, BV, D>(lut_v, cbv);
+  // the block's query rows rb * 8 + c (zero past R); TurboQuant K: rotated once, q~ = H diag(s) q / sqrt(D)
+  for (int idx = threadIdx.x; idx < 8 * D; idx += blockDim.x) {
+    const int c = idx / D, d = idx % D, row = rb * 8 + c;
+    float v = row < R ? (float)q[((size_t)h * R + row) * D + d] : 0.f;
+    if constexpr (TK == TURBO) v *= sgk[h * D + d];
+    sq[c][d] = v;
+  }
+  __syncthreads();
+  if constexpr (TK == TURBO) {
+    fwht_rows<8, D>(&sq[0][0]);
+    for (int idx = threadIdx.x; idx < 8 * D; idx += blockDim.x) sq[idx / D][idx % D] *= rsqrtf((float)D);
+    __syncthreads();
+  }
+  for (int c = warp; c < 8; c += WARPS) {  // per row, a power of two that puts its largest element near 2^15
+    float mx = 0.f;
+    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(sq[c][d]));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) sqs[c] = mx > 0.f ? exp2f(floorf(log2f(32768.f / mx))) : 1.f;
+  }
+  __syncthreads();
+  uint32_t qb[NB][2];  // B of the scores: column g = row g, K slots (2 tig, 2 tig + 1) = elements 16 j + 4 tig + 0, 1
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const int d = 16 * j + 4 * tig;
+    const float s = sqs[g];
+    qb[j][0] = h2_bits(__floats2half2_rn(sq[g][d] * s, sq[g][d + 1] * s));
+    qb[j][1] = h2_bits(__floats2half2_rn(sq[g][d + 2] * s, sq[g][d + 3] * s));
+  }
+  float qinv[2];  // score factor of this lane's columns 2 tig, 2 tig + 1
+#pragma unroll
+  for (int j = 0; j < 2; ++j) qinv[j] = scale * LOG2E / sqs[2 * tig + j];
+  float kg = 1.f, vg = 1.f;  // nvfp4 global factors
+  if constexpr (TK == NVFP4) kg = cbk[0];
+  if constexpr (TV == NVFP4) vg = cbv[0];
+  const uint32_t* lk = lut_k + lane % SK::COPIES;
+  const uint32_t* lv = lut_v + lane % SV::COPIES;
+
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float o[NB][4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[b][c] = 0.f;
+  const int kt[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
+
+  int rd = 0, wr = STAGES - 1;
+  for (int tile = warp; tile < n_tiles; tile += WARPS) {
+    const int nxt = tile + (STAGES - 1) * WARPS;
+    if (nxt < n_tiles) load_tile(nxt, wr);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const char* ktile = reinterpret_cast<const char*>(stages + (warp * STAGES + rd) * STAGE);
+    const char* vtile = ktile + SK::BYTES;
+    rd = rd + 1 == STAGES ? 0 : rd + 1;
+    wr = wr + 1 == STAGES ? 0 : wr + 1;
+    const int tb = t0 + 16 * tile;
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      uint32_t a[4];
+      tile_deq4<TK, BK, D>(ktile, g, 16 * j + 4 * tig, lk, a[0], a[2]);
+      tile_deq4<TK, BK, D>(ktile, g + 8, 16 * j + 4 * tig, lk, a[1], a[3]);
+      mma16816(acc, a, qb[j][0], qb[j][1]);
+    }
+    float x[2][2];  // [token g, g + 8][column 2 tig + j], base-2 units
+    float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = g + 8 * i;
+      const float f = tc_token_factor<TK, BK, D>(ktile, r, cbk) * kg;
+      const bool valid = tb + r < t1;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        x[i][j] = valid ? acc[2 * i + j] * f * qinv[j] : NEG_INF;
+        mt[j] = fmaxf(mt[j], x[i][j]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) mt[j] = fmaxf(mt[j], __shfl_xor_sync(0xffffffffu, mt[j], off));
+      const float mn = fmaxf(m[j], mt[j]);  // finite: token tb is in every tile
+      alpha[j] = exp2_ftz(m[j] - mn);
+      m[j] = mn;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = g + 8 * i;
+      const float fv = tc_token_factor<TV, BV, D>(vtile, r, cbv);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float p = exp2_ftz(x[i][j] - m[j]);
+        l[j] = i == 0 ? fmaf(l[j], alpha[j], p) : l[j] + p;
+        sp[warp][2 * tig + j][r] = __float2half_rn(p * fv);
+      }
+    }
+    __syncwarp();
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        o[b][0] *= alpha[0];
+        o[b][1] *= alpha[1];
+        o[b][2] *= alpha[0];
+        o[b][3] *= alpha[1];
+      }
+    }
+    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sp[warp][g][2 * tig]);
+    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sp[warp][g][2 * tig + 8]);
+    uint32_t vh[4][NB];  // token kt[k], elements g DL + 2 b, + 1
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int i = 0; i < DL / 4; ++i) tile_deq4<TV, BV, D>(vtile, kt[k], g * DL + 4 * i, lv, vh[k][2 * i], vh[k][2 * i + 1]);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const uint32_t a[4] = {__byte_perm(vh[0][b], vh[1][b], 0x5410), __byte_perm(vh[0][b], vh[1][b], 0x7632),
+                             __byte_perm(vh[2][b], vh[3][b], 0x5410), __byte_perm(vh[2][b], vh[3][b], 0x7632)};
+      mma16816(o[b], a, b0, b1);
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[j] += __shfl_xor_sync(0xffffffffu, l[j], off);
+  __syncthreads();  // the stage buffers are free: the warps' outputs go there
+  float* sm_o = reinterpret_cast<float*>(stages);  // [WARPS][8][D]
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sm_o[(warp * 8 + 2 * tig + (c & 1)) * D + g * DL + 2 * b + (c >> 1)] = o[b][c] * vg;
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      sm_m[warp][2 * tig + j] = m[j] * LN2;
+      sm_l[warp][2 * tig + j] = l[j];
+    }
+  }
+  __syncthreads();
+  write_split<WARPS, 8, D, NKV>(sm_o, &sm_m[0][0], &sm_l[0][0], rb * 8, R, blockIdx.x, h, O, M, L);
+}
+}  // namespace cart
