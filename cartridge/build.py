@@ -18,7 +18,7 @@ from .attention.store import check_layer_tiers, to_numpy, write_layer
 from .errors import InputError
 from .format import keys as K
 from .format.keys import HEAD_RECORD_BYTES
-from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
+from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_LIST, PAGE_RECORD
 from .format.source import source_keys
 from .format.writer import CartridgeWriter, check_output_path, check_space
 from .models.families import LayerPlan, plan_layers
@@ -120,10 +120,10 @@ def tier_keys(schema, params, head_dim):
 
 
 def _header(lm, tokens, plans, records, page_size, mode, source_dtype, source):
-    n_kv, head_dim = next((p.k_shape for p in plans if p.k_shape), (1, 1))  # pre-1.4 readers' global shape
+    n_kv, head_dim = next((u.k_shape for p in plans for u in p.units() if u.k_shape), (1, 1))  # pre-1.4 readers
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
-        K.FORMAT_MINOR: FORMAT_MINOR,
+        K.FORMAT_MINOR: FORMAT_MINOR_LIST if any(p.kind == "list" for p in plans) else FORMAT_MINOR,
         K.WRITER: "cartridge 0.1.0",
         K.MODEL_REF: lm.ref,
         K.MODEL_FINGERPRINT: lm.fingerprint,
@@ -156,9 +156,9 @@ def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
 
 def layers_bytes(schema, plans, n_tokens, page_size):
     """`cartridge_bytes` of layers of any kind (`LayerPlan`s): a window layer's pages hold its last
-    `window` tokens, a state layer's arrays one page each."""
+    `window` tokens, a state layer's arrays one page each, a list layer's caches each as its kind."""
     total = 4 * n_tokens + (1 << 20)
-    for plan_, row in zip(plans, schema):
+    for plan_, row in ((u, r) for p, r in zip(plans, schema) for u in p.units()):
         if plan_.kind == "state":
             total += sum(ALIGN + PAGE_RECORD.size + HEAD_RECORD_BYTES + int(np.prod(shape)) * 4
                          for _, _, shape in plan_.state)
@@ -371,10 +371,10 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
     Raises:
         InputError: a cache holds shapes other than its plan's (nothing is published).
     """
-    records, source_dtype = {}, next((p.dtype for p in plans if p.dtype), None)
+    records, source_dtype = {}, next((u.dtype for p in plans for u in p.units() if u.dtype), None)
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
-            if source_dtype is None and plans[layer].kind != "state":
+            if source_dtype is None and plans[layer].kind not in ("state", "list"):
                 source_dtype = str(cache.keys.dtype).replace("mlx.core.", "")
             records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens)))
         header = _header(lm, tokens, plans, records, page_size, mode, source_dtype or "float32", source or {})
@@ -385,6 +385,6 @@ def build_result(path, tokens, prefill_seconds, seconds, schema, plans, context_
     """The BuildResult of a written cartridge (sizes read from disk); bytes per token of the layers
     that store every token."""
     total = sum(f.stat().st_size for f in path.iterdir())
-    bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(p, f"{s}_shape"))
-              for p, r in zip(plans, schema) if p.kind in ("attention", "dense") for s in ("k", "v"))
+    bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(u, f"{s}_shape")) for p, r in zip(plans, schema)
+              for u in p.units() if u.kind in ("attention", "dense") for s in ("k", "v"))
     return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

@@ -12,8 +12,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .attention import route
-from .attention.cache import CartridgeCache, LayerPrefix
-from .attention.layers import DenseLayer, StateLayer, WindowLayer, is_paged
+from .attention.cache import LayerPrefix
+from .attention.layers import (DenseLayer, ListLayer, StateLayer, WindowLayer, cache_offset, fresh_cache, is_paged,
+                               trimmable)
 from .attention.policy import prepare, resolve
 from .errors import InputError, ModelMismatchError
 from .format import keys as K
@@ -56,20 +57,24 @@ def _array(data, extent):
     return arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
 
 
-def _layer_prefix(info, data, layer):
+def _layer_prefix(info, data, layer, meta=None):
+    meta = meta or info.layers[layer]
     parts = {side: {e.component: _array(data, e) for e in info.extents[(layer, side)]} for side in SIDES}
-    tier = info.tiers[layer]
-    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], info.layers[layer].count,
+    tier = info.unit_tiers[layer]
+    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], meta.count,
                        info.params[(layer, "k")], info.params[(layer, "v")])
 
 
-def _layer(info, data, layer):
-    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State layer (`attention.layers`)."""
-    meta = info.layers[layer]
+def _layer(info, data, layer, meta=None):
+    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State/List layer
+    (`attention.layers`). `layer` is a layer index, or "i.j" for cache j of a list layer (with its `meta`)."""
+    meta = meta or info.layers[layer]
+    if meta.kind == "list":
+        return ListLayer([_layer(info, data, K.part(layer, j), u) for j, u in enumerate(meta.parts)])
     if meta.kind == "state":
         arrays = {i: _array(data, e)[0] for i, e in zip((a[0] for a in meta.arrays), info.extents[(layer, K.STATE_SIDE)])}
         return StateLayer(meta.state_size, arrays)
-    prefix = _layer_prefix(info, data, layer)
+    prefix = _layer_prefix(info, data, layer, meta)
     dtype = DTYPES[info.source_dtype]
     if meta.kind == "window":
         return WindowLayer(prefix, dtype, meta.window, len(info.tokens))
@@ -118,7 +123,7 @@ class Cartridge:
             InputError: if the question is empty, or `cache` already holds tokens after the document
                 (its answer would follow the earlier turns and a malformed second document turn).
         """
-        offset = next((c.offset for c in (cache or ()) if hasattr(c, "offset")), None)  # recurrent: none
+        offset = cache_offset(cache)  # recurrent states only: none
         if offset is not None and offset > len(self.info.tokens):
             held = offset - len(self.info.tokens)
             raise InputError(f"this cache already holds {held} tokens after the document; call "
@@ -184,7 +189,7 @@ class Cartridge:
 
     def _trimmable(self):
         """True if every layer's tail can be trimmed back (page-attended and dense layers)."""
-        return all(is_paged(p) or p.kind == "dense" for p in self._prefixes)
+        return all(trimmable(p) for p in self._prefixes)
 
     def reset(self, cache):
         """Empty the tail of a cache from `prompt_cache()`: it holds the bare document again.
@@ -195,7 +200,7 @@ class Cartridge:
         for i, (c, layer) in enumerate(zip(cache, self._prefixes)):
             if is_paged(layer) or layer.kind == "dense":
                 c.trim(max(0, c.offset - len(self.info.tokens)))
-            else:  # a window or recurrent state: a fresh copy of the stored one
+            else:  # a window, recurrent state or list of caches: a fresh copy of the stored one
                 cache[i] = layer.cache()
         if isinstance(cache, PromptCache):
             cache.tokens = []
@@ -220,8 +225,7 @@ class Cartridge:
             PromptCache: a list of one cache per layer, for `mlx_lm.generate(prompt_cache=...)`.
         """
         route.install()
-        return PromptCache([CartridgeCache(p) if is_paged(p) else p.cache() for p in self._prefixes],
-                           len(self.info.tokens))
+        return PromptCache([fresh_cache(p) for p in self._prefixes], len(self.info.tokens))
 
 
 class PromptCache(list):
@@ -240,9 +244,16 @@ class PromptCache(list):
 
     def trim_tail(self, keep):
         """Drop every tail token after the first `keep` (generated ones included)."""
-        for c in self:
+        for c in (leaf for layer in self for leaf in getattr(layer, "caches", (layer,))):
             if keep or hasattr(c, "offset"):  # a fresh recurrent state (reset) holds nothing to trim
                 c.trim(max(0, c.offset - self.prefix_tokens - keep))
+
+
+def _head_dims(meta):
+    """(K head_dim, V head_dim) of a layer, (None, None) for a state, a list of them for a list layer."""
+    if meta.kind == "list":
+        return [_head_dims(u) for u in meta.parts]
+    return (meta.k_shape[1], meta.v_shape[1]) if meta.k_shape else (None, None)
 
 
 def _model_dtype(model):
@@ -309,7 +320,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
                          "reference such as \"default\")")
     check_fingerprint(info, fingerprint(model, tokenizer), path, ref)
     prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
-    head_dims = [(m.k_shape[1], m.v_shape[1]) if m.k_shape else (None, None) for m in info.layers]
+    head_dims = [_head_dims(m) for m in info.layers]
     prefixes = prepare(prefixes, policy, _model_dtype(model), head_dims)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy

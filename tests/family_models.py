@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
 from cartridge.errors import InputError
+from cartridge.models.families import leaves
 from cartridge.models.loader import LoadedModel, fingerprint
 
 WINDOW = 16  # sliding windows shorter than the document and than question + answer
@@ -81,7 +82,7 @@ OVERRIDES = {  # family -> extra or different fields (what COMMON's guesses cann
     "mamba2": {"num_heads": 8, "head_dim": 32, "intermediate_size": 256, "tie_word_embeddings": True},
     "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
     "Klear": {"mlp_only_layers": []},
-    "baichuan_m1": {"sliding_window_layers": [0, 2], "conv_window": 2},
+    "baichuan_m1": {"sliding_window_layers": [0, 2], "conv_window": 2, "tie_word_embeddings": False},
     "dbrx": {"ffn_config": {"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2},
              "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}},
     "deepseek_v2": {"rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
@@ -95,6 +96,9 @@ OVERRIDES = {  # family -> extra or different fields (what COMMON's guesses cann
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2},
     "gptj": {"rotary_dim": 16},
     "lfm2_moe": {"full_attn_idxs": [1, 3], "conv_L_cache": 3},
+    "falcon_h1": {"mamba_d_ssm": 128},  # mamba_n_heads x mamba_d_head
+    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity",
+                      "zero_expert_num": 1, "attention_method": "MLA"},
     "mellum": {"rope_parameters": {t: {"rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")}},
     "ministral3": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
                                        "original_max_position_embeddings": 4096},
@@ -245,7 +249,7 @@ def _fresh(model, prefix, stored=None):
     """mlx-lm's own caches after a fresh prefill of `prefix`; with `stored`, K/V rounded to that dtype."""
     cache = make_prompt_cache(model)
     model(mx.array([prefix], dtype=mx.uint32), cache=cache)
-    for c in cache if stored else ():
+    for c in leaves(cache) if stored else ():  # the caches inside a CacheList too
         if getattr(c, "keys", None) is not None:
             c.keys, c.values = c.keys.astype(stored).astype(c.keys.dtype), c.values.astype(stored).astype(c.values.dtype)
     return cache
@@ -291,7 +295,7 @@ def _check(lm, row, folder):
     path = cartridge.build(DOC, folder / "fp16.cart", model=lm, page_size=PAGE, force=True).path
     carts = {policy: cartridge.load(path, model=lm, attention=policy, verify="header") for policy in POLICIES}
     info = carts["portable"].info
-    row["kinds"] = ",".join(sorted({m.kind for m in info.layers}))
+    row["kinds"] = ",".join(sorted({m.kind for m in info.layers} | {u.kind for _, u in info.units()}))
     question = carts["portable"].question_prompt(QUESTION)
     answer, ref = reference(lm.model, info.tokens.tolist(), question)
     worst = 0.0

@@ -9,19 +9,24 @@ import importlib
 import json
 import shutil
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ROOT
-from family_models import DOC, PAGE, WINDOW, check_family, families, make_model
+from family_models import DOC, PAGE, WINDOW, _check, check_family, families, make_model
+from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 
 import cartridge
 from cartridge.attention import store
+from cartridge.cli.report import inspect_dict, inspect_table, layer_rows
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.pages import make_prefix
 from cartridge.errors import InputError
-from cartridge.format.reader import open_cartridge
+from cartridge.format.reader import open_cartridge, verify_cartridge
 from cartridge.models.families import plan_layers
+from cartridge.models.loader import LoadedModel, fingerprint
 from cartridge.tiers import get_tier
 
 FAST = {"llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "lfm2",
@@ -60,9 +65,53 @@ def test_refused_family_leaves_nothing_and_never_prefills(smol_tokenizer, tmp_pa
     calls = []
     monkeypatch.setattr(build_module, "prefill", lambda *a, **k: calls.append(a))
     lm = make_model("falcon_h1", smol_tokenizer)
-    with pytest.raises(InputError, match="^model family falcon_h1 uses CacheList caches; a cartridge stores"):
+    n = lm.model.args.num_hidden_layers  # a cache kind a cartridge cannot store, inside the model's CacheLists
+    monkeypatch.setattr(lm.model, "make_cache", lambda: [CacheList(ArraysCache(2), QuantizedKVCache()) for _ in range(n)])
+    with pytest.raises(InputError, match="^model family falcon_h1 uses QuantizedKVCache caches inside CacheLists; "
+                                         "a cartridge stores KVCache, RotatingKVCache"):
         cartridge.build(DOC, tmp_path / "x.cart", model=lm)
     assert calls == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def baichuan(smol_tokenizer):
+    """baichuan_m1 with random convolution weights: its own init (zeros) makes K = V = 0 and leaves the
+    convolution state of its CacheLists unused."""
+    lm = make_model("baichuan_m1", smol_tokenizer)
+    mx.random.seed(3)
+    for layer in lm.model.model.layers:
+        attn = layer.self_attn
+        attn.conv_k, attn.conv_v = mx.random.normal(attn.conv_k.shape), mx.random.normal(attn.conv_v.shape)
+    return LoadedModel(lm.model, smol_tokenizer, "tiny-baichuan_m1", fingerprint(lm.model, smol_tokenizer))
+
+
+def test_list_layers_store_each_cache_as_its_kind(baichuan, tmp_path):
+    """CacheList(ArraysCache, RotatingKVCache | KVCache) per layer: state, window and page-attended caches."""
+    row = _check(baichuan, {"family": "baichuan_m1", "status": "FAIL", "detail": "", "kinds": ""}, tmp_path)
+    assert row["status"] == "pass", row
+    path = tmp_path / "fp16.cart"
+    info, _ = open_cartridge(path)
+    assert info.format_version == "1.5" and {m.kind for m in info.layers} == {"list"}
+    assert [[u.kind for u in m.parts] for m in info.layers] == [["state", "window"], ["state", "attention"]] * 2
+    assert verify_cartridge(path).ok
+    header = {k: json.loads(v) for k, v in info.records.items() if k != "tokens.ids" and not k.endswith((".pages", ".head_sums"))}
+    jsonschema.validate(header, json.loads((ROOT / "spec" / "header.schema.json").read_text()))
+    rows = layer_rows(info)
+    assert [c["kind"] for c in rows[1]["caches"]] == ["state", "attention"] and rows[0]["caches"][1]["tokens"] == WINDOW
+    assert "caches: state recurrent state" in inspect_table(inspect_dict(info, path))
+
+
+def test_each_prompt_cache_gets_its_own_list_of_caches(baichuan, tmp_path):
+    cart = cartridge.load(cartridge.build(DOC, tmp_path / "b.cart", model=baichuan).path, model=baichuan)
+    q = mx.array([cart.question_prompt("Is a pet allowed?")])
+    first = cart.prompt_cache()
+    assert all(isinstance(c, CacheList) for c in first)
+    want = baichuan.model(q, cache=cart.prompt_cache())
+    for n in (WINDOW + 1, 1, 1, 1):  # steps write the window in place and replace the convolution state
+        baichuan.model(q[:, :n], cache=first)
+    np.testing.assert_array_equal(np.array(baichuan.model(q, cache=cart.prompt_cache())), np.array(want))
+    cart.reset(first)
+    np.testing.assert_array_equal(np.array(baichuan.model(q, cache=first)), np.array(want))
 
 
 def test_header_and_pages_disagreeing_is_refused_at_build(smol_tokenizer, tmp_path, monkeypatch):

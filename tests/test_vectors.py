@@ -91,6 +91,48 @@ def test_layer_record_corruption_raises_field_error(tmp_path, case):
     assert type(e.value) is FieldError, (case, repr(e.value))
 
 
+def _as_list(count=1, kind=b'"attention"'):
+    """Layer 0 of the 1.4 vector re-described as a format 1.5 "list" layer whose cache 0 is that layer."""
+    def transform(records):
+        out = {k: v for k, v in records.items() if not k.startswith("layer.0.")}
+        out.update({"layer.0.0." + k[len("layer.0."):]: v for k, v in records.items() if k.startswith("layer.0.")})
+        out.update({K.layer_kind(0): b'"list"', K.layer_caches(0): str(count).encode(),
+                    K.layer_kind(K.part(0, 0)): kind, K.FORMAT_MINOR: b"5"})
+        return out
+    return transform
+
+
+def test_list_layer_reads_each_cache_as_its_kind(tmp_path):
+    path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
+    forge_records(path, _as_list())
+    info, data = open_cartridge(path)
+    (layer,) = info.layers
+    assert layer.kind == "list" and info.format_version == "1.5"
+    assert [(m.kind, m.k_shape, m.v_shape, m.count) for m in layer.parts] == [("attention", (1, 4), (1, 4), 3)]
+    assert info.units() == [("0.0", layer.parts[0])] and info.unit_tiers == {"0.0": {"k": "fp16", "v": "fp16"}}
+    for side in "kv":
+        (extent,) = info.extents[("0.0", side)]
+        np.testing.assert_array_equal(data.view(extent, "float16"), vector_pages(side))
+    assert verify_cartridge(path).ok
+
+
+LIST_CORRUPTIONS = {  # a "list" layer's records (spec section 5.5, format 1.5) -> FieldError
+    "no caches": _as_list(count=0),
+    "more caches than described": _as_list(count=2),
+    "a list in a list": _as_list(kind=b'"list"'),
+    "caches not an integer": lambda r: {**_as_list()(r), K.layer_caches(0): b'"1"'},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIST_CORRUPTIONS))
+def test_list_layer_corruption_raises_field_error(tmp_path, case):
+    path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
+    forge_records(path, LIST_CORRUPTIONS[case])
+    with pytest.raises(CartridgeError) as e:
+        open_cartridge(path)
+    assert type(e.value) is FieldError, (case, repr(e.value))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_round_trip_through_every_read_path(tmp_path, seed):
     """Random geometry -> write -> read back through the mmap view, copied bytes, and a .cartz trip."""

@@ -6,6 +6,9 @@
   `RotatingKVCache` in the state mlx-lm's own prefill leaves, so the window moves during generation
   exactly as mlx-lm's does.
 - "state" (recurrent layers): the stored arrays in an mlx-lm `ArraysCache`.
+- "list" (several caches in one layer, mlx-lm `CacheList`): each cache restored as its own kind (a
+  page-attended one as a `CartridgeCache`), in an mlx-lm `CacheList` in the same order, so model code
+  that reads `cache[0]`, `cache[1]` of a layer finds what mlx-lm's own `make_cache` gives it.
 
 Each class decodes once at load and hands every `prompt_cache()` a cache of its own: generation
 mutates a cache (a rotating cache writes in place; a recurrent step replaces its arrays), never the
@@ -13,9 +16,9 @@ shared arrays. The page-attended kind ("attention") is `cartridge.attention.cach
 """
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from .cache import LayerPrefix
+from .cache import CartridgeCache, LayerPrefix
 
 
 def decode_prefix(prefix, dtype):
@@ -103,6 +106,52 @@ class StateLayer:
     def nbytes(self):
         """Bytes of the stored arrays."""
         return sum(a.nbytes for a in self.arrays.values())
+
+
+class ListLayer:
+    """A layer of several caches (mlx-lm CacheList), each stored and restored as its own kind.
+
+    Args:
+        parts (list): per cache, in the CacheList's order: a LayerPrefix (page-attended) or a
+            Dense/Window/State layer.
+    """
+
+    kind = "list"
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def cache(self):
+        """A fresh CacheList: each part's own fresh cache (a CartridgeCache over a shared prefix)."""
+        return CacheList(*(fresh_cache(p) for p in self.parts))
+
+    @property
+    def nbytes(self):
+        """Bytes its parts keep."""
+        return sum(p.nbytes for p in self.parts)
+
+
+def fresh_cache(layer):
+    """A new cache of one loaded layer for one generation: a CartridgeCache over a page-attended
+    prefix, else the layer's own fresh copy."""
+    return CartridgeCache(layer) if is_paged(layer) else layer.cache()
+
+
+def trimmable(layer):
+    """True if a loaded layer's tail can be trimmed back (page-attended and dense caches only)."""
+    if getattr(layer, "kind", None) == "list":
+        return all(trimmable(p) for p in layer.parts)
+    return is_paged(layer) or layer.kind == "dense"
+
+
+def cache_offset(caches):
+    """Tokens a prompt cache holds: the offset of its first cache that has one (a CacheList's caches
+    included); None if none has (recurrent states only)."""
+    for c in caches or ():
+        for leaf in getattr(c, "caches", (c,)):
+            if hasattr(leaf, "offset"):
+                return leaf.offset
+    return None
 
 
 def stored_kv(cache, kind, n_tokens):

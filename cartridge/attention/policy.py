@@ -12,6 +12,7 @@ import mlx.core as mx
 from ..errors import InputError
 from ..tiers.float16 import Float16Codec
 from .cache import LayerPrefix
+from .layers import ListLayer
 
 POLICIES = ("auto", "fused", "portable", "dequantize-once")
 # Measured with `cartridge bench` (docs/performance.md "Attention paths"): the fastest policy per backend.
@@ -72,18 +73,23 @@ def prepare(prefixes, policy, dtype, head_dims):
     """Apply a concrete policy to loaded prefixes.
 
     Args:
-        prefixes (list): one per layer, as stored: a LayerPrefix for a page-attended layer; other
-            layers (`cartridge.attention.layers`) pass through unchanged.
+        prefixes (list): one per layer, as stored: a LayerPrefix for a page-attended layer; a ListLayer
+            has its parts prepared; other layers (`cartridge.attention.layers`) pass through unchanged.
         policy (str): a concrete policy from `resolve`.
         dtype (mx.Dtype): the model's activation dtype (dense pages use it).
-        head_dims (list[tuple]): per layer (K head_dim, V head_dim); ignored for other layers.
+        head_dims (list): per layer (K head_dim, V head_dim), a list of them for a ListLayer; ignored
+            for other layers.
 
     Returns:
         list: the LayerPrefixes with `kernel` set where a fused kernel applies (and dense pages for
         "dequantize-once").
     """
     out = []
-    for p, (k_dim, v_dim) in zip(prefixes, head_dims):
+    for p, dims in zip(prefixes, head_dims):
+        if isinstance(p, ListLayer):
+            out.append(ListLayer(prepare(p.parts, policy, dtype, dims)))
+            continue
+        k_dim, v_dim = dims
         if not isinstance(p, LayerPrefix):
             out.append(p)
             continue

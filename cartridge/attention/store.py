@@ -1,8 +1,10 @@
 """Store one layer's filled mlx-lm cache as extents and header records (spec/FORMAT.md section 5.5).
 
 K/V layers ("attention", "dense", "window") go through the layer's tiers into pages; a "state" layer's
-arrays are stored as produced, one single-page extent per array. Every shape written is the shape the
-model wrote into its cache, checked against the probe's plan: a disagreement is refused, not written.
+arrays are stored as produced, one single-page extent per array; a "list" layer's caches are stored
+one after another the same way, cache j of layer i under the key path "i.j". Every shape written is
+the shape the model wrote into its cache, checked against the probe's plan: a disagreement is
+refused, not written.
 """
 
 import mlx.core as mx
@@ -27,15 +29,17 @@ def check_layer_tiers(plans, schema):
     """
     if len(schema) != len(plans):
         raise InputError(f"schema has {len(schema)} layers; the model has {len(plans)}")
-    for i, (plan, row) in enumerate(zip(plans, schema)):
-        if plan.kind == "state":
-            continue
-        for side, shape in (("k", plan.k_shape), ("v", plan.v_shape)):
-            try:
-                get_tier(row[side]).check(*shape)
-            except InputError as e:
-                raise InputError(f"layer {i} {side} ({plan.kind}, {shape[0]} kv heads x head_dim {shape[1]}): "
-                                 f"{e}") from None
+    for i, (layer_plan, row) in enumerate(zip(plans, schema)):
+        for j, plan in enumerate(layer_plan.units()):
+            if plan.kind == "state":
+                continue
+            where = f"{i}.{j}" if layer_plan.kind == "list" else i
+            for side, shape in (("k", plan.k_shape), ("v", plan.v_shape)):
+                try:
+                    get_tier(row[side]).check(*shape)
+                except InputError as e:
+                    raise InputError(f"layer {where} {side} ({plan.kind}, {shape[0]} kv heads x head_dim "
+                                     f"{shape[1]}): {e}") from None
 
 
 def to_numpy(x):
@@ -66,7 +70,8 @@ def write_layer(writer, layer, plan, cache, row, page_size, n_tokens):
     """Encode and append one layer's extents.
 
     Args:
-        writer (CartridgeWriter): open writer. layer (int): layer index.
+        writer (CartridgeWriter): open writer. layer (int | str): layer index, or "i.j" for cache j of
+            a "list" layer i.
         plan (LayerPlan): the probe's plan. cache: the layer's filled mlx-lm cache.
         row (dict): {"k": tier, "v": tier}. page_size (int): tokens per page. n_tokens (int): prefix tokens.
 
@@ -76,6 +81,11 @@ def write_layer(writer, layer, plan, cache, row, page_size, n_tokens):
     Raises:
         InputError: the cache holds shapes other than the plan's (nothing is written: the writer aborts).
     """
+    if plan.kind == "list":
+        records = {K.layer_kind(layer): "list", K.layer_caches(layer): len(plan.parts)}
+        for j, (part, c) in enumerate(zip(plan.parts, cache.caches)):
+            records.update(write_layer(writer, K.part(layer, j), part, c, row, page_size, n_tokens))
+        return records
     if plan.kind == "state":
         return _write_state(writer, layer, plan, cache)
     records = {K.layer_kind(layer): plan.kind}

@@ -39,7 +39,9 @@ def _check_room(cart, cache, prompt, max_tokens, what):
     what `cache` holds."""
     from cartridge.build import context_length
 
-    limit, held = context_length(cart.model), cache[0].offset
+    from cartridge.attention.layers import cache_offset
+
+    limit, held = context_length(cart.model), cache_offset(cache) or len(cart.tokens)
     if limit is None or held + len(prompt) + max_tokens <= limit:
         return
     room = limit - held - len(prompt)

@@ -26,20 +26,29 @@ def tier_formulas(tiers, n_kv_heads, head_dim):
             for name in used}
 
 
+def _unit_row(info, path, m):
+    nbytes = sum(e.page_bytes * e.shape[0] for (p, _), ext in info.extents.items() if p == path for e in ext)
+    row = {"kind": m.kind, "tokens": m.count, "bytes": nbytes}
+    if m.kind == "state":
+        row["arrays"] = [{"index": a, "dtype": d, "shape": list(s)} for a, d, s in m.arrays]
+    else:
+        row.update(k_shape=list(m.k_shape), v_shape=list(m.v_shape))
+    if m.kind == "window":
+        row.update(window=m.window, start=m.start)
+    return row
+
+
 def layer_rows(info):
-    """Per layer: kind, K/V shapes, the prefix tokens it holds and its payload bytes (`inspect --json`)."""
+    """Per layer: kind, K/V shapes, the prefix tokens it holds and its payload bytes (`inspect --json`);
+    a "list" layer: its caches' rows under "caches", tokens the most any of them holds, bytes their sum."""
     rows = []
     for i, m in enumerate(info.layers):
-        nbytes = sum(e.page_bytes * e.shape[0] for ext in (v for (j, _), v in info.extents.items() if j == i)
-                     for e in ext)
-        row = {"layer": i, "kind": m.kind, "tokens": m.count, "bytes": nbytes}
-        if m.kind == "state":
-            row["arrays"] = [{"index": a, "dtype": d, "shape": list(s)} for a, d, s in m.arrays]
+        if m.kind == "list":
+            caches = [_unit_row(info, f"{i}.{j}", u) for j, u in enumerate(m.parts)]
+            rows.append({"layer": i, "kind": "list", "tokens": max(c["tokens"] for c in caches),
+                         "bytes": sum(c["bytes"] for c in caches), "caches": caches})
         else:
-            row.update(k_shape=list(m.k_shape), v_shape=list(m.v_shape))
-        if m.kind == "window":
-            row.update(window=m.window, start=m.start)
-        rows.append(row)
+            rows.append({"layer": i, **_unit_row(info, i, m)})
     return rows
 
 
@@ -116,9 +125,11 @@ def inspect_table(d):
     for run in d["tier_runs"]:
         first = shapes[int(run["layers"].split("-")[0])]
         if run["k"] is None:
-            lines.append(f"              {run['layers']:<7} {'state':<8} {'state':<8} -")
+            what = "mixed" if first["kind"] == "list" else "state"
+            lines.append(f"              {run['layers']:<7} {what:<8} {what:<8} -")
             continue
-        per = TIERS[run["k"]].bytes_per_token(*first["k_shape"]) + TIERS[run["v"]].bytes_per_token(*first["v_shape"])
+        per = sum(TIERS[run[s]].bytes_per_token(*u[f"{s}_shape"]) for u in first.get("caches", [first])
+                  if u["kind"] != "state" for s in ("k", "v"))
         lines.append(f"              {run['layers']:<7} {run['k']:<8} {run['v']:<8} {per:,}")
     lines.append("layers        layers  kind       holds")
     for run in fold_layers(d["layers"]):
@@ -131,6 +142,9 @@ def inspect_table(d):
 
 def _holds(run):
     """What a run of layers holds, in words: tokens and shapes, or state arrays; bytes per layer."""
+    if run["kind"] == "list":
+        caches = " + ".join(f"{c['kind']} {_holds({**c, 'bytes_each': c['bytes']})}" for c in run["caches"])
+        return f"caches: {caches}"
     if run["kind"] == "state":
         arrays = ", ".join(f"{a['dtype']}{a['shape']}" for a in run["arrays"])
         return f"recurrent state {arrays} ({run['bytes_each']:,} bytes each)"

@@ -26,9 +26,9 @@ LIMITS = {  # key -> (min, max), inclusive
     K.N_PAGES: (1, 1 << 31),
 }
 SIDES = ("k", "v")
-KINDS = ("attention", "dense", "window", "state")
+KINDS = ("attention", "dense", "window", "state", "list")
 MAX_STATE_ARRAYS = 64
-STATE_DTYPES = ("float32", "float16", "bfloat16")
+STATE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,12 @@ class LayerInfo:
     """What one layer stores (spec/FORMAT.md section 5.5; a file before 1.4: every layer "attention").
 
     Attributes:
-        kind (str): "attention", "dense", "window" or "state".
+        kind (str): "attention", "dense", "window", "state" or "list".
         k_shape, v_shape (tuple | None): (n_kv_heads, head_dim) of each side; None for "state".
         start, count (int): the stored prefix positions start .. start + count - 1 (0 for "state").
         window (int | None): a "window" layer's size.
         state_size (int | None): a "state" layer's slots. arrays (tuple): ((index, dtype, shape), ...).
+        parts (tuple): a "list" layer's caches, one LayerInfo each (none of them a "list").
     """
 
     kind: str
@@ -51,6 +52,7 @@ class LayerInfo:
     window: int = None
     state_size: int = None
     arrays: tuple = ()
+    parts: tuple = ()
 
     def n_pages(self, page_size):
         """Pages per K/V component of this layer."""
@@ -73,10 +75,12 @@ class CartridgeInfo:
         extents (dict): (layer, side) -> list[Extent], in component order.
         model_ref (str), fingerprint (dict), model_config (dict): the model it was built with.
         prompt_mode (str), separator (str): the prompt split (spec 5.4).
-        system (str | None): the system message rendered before the document (format 1.5; None if absent).
+        system (str | None): the system message rendered before the document (format 1.4; None if absent).
         source_dtype (str): dtype of K/V as the model computed them.
         data_size (int): bytes of pages.bin.
-        params (dict): (layer, side) -> the tier's params object.
+        params (dict): (path, side) -> the tier's params object; path is the layer index, or "i.j" for
+            cache j of a "list" layer i (`units`); extents are keyed the same way.
+        unit_tiers (dict): path -> {"k": tier, "v": tier} of every stored cache with K/V.
         source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
             format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
         document_tokens (int): leading tokens that are the document (format 1.3; all tokens if absent);
@@ -109,6 +113,11 @@ class CartridgeInfo:
     parts: list = field(default_factory=list)
     lineage_source: str = ""
     system: str | None = None
+    unit_tiers: dict = field(default_factory=dict)
+
+    def units(self):
+        """[(path, LayerInfo)] of every stored cache, in storage order (`layer_units`)."""
+        return layer_units(self.layers)
 
     @property
     def kv_dim(self):
@@ -117,12 +126,12 @@ class CartridgeInfo:
 
     def _growing(self):
         """(layer, side, (n_kv_heads, head_dim)) of every side that stores every prefix token."""
-        return [(i, side, info.shape(side)) for i, info in enumerate(self.layers)
+        return [(path, side, info.shape(side)) for path, info in self.units()
                 if info.kind in ("attention", "dense") for side in SIDES]
 
     def bytes_per_token(self):
         """K+V payload bytes per token of the layers that store every token, by the tiers' formulas."""
-        return sum(TIERS[self.tiers[i][side]].bytes_per_token(*shape) for i, side, shape in self._growing())
+        return sum(TIERS[self.unit_tiers[p][side]].bytes_per_token(*shape) for p, side, shape in self._growing())
 
     def fp16_bytes_per_token(self):
         """What the same layers would take in fp16: 2 bytes per element of every K and V row."""
@@ -130,8 +139,16 @@ class CartridgeInfo:
 
     def fixed_bytes(self):
         """Payload bytes that do not grow with the document: window pages and recurrent state."""
-        return sum(e.page_bytes * e.shape[0] for (i, _), ext in self.extents.items()
-                   if self.layers[i].kind in ("window", "state") for e in ext)
+        kinds = dict(self.units())
+        return sum(e.page_bytes * e.shape[0] for (p, _), ext in self.extents.items()
+                   if kinds[p].kind in ("window", "state") for e in ext)
+
+
+def layer_units(layers):
+    """[(path, LayerInfo)] of every stored cache: (i, layer) for a layer, ("i.j", cache) for cache j of a
+    "list" layer i; in the order their extents are stored."""
+    return [(K.part(i, j) if m.kind == "list" else i, u) for i, m in enumerate(layers)
+            for j, u in enumerate(m.parts if m.kind == "list" else (m,))]
 
 
 def require_attention_layers(info, what):
@@ -193,8 +210,8 @@ def _choice(records, key):
 def _extents(records, layers, tiers, page_size, data_size):
     """Build every Extent, requiring the writer's exact layout: aligned, in order, no holes, no overlap."""
     pos, out = 0, {}
-    for layer, info in enumerate(layers):
-        for side, comps, n_pages in _layer_components(records, layer, info, tiers, page_size):
+    for layer, info in layer_units(layers):
+        for side, comps, n_pages in _layer_components(records, layer, info, tiers.get(layer), page_size):
             out.setdefault((layer, side), [])
             for name, dtype, shape in comps:
                 page_bytes = int(np.prod(shape[1:])) * DTYPES[dtype].size
@@ -219,12 +236,13 @@ def _extents(records, layers, tiers, page_size, data_size):
 
 
 def _layer_components(records, layer, info, tiers, page_size):
-    """[(side, [(component, dtype, extent shape)], n_pages)] of one layer, in the order they are stored."""
+    """[(side, [(component, dtype, extent shape)], n_pages)] of one cache (path `layer`, tiers {"k", "v"}),
+    in the order they are stored."""
     if info.kind == "state":
         return [(K.STATE_SIDE, [(K.state_component(i), d, (1, *shape))], 1) for i, d, shape in info.arrays]
     out = []
     for side in SIDES:
-        codec = TIERS[tiers[layer][side]]
+        codec = TIERS[tiers[side]]
         n_kv, head_dim = info.shape(side)
         expected = [{"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)]
         found = _json(records, K.layer_components(layer, side))
@@ -287,20 +305,32 @@ def _layers(records, n_layers, n_kv, head_dim, n_tokens):
         if K.layer_kind(layer) not in records:
             out.append(LayerInfo("attention", (n_kv, head_dim), (n_kv, head_dim), 0, n_tokens))
             continue
-        kind = _typed(records, K.layer_kind(layer), str)
-        if kind not in KINDS:
-            raise FieldError(f"{K.layer_kind(layer)} is {kind[:40]!r}; allowed {', '.join(KINDS)}")
-        if kind == "state":
-            size, arrays = _state(records, layer)
-            out.append(LayerInfo(kind, state_size=size, arrays=arrays))
-            continue
-        shapes = _shape(records, layer, "k"), _shape(records, layer, "v")
-        if kind == "window":
-            w = _window(records, layer, n_tokens)
-            out.append(LayerInfo(kind, *shapes, w["start"], w["count"], window=w["size"]))
-        else:
-            out.append(LayerInfo(kind, *shapes, 0, n_tokens))
+        info = _unit(records, layer, n_tokens, KINDS)
+        if info.kind == "list":
+            count = _typed(records, K.layer_caches(layer), int)
+            if not 1 <= count <= K.MAX_LIST_CACHES:
+                raise FieldError(f"{K.layer_caches(layer)} is {count}; allowed 1..{K.MAX_LIST_CACHES}")
+            info = LayerInfo("list", parts=tuple(_unit(records, K.part(layer, j), n_tokens, KINDS[:-1])
+                                                 for j in range(count)))
+        out.append(info)
     return out
+
+
+def _unit(records, path, n_tokens, kinds):
+    """The LayerInfo of one cache that has a `layer.{path}.kind` record of one of `kinds`."""
+    kind = _typed(records, K.layer_kind(path), str)
+    if kind not in kinds:
+        raise FieldError(f"{K.layer_kind(path)} is {kind[:40]!r}; allowed {', '.join(kinds)}")
+    if kind == "list":
+        return LayerInfo(kind)
+    if kind == "state":
+        size, arrays = _state(records, path)
+        return LayerInfo(kind, state_size=size, arrays=arrays)
+    shapes = _shape(records, path, "k"), _shape(records, path, "v")
+    if kind == "window":
+        w = _window(records, path, n_tokens)
+        return LayerInfo(kind, *shapes, w["start"], w["count"], window=w["size"])
+    return LayerInfo(kind, *shapes, 0, n_tokens)
 
 
 FINGERPRINT_PARTS = ("id", "config", "weights", "tokenizer", "chat_template")
@@ -317,24 +347,31 @@ def _fingerprint(records):
 
 
 def _tier_map(records, layers):
-    tiers = []
+    """(rows, by path): one {"layer", "k", "v"} row per layer (None for a "state" layer, and for a "list"
+    layer whose caches differ), and {"k", "v"} of every stored cache with K/V by its path."""
+    by_path = {}
+    for path, info in layer_units(layers):
+        if info.kind != "state":  # stored as produced, no tier
+            by_path[path] = {side: _unit_tier(records, path, side) for side in SIDES}
+    rows = []
     for layer, info in enumerate(layers):
-        row = {"layer": layer}
-        if info.kind == "state":  # stored as produced, no tier
-            tiers.append({"layer": layer, "k": None, "v": None})
-            continue
-        for side in SIDES:
-            name = _typed(records, K.layer_tier(layer, side), str)
-            if name not in TIERS:
-                raise FieldError(f"layer {layer} {side}: unknown tier {name[:40]!r}; known: {', '.join(TIERS)}")
-            version = _typed(records, K.layer_codec_version(layer, side), int)
-            if version > TIERS[name].codec_version:
-                raise UnsupportedVersionError(
-                    f"layer {layer} {side}: tier {name} codec version {version}; this reader knows up to {TIERS[name].codec_version}"
-                )
-            row[side] = name
-        tiers.append(row)
-    return tiers
+        paths = [K.part(layer, j) for j in range(len(info.parts))] if info.kind == "list" else [layer]
+        found = [by_path[p] for p in paths if p in by_path]
+        same = found and all(t == found[0] for t in found)
+        rows.append({"layer": layer, "k": found[0]["k"] if same else None, "v": found[0]["v"] if same else None})
+    return rows, by_path
+
+
+def _unit_tier(records, layer, side):
+    name = _typed(records, K.layer_tier(layer, side), str)
+    if name not in TIERS:
+        raise FieldError(f"layer {layer} {side}: unknown tier {name[:40]!r}; known: {', '.join(TIERS)}")
+    version = _typed(records, K.layer_codec_version(layer, side), int)
+    if version > TIERS[name].codec_version:
+        raise UnsupportedVersionError(
+            f"layer {layer} {side}: tier {name} codec version {version}; this reader knows up to {TIERS[name].codec_version}"
+        )
+    return name
 
 
 def parse_header(records, manifest):
@@ -359,14 +396,14 @@ def parse_header(records, manifest):
     if n_pages != -(-n_tokens // page_size):
         raise FieldError(f"cache.n_pages is {n_pages}; {n_tokens} tokens in pages of {page_size} need {-(-n_tokens // page_size)}")
     layers = _layers(records, n_layers, geometry[1], geometry[2], n_tokens)
-    tiers = _tier_map(records, layers)
+    tiers, unit_tiers = _tier_map(records, layers)
     _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
     return CartridgeInfo(
         format_version=f"{major}.{_typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
         n_layers=n_layers, n_kv_heads=geometry[1], head_dim=geometry[2], page_size=page_size, n_pages=n_pages,
         tiers=tiers,
-        extents=_extents(records, layers, tiers, page_size, manifest["data_size"]),
+        extents=_extents(records, layers, unit_tiers, page_size, manifest["data_size"]),
         model_ref=_typed(records, K.MODEL_REF, str),
         fingerprint=_fingerprint(records),
         model_config=_typed(records, K.MODEL_CONFIG, dict),
@@ -375,7 +412,8 @@ def parse_header(records, manifest):
         system=_typed(records, K.PROMPT_SYSTEM, str) if K.PROMPT_SYSTEM in records else None,
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
-        params=_params(records, tiers, layers),
+        params=_params(records, unit_tiers, layers),
+        unit_tiers=unit_tiers,
         layers=layers,
         source=read_source(records),
         records=records,
@@ -384,18 +422,18 @@ def parse_header(records, manifest):
 
 
 def _params(records, tiers, layers):
-    """Every (layer, side)'s params object, checked by its tier (spec/FORMAT.md section 6)."""
+    """Every (path, side)'s params object, checked by its tier (spec/FORMAT.md section 6)."""
     out = {}
-    for t, info in zip(tiers, layers):
+    for path, info in layer_units(layers):
         if info.kind == "state":
             continue
         for side in SIDES:
-            params = _typed(records, K.layer_params(t["layer"], side), dict)
+            params = _typed(records, K.layer_params(path, side), dict)
             try:
-                TIERS[t[side]].check_params(params, *info.shape(side))
+                TIERS[tiers[path][side]].check_params(params, *info.shape(side))
             except CorruptCartridgeError as e:  # the codec names the field; we name the (layer, side)
-                raise FieldError(f"layer {t['layer']} {side}: {e}") from None
-            out[(t["layer"], side)] = params
+                raise FieldError(f"layer {path} {side}: {e}") from None
+            out[(path, side)] = params
     return out
 
 

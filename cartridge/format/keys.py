@@ -16,7 +16,7 @@ MODEL_CONFIG = "model.config"
 
 PROMPT_MODE = "prompt.mode"
 PROMPT_SEPARATOR = "prompt.separator"
-PROMPT_SYSTEM = "prompt.system"  # OPTIONAL (format 1.5): the system message rendered before the document
+PROMPT_SYSTEM = "prompt.system"  # OPTIONAL (format 1.4): the system message rendered before the document
 
 TOKENS_COUNT = "tokens.count"
 TOKENS_IDS = "tokens.ids"  # binary: uint32 little-endian, tokens.count of them
@@ -88,8 +88,23 @@ def head_table(layer, side, component):
 # Format 1.4: what each layer's cache holds (spec/FORMAT.md section 5.5). Absent in files before 1.4, where
 # every layer is "attention" with the global cache.n_kv_heads / cache.head_dim.
 def layer_kind(layer):
-    """Cache kind of a layer: "attention", "dense", "window" or "state"."""
+    """Cache kind of a layer: "attention", "dense", "window", "state" or (1.5) "list"."""
     return f"layer.{layer}.kind"
+
+
+# Format 1.5: a "list" layer holds several caches (mlx-lm CacheList); cache j of layer i is described
+# by the same layer.* keys under the layer path "i.j" (layer.3.1.kind, layer.3.1.k.tier, ...).
+MAX_LIST_CACHES = 16
+
+
+def layer_caches(layer):
+    """A "list" layer's number of caches (integer 1..MAX_LIST_CACHES)."""
+    return f"layer.{layer}.caches"
+
+
+def part(layer, index):
+    """The layer path of cache `index` of "list" layer `layer`: "i.j", used in place of a layer index."""
+    return f"{layer}.{index}"
 
 
 def layer_shape(layer, side):

@@ -61,12 +61,13 @@ class VerifyReport:
 
 def _check_schema(info):
     """Each (layer, side): the component page bytes per token equal the tier's bytes/token formula."""
+    units = dict(info.units())
     for (layer, side), extents in info.extents.items():
-        if info.layers[layer].kind == "state":  # stored as produced: no tier formula
+        if units[layer].kind == "state":  # stored as produced: no tier formula
             continue
-        tier = TIERS[info.tiers[layer][side]]
+        tier = TIERS[info.unit_tiers[layer][side]]
         stored = sum(e.page_bytes for e in extents)
-        formula = tier.bytes_per_token(*info.layers[layer].shape(side)) * info.page_size
+        formula = tier.bytes_per_token(*units[layer].shape(side)) * info.page_size
         if stored != formula:
             raise FieldError(f"layer {layer} {side}: pages hold {stored} bytes per {info.page_size} tokens; "
                              f"tier {tier.name}'s formula gives {formula}")

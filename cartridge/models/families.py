@@ -16,6 +16,9 @@ Kinds (spec/FORMAT.md section 5.5):
     dense       KVCache, attention computed by the model: pages, decoded into an mlx-lm KVCache.
     window      RotatingKVCache(keep=0): the last `window` tokens, decoded into a RotatingKVCache.
     state       ArraysCache: the recurrent arrays after the document, lossless.
+    list        CacheList (several caches in one layer: falcon_h1's mamba state + attention, deepseek_v32's
+                latent + indexer keys): each of its caches planned, stored and restored as one of the
+                kinds above, restored as a CacheList in the same order.
 
 Any other cache kind is refused with one line naming the model family and the kind.
 """
@@ -23,7 +26,7 @@ Any other cache kind is refused with one line naming the model family and the ki
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..attention import route
 from ..attention.cache import CartridgeCache
@@ -32,8 +35,8 @@ from ..attention.pages import make_prefix
 from ..errors import InputError
 from ..tiers import get_tier
 
-KINDS = ("attention", "dense", "window", "state")
-SUPPORTED = "KVCache, RotatingKVCache (keep=0) and ArraysCache"
+KINDS = ("attention", "dense", "window", "state", "list")
+SUPPORTED = "KVCache, RotatingKVCache (keep=0), ArraysCache and CacheLists of them"
 
 
 @dataclass
@@ -48,6 +51,7 @@ class LayerPlan:
             non-empty slot of the ArraysCache; `size` is its slot count.
         size (int | None): the ArraysCache's number of slots.
         dtype (str | None): K/V dtype as the model computed them ("float16", ...).
+        parts (list | None): a "list" layer's caches, one `LayerPlan` each (none of them a "list").
     """
 
     kind: str
@@ -57,12 +61,17 @@ class LayerPlan:
     state: list = None
     size: int = None
     dtype: str = None
+    parts: list = None
 
     def stored_tokens(self, n_tokens):
-        """Prefix tokens this layer stores: all of them, the last `window`, or 0 for a state."""
-        if self.kind == "state":
+        """Prefix tokens this layer stores: all of them, the last `window`, or 0 for a state or a list."""
+        if self.kind in ("state", "list"):
             return 0
         return min(n_tokens, self.window) if self.kind == "window" else n_tokens
+
+    def units(self):
+        """The plans of the caches this layer stores: its parts for a "list", else itself."""
+        return self.parts if self.kind == "list" else [self]
 
 
 def family(model):
@@ -72,14 +81,20 @@ def family(model):
     return name or type(model).__module__.rsplit(".", 1)[-1]
 
 
+def leaves(caches):
+    """Every cache of a layer list, the caches inside each CacheList in their order."""
+    return [c for layer in caches for c in (layer.caches if isinstance(layer, CacheList) else (layer,))]
+
+
 def _refuse_kinds(model, caches):
     for c in caches:
-        kind = type(c).__name__
-        if type(c) not in (KVCache, RotatingKVCache, ArraysCache):
-            raise InputError(f"model family {family(model)} uses {kind} caches; a cartridge stores {SUPPORTED}")
-        if type(c) is RotatingKVCache and c.keep:
-            raise InputError(f"model family {family(model)} uses RotatingKVCache with keep={c.keep}; "
-                             f"a cartridge stores {SUPPORTED}")
+        for leaf in c.caches if type(c) is CacheList else (c,):
+            kind = type(leaf).__name__ + (" caches inside CacheLists" if leaf is not c else " caches")
+            if type(leaf) not in (KVCache, RotatingKVCache, ArraysCache):
+                raise InputError(f"model family {family(model)} uses {kind}; a cartridge stores {SUPPORTED}")
+            if type(leaf) is RotatingKVCache and leaf.keep:
+                raise InputError(f"model family {family(model)} uses RotatingKVCache with keep={leaf.keep}; "
+                                 f"a cartridge stores {SUPPORTED}")
 
 
 class _Recorder:
@@ -88,7 +103,7 @@ class _Recorder:
     def __init__(self, caches):
         self.returned = {}
         self.windowed = False  # a full-attention cache was asked for a sliding-window mask
-        for c in caches:
+        for c in leaves(caches):
             if isinstance(c, (KVCache, RotatingKVCache)):
                 c.update_and_fetch = self._wrap(c, c.update_and_fetch)
             if type(c) is KVCache:
@@ -147,6 +162,8 @@ def _forward(model, caches, tokens):
 
 
 def _plan(cache, routed):
+    if isinstance(cache, CacheList):
+        return LayerPlan("list", parts=[_plan(c, routed) for c in cache.caches])
     if isinstance(cache, ArraysCache):
         arrays = [(i, str(a.dtype).replace("mlx.core.", ""), list(a.shape))
                   for i, a in enumerate(cache.cache) if a is not None]
@@ -181,21 +198,30 @@ def plan_layers(model, tokens):
     except Exception as e:
         raise InputError(f"model family {family(model)}: its forward pass failed on the probe tokens "
                          f"({type(e).__name__}: {str(e)[:160]})") from None
-    for c in caches:
+    for c in leaves(caches):
         if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is None:
             raise InputError(f"model family {family(model)}: a {type(c).__name__} layer got no keys in the probe")
     plans = [_plan(c, routed) for c in caches]
     if _restored_runs(model, plans, caches, tokens) is None:
         return plans
-    plans = [LayerPlan("dense", p.k_shape, p.v_shape, dtype=p.dtype) if p.kind == "attention" else p for p in plans]
+    plans = [_dense(p) for p in plans]
     error = _restored_runs(model, plans, caches, tokens)
     if error is not None:
         raise InputError(f"model family {family(model)}: it cannot generate over restored caches ({error})")
     return plans
 
 
+def _dense(plan):
+    """The plan with every "attention" cache (in a list too) made "dense"."""
+    if plan.kind == "list":
+        return LayerPlan("list", parts=[_dense(p) for p in plan.parts])
+    return LayerPlan("dense", plan.k_shape, plan.v_shape, dtype=plan.dtype) if plan.kind == "attention" else plan
+
+
 def _restore(plan, cache):
     """The probe's filled cache stored (fp16 pages) and restored as a cartridge would."""
+    if plan.kind == "list":
+        return CacheList(*(_restore(p, c) for p, c in zip(plan.parts, cache.caches)))
     if plan.kind == "state":
         return StateLayer(plan.size, {i: cache[i] for i, _, _ in plan.state}).cache()
     k, v = stored_kv(cache, plan.kind, cache.offset)

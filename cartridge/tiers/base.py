@@ -37,6 +37,11 @@ DTYPES = {
     "uint8": mx.uint8,
     "uint16": mx.uint16,
     "uint32": mx.uint32,
+    "uint64": mx.uint64,
+    "int8": mx.int8,
+    "int16": mx.int16,
+    "int32": mx.int32,
+    "int64": mx.int64,
 }
 
 
