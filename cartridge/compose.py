@@ -127,7 +127,7 @@ class ComposedCartridge:
     def __init__(self, carts, recompute, separator):
         self.carts, self.recompute = carts, recompute
         self.model, self.tokenizer = carts[0].model, carts[0].tokenizer
-        self.info, self.attention = carts[-1].info, carts[0].attention
+        self.info, self.attention, self.plan = carts[-1].info, carts[0].attention, carts[0].plan
         self._ropes = _ropes(self.model)
         self._layers = [[Part(p, 0, 0)] for p in carts[0]._prefixes]
         self._patches = [[] for _ in self._layers]

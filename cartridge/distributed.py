@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .attention.cache import CartridgeCache
-from .attention.policy import prepare, resolve
+from .attention.policy import place, resolve
 from .attention.shard import SliceData, slice_for
 from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, header_extras,
                     kv_caches, plan, prefill, write_layers)
@@ -252,8 +252,9 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
         raise
     snap, info, model, tokenizer, data, _ = opened
     prefixes = [_layer_prefix(info, data, i) for i in range(*data.part.layers)]
-    prefixes = prepare(prefixes, policy, _model_dtype(model), [(info.head_dim, info.head_dim)] * len(prefixes))
-    cart = ShardedCartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
+    prefixes, plan = place(prefixes, policy, _model_dtype(model), [(info.head_dim, info.head_dim)] * len(prefixes))
+    cart = ShardedCartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"],
+                            plan)
     cart.part, cart.verified = data.part, data.verified
     cart.bytes_read, cart.bytes_held = data.bytes_read, data.bytes_held
     cart._data = data  # MLX may wrap the slabs without a copy: keep them alive with the cartridge

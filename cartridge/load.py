@@ -15,7 +15,7 @@ from .attention import route
 from .attention.cache import LayerPrefix
 from .attention.layers import (DenseLayer, ListLayer, StateLayer, WindowLayer, cache_offset, fresh_cache, is_paged,
                                trimmable)
-from .attention.policy import prepare, resolve
+from .attention.policy import place, resolve
 from .errors import InputError, ModelMismatchError
 from .format import keys as K
 from .format.header import SIDES
@@ -89,14 +89,18 @@ class Cartridge:
         info (CartridgeInfo): header contents. path (Path): the cartridge directory.
         load_seconds (float): seconds spent in `load`, model loading included.
         attention (str): the concrete attention policy in use ("fused", "portable",
-            "dequantize-once"; see `cartridge.attention.policy`).
+            "dequantize-once"; "mixed" where `auto` chose per layer; see `cartridge.attention.policy`).
+        plan (dict): how the prefix was placed: "reason" (why this policy: the measurement, the budget),
+            per-layer "layers", and "memory" (budget, stored, resident and planned peak bytes;
+            `cartridge.attention.policy.place`).
     """
 
-    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds, attention="portable"):
+    def __init__(self, path, info, model, tokenizer, prefixes, load_seconds, attention="portable", plan=None):
         self.path, self.info, self.model, self.tokenizer = path, info, model, tokenizer
         self._prefixes = prefixes
         self.load_seconds = load_seconds
         self.attention = attention
+        self.plan = plan or {"policy": attention, "reason": attention, "layers": [], "memory": {}}
 
     @property
     def tokens(self):
@@ -264,7 +268,8 @@ def _model_dtype(model):
     return mx.float32
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16):
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16,
+         max_memory=None):
     """Load a cartridge, or several laid out one after another (`cartridge.compose`).
 
     Args:
@@ -281,6 +286,11 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
             (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
         recompute (int): with a list: document tokens of each later cartridge prefilled again over
             the ones before it. Default: 16.
+        max_memory (int | None): the most bytes the prefix may hold in memory, while loading and after
+            (stored pages, pages decoded to dense, one decode's buffers). Layers whose policy is
+            dequantize-once decode only the sides that fit; the rest read their stored pages. None: for
+            "auto", the stored bytes x 1.25 + one decoded layer; for a named policy, no limit.
+            Default: None.
 
     Returns:
         Cartridge (ComposedCartridge for a list)
@@ -294,13 +304,15 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
         ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
     """
+    if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 1):
+        raise InputError(f"max_memory {max_memory!r}: give a positive whole number of bytes")
     if isinstance(path, (list, tuple)):
         from .compose import compose  # compose builds on load
 
         if model is None and path:
-            first = load(path[0], verify=verify, attention=attention)
+            first = load(path[0], verify=verify, attention=attention, max_memory=max_memory)
             model, tokenizer = first.model, first.tokenizer
-        carts = [load(p, model, tokenizer, verify, attention) for p in path]
+        carts = [load(p, model, tokenizer, verify, attention, max_memory=max_memory) for p in path]
         return compose(carts, recompute)
     if group is not None:
         from .distributed import load_sharded
@@ -321,7 +333,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     check_fingerprint(info, fingerprint(model, tokenizer), path, ref)
     prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
     head_dims = [_head_dims(m) for m in info.layers]
-    prefixes = prepare(prefixes, policy, _model_dtype(model), head_dims)
-    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, policy)
+    prefixes, plan = place(prefixes, policy, _model_dtype(model), head_dims, max_memory)
+    cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"], plan)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart

@@ -13,11 +13,13 @@ from cartridge.errors import CartridgeError, InputError
 from cartridge.eval.dataset import load_questions
 
 from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref
+from .serve import MAX_MEMORY_HELP, parse_bytes
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 
 
-def _load(path, model, attention, parallel=None, recompute=16):
+def _load(path, model, attention, parallel=None, recompute=16, max_memory=None):
+    max_memory = None if max_memory is None else parse_bytes(max_memory, "--max-memory")
     t0 = time.perf_counter()
     group = launched_group(parallel)
     if group is not None:
@@ -30,8 +32,23 @@ def _load(path, model, attention, parallel=None, recompute=16):
         cart = cartridge.load(path, model=lm, attention=attention, group=group)
     else:
         lm = cartridge.load_model(model_ref(model)) if model is not None else None
-        cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute)
+        cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory)
     return cart, time.perf_counter() - t0
+
+
+def memory_lines(cart):
+    """Two lines: the attention policy and why; the prefix's bytes as held, planned and measured (MLX peak)."""
+    import mlx.core as mx
+
+    plan, mb = cart.plan, 1e6
+    m = plan.get("memory") or {}
+    budget = f"{m['budget_bytes'] / mb:,.1f} MB" if m.get("budget_bytes") else "none"
+    lines = [f"attention {cart.attention} ({plan.get('reason', '-')})"]
+    if m:
+        lines.append(f"memory: prefix resident {m['resident_bytes'] / mb:,.1f} MB (stored {m['stored_bytes'] / mb:,.1f} "
+                     f"MB, budget {budget}, planned peak while loading {m['planned_peak_bytes'] / mb:,.1f} MB); MLX peak "
+                     f"{mx.get_peak_memory() / mb:,.1f} MB, active {mx.get_active_memory() / mb:,.1f} MB (model included)")
+    return lines
 
 
 def _check_room(cart, cache, prompt, max_tokens, what):
@@ -119,7 +136,9 @@ def _paths_and_question(args, questions_file):
               help="Also write the cartridge + this question and answer as a new cartridge (resume: ask FILE ...).")
 @click.option("--recompute", default=16, show_default=True, metavar="N",
               help="With several cartridges: tokens of each later document prefilled again over the ones before.")
-def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute):
+@click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
+def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute,
+        max_memory):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout); several PATHs
     are laid out one after another in one context.
 
@@ -138,7 +157,7 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         raise InputError("--json needs --questions")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
-    cart, load_s = _load(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute)
+    cart, load_s = _load(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute, max_memory)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
@@ -152,6 +171,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
                    f"({r['tokens']} tokens)", err=True)
     click.echo(f"load {load_s:.2f} s, {len(qs)} question{'s' * (len(qs) > 1)}, attention {cart.attention}", err=True)
+    for line in memory_lines(cart):
+        click.echo(line, err=True)
     if json_path is not None and getattr(getattr(cart, "part", None), "rank", 0) == 0:
         json_path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     if save_as is not None:
@@ -178,19 +199,22 @@ def _save(cart, cache, line, saved):
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
-def chat(path, max_tokens, model, attention):
+@click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
+def chat(path, max_tokens, model, attention, max_memory):
     """Talk about the document in the cartridge at PATH: one line a turn, answers streamed.
 
     /reset starts over from the bare document; /save FILE writes the document and the conversation so far
     as a new cartridge (continue it with `cartridge ask FILE QUESTION`); /quit (or end of input) leaves."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
-    cart, load_s = _load(path, model, attention)
+    cart, load_s = _load(path, model, attention, max_memory=max_memory)
     if cart.info.document_tokens < len(cart.tokens):
         raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
     _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     tty = sys.stdin.isatty()
     click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /quit", err=True)
+    for line in memory_lines(cart):
+        click.echo(line, err=True)
     cache, messages, saved = cart.prompt_cache(), [], []  # saved: the tokens after the document so far
     while True:
         if tty:

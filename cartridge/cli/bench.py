@@ -110,9 +110,40 @@ def _table(result):
             peak = f"{r['peak_bytes'] / 1e9:.2f}" if r["peak_bytes"] else "-"
             lines.append(f"{r['context']:>8} {r['tier']:<14} {str(r['policy']):<17} {tps:>13} {peak:>9}"
                          + (f"  ({r['error'][:60]})" if r["error"] else ""))
+    lines += _gate_lines(result)
     bw = result["copy_bytes_per_s"]
     lines.append(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s; {json.dumps(result['environment'])}")
     return "\n".join(lines)
+
+
+def _gate_lines(result):
+    """The gate: per context and tier, the fastest policy's time over dense and over a bare read of its bytes."""
+    from cartridge.eval.bench import gate
+
+    rows = result.get("gate") or gate(result)
+    if not rows:
+        return []
+
+    def ratio(x):
+        return f"{x:.2f}x" if x is not None else "-"
+    lines = ["\ngate: the fastest policy per tier (what auto takes from this run); time over MLX dense attention, "
+             "stored bytes over fp16, time over a bare read of the same bytes (mx.sum over the stored arrays)",
+             f"{'context':>8} {'tier':<10} {'policy':<17} {'µs':>10} {'vs dense':>9} {'bytes':>7} {'vs read':>8}"]
+    for r in rows:
+        flag = "  SLOWER THAN DENSE" if r["slower_than_dense"] else ""
+        lines.append(f"{r['context']:>8} {r['tier']:<10} {r['policy']:<17} {r['us']:>10.1f} {ratio(r['vs_dense']):>9} "
+                     f"{ratio(r['bytes_vs_fp16']):>7} {ratio(r['vs_read']):>8}{flag}")
+    return lines
+
+
+def _calibrate(result, table_path):
+    """Write the table of `result` (`cartridge.attention.calibration`) and say where."""
+    from cartridge.attention import calibration as C
+
+    table = C.table_from_bench(result)
+    path = C.write_table(table, table_path or C.user_table_path())
+    click.echo(f"calibrate: {len(table['entries'])} measured cases written to {path}; cartridge.load(attention=\"auto\") "
+               "uses them", err=True)
 
 
 @click.command()
@@ -134,7 +165,13 @@ def _table(result):
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot (.png) of attention time vs context (its "
               "folder must exist).")
 @click.option("--force", is_flag=True, help="Replace existing --json/--plot files (refused otherwise).")
-def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path, force):
+@click.option("--calibrate", is_flag=True, help="Write the fastest policy per tier, head_dim and context of this "
+              "run as the table `auto` uses (--table, default: the user table, ~/.config/cartridge/auto-table.json).")
+@click.option("--table", "table_path", default=None, help="Where --calibrate writes the table.")
+@click.option("--from-json", "from_json", default=None, help="Measure nothing: print the results, gate and (with "
+              "--calibrate) the table of an earlier `cartridge bench --json` file, from any machine.")
+def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path, force,
+          calibrate, table_path, from_json):
     """Measure decode-step attention and end-to-end decode for each context, tier and policy.
 
     End to end uses a model: on CUDA a random-weight Llama-3.2-1B-shaped model in float16, elsewhere
@@ -142,6 +179,18 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
     Every option, and the --json/--plot paths, are checked before any work; the files are written
     atomically.
     """
+    if from_json:
+        try:
+            result = json.loads(open(from_json).read())
+        except (OSError, ValueError) as e:
+            raise InputError(f"--from-json {from_json}: cannot read it ({e})") from None
+        if not isinstance(result, dict) or "attention" not in result:
+            raise InputError(f"--from-json {from_json}: not a `cartridge bench --json` result")
+        result.setdefault("end_to_end", [])
+        click.echo(_table(result))
+        if calibrate:
+            _calibrate(result, table_path)
+        return
     json_path = check_output_file(json_path, "--json", force)
     plot_path = check_output_file(plot_path, "--plot", force)
     if plot_path and plot_path.suffix.lower() != ".png":
@@ -182,6 +231,8 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
         write_file(plot_path, lambda tmp: _plot(B, result, tmp))
     if json_path:
         write_file(json_path, lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
+    if calibrate:
+        _calibrate(result, table_path)
     sys.stdout.flush()
 
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from cartridge.attention.policy import backend, resolve
+from cartridge.attention.policy import backend, plan_header
 from cartridge.tiers import TIERS
 
 
@@ -91,8 +91,29 @@ def inspect_dict(info, path):
         "system": info.system,
         "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"]},
         "source": info.source,
-        "attention": {"backend": backend(), "auto": resolve("auto")},
+        "attention": _auto(info),
     }
+
+
+def _auto(info):
+    """What `auto` does with this cartridge on this device (model dtype: float32 on CPU, else as computed)."""
+    import mlx.core as mx
+
+    from cartridge.tiers import DTYPES
+
+    dtype = mx.float32 if backend() == "cpu" else DTYPES[info.source_dtype]
+    plan = plan_header(info, dtype)
+    return {"backend": backend(), "auto": plan["policy"], "reason": plan["reason"], "memory": plan["memory"],
+            "layers": [x["policy"] if x else None for x in plan["layers"]]}
+
+
+def _memory_line(m):
+    mb = 1e6
+    limit = ("no budget: fp16/bf16 pages are decoded whole" if m["budget_bytes"] is None else
+             f"budget {m['budget_bytes'] / mb:,.1f} MB = stored x 1.25 + one layer decoded")
+    return (f"memory        auto holds {m['resident_bytes'] / mb:,.1f} MB after load (stored {m['stored_bytes'] / mb:,.1f} MB, "
+            f"{limit}), peak while loading {m['planned_peak_bytes'] / mb:,.1f} MB (planned; the model's weights "
+            f"not included)")
 
 
 def source_lines(source):
@@ -118,7 +139,9 @@ def inspect_table(d):
         f"on disk       {d['total_bytes']:,} bytes",
         *source_lines(d["source"]),
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
-        f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device",
+        f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device: "
+        f"{d['attention']['reason']}",
+        _memory_line(d["attention"]["memory"]),
         "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]
     shapes = {row["layer"]: row for row in d["layers"]}

@@ -7,18 +7,22 @@ import click
 
 from cartridge.errors import InputError
 
+MAX_MEMORY_HELP = ("Most bytes a cartridge's prefix may hold in memory, e.g. 512M (default: its stored bytes "
+                   "x 1.25 + one layer decoded, under --attention auto); layers that do not fit decoded read "
+                   "their stored pages.")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_bytes(text):
-    """"4G", "512M", "1000000" -> bytes (K/M/G/T are powers of 1024; a trailing "B" or "iB" is allowed).
+def parse_bytes(text, option="--max-bytes"):
+    """"4G", "512M", "1000000" -> bytes (K/M/G/T are powers of 1024; a trailing "B" or "iB" is allowed);
+    `option` names the option in the error.
 
     Raises:
         InputError: for anything else, or zero.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not m or float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
-        raise InputError(f"--max-bytes {text!r} is not a size; give bytes, e.g. 4G, 512M or 1000000")
+        raise InputError(f"{option} {text!r} is not a size; give bytes, e.g. 4G, 512M or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -44,7 +48,8 @@ def _check_port(host, port):
               help="Attention path: auto, fused (CUDA), portable or dequantize-once.")
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1),
               help="max_tokens of a request that gives none (clipped to the context left).")
-def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens):
+@click.option("--max-memory", default=None, help=MAX_MEMORY_HELP + " Per cartridge loaded.")
+def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens, max_memory):
     """Serve cartridges over the OpenAI API: each cartridge is a model id (its name).
 
     PATHS are cartridge directories, .cartz files, or folders holding them (default: the current folder).
@@ -53,6 +58,7 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens):
 
     if model is not None and not model.strip():
         raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+    max_memory = None if max_memory is None else parse_bytes(max_memory, "--max-memory")
     _check_port(host, port)  # before the model load, and before anything says "serving"
 
     def ready(pool):
@@ -62,4 +68,4 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens):
 
     run(list(paths) or ["."], host=host, port=port, model=model,
         max_bytes=None if max_bytes is None else parse_bytes(max_bytes), verify=verify, attention=attention,
-        default_max_tokens=max_tokens, ready=ready)
+        default_max_tokens=max_tokens, ready=ready, max_memory=max_memory)

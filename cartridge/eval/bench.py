@@ -3,6 +3,7 @@ attention policy, with MLX dense fp16 attention and mlx-lm's QuantizedKVCache pa
 the same run. K/V are synthetic (random) of a real model's shape; speed does not depend on values.
 """
 
+import os
 import platform
 import statistics
 import time
@@ -133,6 +134,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "context": n_tokens, "us": None,
                          "prefix_bytes": None, "error": str(e)})
             continue
+        rows.append(read_floor(prefix, tier, n_tokens, repeats))
         for policy in _policies():
             row = {"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
                    "prefix_bytes": prefix.nbytes, "us": None, "error": None}
@@ -150,6 +152,50 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
             rows.append(row)
         del prefix
     return rows
+
+
+def read_floor(prefix, tier, n_tokens, repeats=20):
+    """The time of a bare streaming read of a prefix's stored bytes: one plain reduction (`mx.sum`) over
+    each stored array viewed as 32-bit words, all in one evaluation. A policy cannot read its pages
+    faster than this in the same run (on a GPU `benchmarks/gpu_floor.py` measures a tighter floor).
+
+    Returns:
+        dict: a row {"kind": "floor", "tier", "policy": "read", "context", "us", "prefix_bytes", "error"}.
+    """
+    arrays = [a.reshape(-1) for a in (*prefix.k_parts.values(), *prefix.v_parts.values())]
+    arrays = [a.view(mx.uint32) if a.nbytes % 4 == 0 else a.view(mx.uint8) for a in arrays]
+    us = timeit(lambda: [a.sum() for a in arrays], repeats) * 1e6
+    return {"kind": "floor", "tier": tier, "policy": "read", "context": n_tokens, "us": us,
+            "prefix_bytes": prefix.nbytes, "error": None}
+
+
+def gate(result):
+    """Per context and tier, the fastest policy of the run (the one `auto` would take from it) against the
+    dense baseline and the bare read of the tier's bytes.
+
+    Returns:
+        list[dict]: {"context", "tier", "policy", "us", "vs_dense" (time over MLX's dense attention),
+        "bytes_vs_fp16" (stored bytes over dense fp16 K/V), "vs_read" (time over `read_floor`),
+        "slower_than_dense" (bool)}; ratios None where a baseline is missing.
+    """
+    shape, out = result["shape"], []
+    fp16 = 2 * 2 * shape["n_kv_heads"] * shape["head_dim"]  # K + V bytes per token in fp16
+    for ctx in sorted({r["context"] for r in result["attention"]}):
+        at = [r for r in result["attention"] if r["context"] == ctx]
+        dense = next((r["us"] for r in at if r["policy"] == "mlx-sdpa" and r["us"]), None)
+        reads = {r["tier"]: r for r in at if r["kind"] == "floor"}
+        best = {}
+        for r in at:
+            if r["kind"] == "cartridge" and r["us"] and (r["tier"] not in best or r["us"] < best[r["tier"]]["us"]):
+                best[r["tier"]] = r
+        for tier, r in best.items():
+            read = reads.get(tier)
+            out.append({"context": ctx, "tier": tier, "policy": r["policy"], "us": r["us"],
+                        "vs_dense": r["us"] / dense if dense else None,
+                        "bytes_vs_fp16": read["prefix_bytes"] / (fp16 * ctx) if read else None,
+                        "vs_read": r["us"] / read["us"] if read and read["us"] else None,
+                        "slower_than_dense": bool(dense and r["us"] > dense)})
+    return out
 
 
 def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
@@ -288,7 +334,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
 def environment():
     """Machine, backend and versions, stated with every result."""
     info = {"machine": platform.machine(), "platform": platform.platform(), "backend": backend(),
-            "mlx": mx.__version__}
+            "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}
     if backend() == "cuda":
         try:
             info["device"] = mx.device_info().get("device_name")
@@ -327,7 +373,7 @@ def plot(result, path):
     styles = {"fused": "-", "portable": "--", "dequantize-once": ":", "mlx-sdpa": "-", "mlx-lm-quantized": "-."}
     lines = {}
     for r in result["attention"]:
-        if r["us"]:
+        if r["us"] and r["kind"] != "floor":
             lines.setdefault((r["tier"], r["policy"]), []).append((r["context"], r["us"]))
     tiers = sorted({t for t, _ in lines})
     colors = {t: plt.get_cmap("tab20")(i % 20) for i, t in enumerate(tiers)}
@@ -379,6 +425,7 @@ def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, r
         result["attention"] += attention_step(SHAPES[shape], n, tiers, repeats=repeats)
         mx.clear_cache()
     result["speedups"] = speedups(result["attention"])
+    result["gate"] = gate(result)
     if e2e_model is not None:
         model, dtype = e2e_model
         for n in e2e_contexts or contexts:

@@ -28,7 +28,7 @@ def recorded_model(paths):
 
 
 def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify="pages", attention="auto",
-          default_max_tokens=512, log_level="info", ready=None):
+          default_max_tokens=512, log_level="info", ready=None, max_memory=None):
     """Serve the cartridges at `paths` until interrupted.
 
     Args:
@@ -40,6 +40,7 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
         default_max_tokens (int): max_tokens of a request that gives none. Default: 512.
         log_level (str): uvicorn's log level. Default: "info".
         ready (callable | None): called with the Pool once the model is loaded. Default: None.
+        max_memory (int | None): `cartridge.load`'s max_memory for each cartridge. Default: None.
 
     Raises:
         InputError: a path that is no cartridge, two cartridges of one name, an unknown attention policy.
@@ -53,7 +54,7 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
     resolve(attention)  # refuse an unknown policy now, not as every cartridge's refusal
     found = find_cartridges(paths)
     ref = model or recorded_model(found)
-    engine = Engine(lambda: Pool(found, load_model(ref), max_bytes, verify, attention), default_max_tokens)
+    engine = Engine(lambda: Pool(found, load_model(ref), max_bytes, verify, attention, max_memory), default_max_tokens)
     if ready is not None:
         ready(engine.pool)
     try:

@@ -114,10 +114,12 @@ class Pool:
         max_bytes (int | None): most page bytes (pages.bin, as mapped) kept loaded; None: no limit.
         verify (str): "pages" checks every page checksum at load (default), "header" skips them.
         attention (str): the attention policy passed to `cartridge.load`. Default: "auto".
+        max_memory (int | None): `cartridge.load`'s max_memory. Default: None.
     """
 
-    def __init__(self, paths, lm, max_bytes=None, verify="pages", attention="auto"):
+    def __init__(self, paths, lm, max_bytes=None, verify="pages", attention="auto", max_memory=None):
         self.lm, self.max_bytes, self.verify, self.attention = lm, max_bytes, verify, attention
+        self.max_memory = max_memory
         self.base_id = base_model_id(lm.ref)
         if self.base_id in paths:
             raise InputError(f"a cartridge is named {self.base_id!r}, the base model's id; rename it")
@@ -166,7 +168,8 @@ class Pool:
         try:
             if entry.info is not None:  # refuse another model's cartridge before reading its pages
                 check_fingerprint(entry.info, self.lm.fingerprint, entry.path, self.lm.ref)
-            cart = load(entry.path, model=self.lm, verify=self.verify, attention=self.attention)
+            cart = load(entry.path, model=self.lm, verify=self.verify, attention=self.attention,
+                        max_memory=self.max_memory)
         except CartridgeError as e:
             with self._lock:
                 entry.error, entry.refused_at = _refusal(e), _signature(entry.path)

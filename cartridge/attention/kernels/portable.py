@@ -5,11 +5,29 @@ shared/reference/kv-quant-algorithms.md section 5.1. Scores and p.V come from th
 reads its stored page layout (`TierCodec.scores` / `weighted_values`).
 """
 
+import os
+from dataclasses import replace
+
 import mlx.core as mx
+
+
+CPU_SPLIT_PAGES = 8  # on CPU, a prefix of at least this many pages is split over streams
+_STREAMS = []  # CPU streams (one thread each), made on first use
+
+
+def _cpu_streams():
+    if not _STREAMS:
+        n = max(1, min(os.cpu_count() or 1, 4))
+        _STREAMS.extend([mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)])
+    return _STREAMS
 
 
 def prefix_partial(q, prefix, n_tokens):
     """Attention partial of queries over the first `n_tokens` tokens of the prefix pages.
+
+    On CPU, MLX runs each op on one thread (its quantized matmul is scalar code there), so a prefix of
+    `CPU_SPLIT_PAGES` pages or more is cut into one run of pages per CPU stream (a thread each) and the
+    partials are combined by log-sum-exp: the same result up to float rounding, on every core.
 
     Args:
         q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled; R = GQA group * query length.
@@ -19,6 +37,41 @@ def prefix_partial(q, prefix, n_tokens):
     Returns:
         tuple: o (n_kv_heads, R, head_dim), m (n_kv_heads, R), l (n_kv_heads, R), all float32.
     """
+    n_pages = next(iter(prefix.k_parts.values())).shape[0]
+    dense = prefix.k_codec.name == prefix.v_codec.name == "dequantized"  # BLAS uses every core already
+    if not dense and mx.default_device() == mx.cpu and n_pages >= CPU_SPLIT_PAGES and len(_cpu_streams()) > 1:
+        return _split_partial(q, prefix, n_tokens, n_pages)
+    return _partial(q, prefix, n_tokens)
+
+
+def _split_partial(q, prefix, n_tokens, n_pages):
+    """`prefix_partial` of each run of pages on its own CPU stream, combined."""
+    streams = _cpu_streams()
+    cuts = [n_pages * i // len(streams) for i in range(len(streams) + 1)]
+    page = next(iter(prefix.k_parts.values())).shape[2]
+    parts = []
+    for st, a, b in zip(streams, cuts, cuts[1:]):
+        with mx.stream(st):
+            sub = replace(prefix, k_parts={k: x[a:b] for k, x in prefix.k_parts.items()},
+                          v_parts={k: x[a:b] for k, x in prefix.v_parts.items()},
+                          n_tokens=min(n_tokens - a * page, (b - a) * page))
+            parts.append(_partial(q, sub, sub.n_tokens))
+    return combine(parts)
+
+
+def combine(parts):
+    """Partials (o, m, l) of disjoint key sets as one partial (o, m, l) (unnormalized, like each part)."""
+    m = parts[0][1]
+    for _, mi, _ in parts[1:]:
+        m = mx.maximum(m, mi)
+    o = l = 0
+    for oi, mi, li in parts:
+        a = mx.exp(mi - m)
+        o, l = o + oi * a[..., None], l + li * a
+    return o, m, l
+
+
+def _partial(q, prefix, n_tokens):
     s = prefix.k_codec.scores(q, prefix.k_parts, prefix.k_params)  # (n_pages, n_kv, R, P)
     n_pages, _, _, page = s.shape
     if n_pages * page != n_tokens:

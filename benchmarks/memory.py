@@ -1,0 +1,145 @@
+"""CPU memory and decode speed of a loaded cartridge per tier and attention policy, each load in its own
+process (issue 18, item 3).
+
+The case of the issue: a tiny random-weight llama (8 layers, 8 KV heads x head_dim 128 = kv_dim 1024,
+hidden 256) and a prefix of about 7,000 tokens (samples/lgpl-3.0.txt repeated), built once in fp16 and
+converted to the other tiers. For each (tier, policy) a fresh process loads the cartridge, reads MLX's
+peak and active memory after the load (`mx.get_peak_memory`, `mx.get_active_memory`: what MLX
+allocated, the model's weights included), then decodes greedily from a question and reports tokens/s
+and the peak over load + decode. The model alone is measured the same way, so the prefix's own share
+is the difference.
+
+    python benchmarks/memory.py [--tiers fp16,mlx4g32,...] [--policies auto,dequantize-once,portable]
+                                [--work /tmp/cart-mem] [--json benchmarks/results/cpu-memory.json]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 512,
+          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+          "vocab_size": 49152, "rope_theta": 10000.0, "max_position_embeddings": 16384,
+          "tie_word_embeddings": True}
+REPEAT = 4  # copies of the sample text: about 7,000 prefix tokens
+QUESTION = "Who may copy the library, and under which conditions?"
+DECODE_TOKENS = 24
+
+
+def setup(work, tiers):
+    """The tiny model folder and one cartridge per tier under `work` (made once, reused)."""
+    import cartridge  # noqa: F401  (before mlx)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from cartridge.models.gguf import tokenizer_from_metadata
+    from cartridge.models.loader import default_gguf_path
+
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    if not (model_dir / "model.safetensors").exists():
+        model_dir.mkdir(exist_ok=True)
+        mx.random.seed(0)
+        model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+        model.set_dtype(mx.float32)
+        (model_dir / "config.json").write_text(json.dumps(CONFIG))
+        mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+        _, meta = mx.load(str(default_gguf_path()), return_metadata=True)
+        tokenizer_from_metadata(meta)._tokenizer.save_pretrained(str(model_dir))
+    fp16 = work / "fp16.cart"
+    if not fp16.exists():
+        text = "\n\n".join([(ROOT / "samples" / "lgpl-3.0.txt").read_text()] * REPEAT)
+        cartridge.build(text, fp16, model=str(model_dir))
+    for tier in tiers:
+        if tier != "fp16" and not (work / f"{tier}.cart").exists():
+            cartridge.convert(fp16, work / f"{tier}.cart", tier=tier)
+    return model_dir
+
+
+def measure(cart_path, model_dir, policy, max_memory):
+    """One load in this process: memory after load, decode tokens/s, peak over load and decode."""
+    import cartridge  # noqa: F401  (before mlx)
+    import mlx.core as mx
+    import mlx_lm
+
+    lm = cartridge.load_model(str(model_dir))
+    mx.eval(lm.model.parameters())
+    model_bytes = mx.get_active_memory()
+    mx.reset_peak_memory()
+    kw = {} if max_memory is None else {"max_memory": max_memory}
+    t = time.perf_counter()
+    cart = cartridge.load(cart_path, model=lm, attention=policy, **kw)
+    load_s = time.perf_counter() - t
+    row = {"policy": cart.attention, "load_s": load_s, "model_bytes": model_bytes,
+           "load_peak_bytes": mx.get_peak_memory() - model_bytes,
+           "resident_bytes": mx.get_active_memory() - model_bytes,
+           "stored_bytes": None,  # from the plan below; else the tier's pages as stored (policy portable)
+           "prefix_tokens": len(cart.info.tokens)}
+    plan = getattr(cart, "plan", None)  # the loader's report, where it makes one
+    if plan:
+        row["plan"] = {k: plan[k] for k in ("policy", "reason", "memory")}
+        row["stored_bytes"] = plan["memory"]["stored_bytes"]
+    prompt = cart.question_prompt(QUESTION)
+    times = []
+    last = time.perf_counter()
+    for i, _ in enumerate(mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, prompt_cache=cart.prompt_cache(),
+                                                 max_tokens=DECODE_TOKENS)):
+        now = time.perf_counter()
+        if i:
+            times.append(now - last)
+        last = now
+    times.sort()
+    row["decode_tokens_per_s"] = 1.0 / times[len(times) // 2]
+    row["peak_bytes"] = mx.get_peak_memory() - model_bytes
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiers", default="fp16,int8,mlx4g32,mxfp4,turbo4")
+    ap.add_argument("--policies", default="auto,dequantize-once,portable")
+    ap.add_argument("--work", default="/tmp/cart-mem")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu-memory.json"))
+    ap.add_argument("--label", default="", help="recorded with the results (e.g. before/after)")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # cart, model dir, policy, max_memory
+    args = ap.parse_args()
+    if args.child:
+        cart, model_dir, policy, mm = args.child
+        print(json.dumps(measure(cart, model_dir, policy, None if mm == "-" else int(mm))))
+        return
+    work = Path(args.work)
+    tiers = args.tiers.split(",")
+    model_dir = setup(work, tiers)
+    rows = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for tier in tiers:
+        for policy in args.policies.split(","):
+            out = subprocess.run([sys.executable, __file__, "--child", str(work / f"{tier}.cart"), str(model_dir),
+                                  policy, "-"], capture_output=True, text=True, env=env)
+            if out.returncode:
+                print(f"{tier} {policy}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+                continue
+            row = {"tier": tier, "asked": policy, **json.loads(out.stdout.strip().splitlines()[-1])}
+            rows.append(row)
+            print(f"{tier:<8} {policy:<16} -> {row['policy']:<16} stored {(row['stored_bytes'] or 0) / 1e6:7.1f} MB  "
+                  f"resident {row['resident_bytes'] / 1e6:7.1f} MB  load peak {row['load_peak_bytes'] / 1e6:7.1f} MB  "
+                  f"peak {row['peak_bytes'] / 1e6:7.1f} MB  decode {row['decode_tokens_per_s']:6.1f} tok/s  "
+                  f"load {row['load_s']:.2f} s", flush=True)
+    import platform
+
+    import mlx.core as mx
+
+    result = {"label": args.label, "config": CONFIG, "question": QUESTION, "decode_tokens": DECODE_TOKENS,
+              "machine": f"{platform.machine()} {platform.processor()} ({os.cpu_count()} cores, shared)",
+              "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

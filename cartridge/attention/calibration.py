@@ -1,0 +1,173 @@
+"""`auto` from measurements: which attention policy is fastest per (backend, tier, head_dim, mode, context).
+
+A table is a JSON document {"version": 1, "entries": [...]}; each entry is one measured case:
+
+    {"backend": "cpu", "tier": "mlx4g32", "head_dim": 64, "mode": "decode", "context": 8192,
+     "policy": "dequantize-once", "us": {"portable": 6407.0, "dequantize-once": 1613.0},
+     "dense_us": 2983.0, "machine": "x86_64 (2 cores)", "measured": "2026-12-01"}
+
+"mode" is "decode" (1-8 query rows per KV head, as `cartridge bench` times one decode step) or
+"multi-token" (a question's prefill over the prefix). Entries come from a `cartridge bench --json`
+result (`table_from_bench`), so a bench run on any machine becomes a table. The package ships tables
+measured on the project's machines (`auto_tables/*.json`); a user table (`user_table_path()`, written by
+`cartridge bench --calibrate`) replaces the shipped entries of every (backend, tier, head_dim, mode) it
+measures. `choose` looks a layer up: the nearest head_dim, then the nearest context (log scale).
+"""
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from ..errors import InputError
+
+SHIPPED = Path(__file__).with_name("auto_tables")
+TABLE_VERSION = 1
+FALLBACK = {"cpu": "dequantize-once", "cuda": "fused", "metal": "portable"}  # no measurement for a case
+MULTI_TOKEN_ROWS = 16  # query rows per KV head from which a case is "multi-token"
+
+
+def user_table_path():
+    """The user's table: $CARTRIDGE_AUTO_TABLE, else $XDG_CONFIG_HOME/cartridge/auto-table.json (XDG_CONFIG_HOME
+    defaults to ~/.config)."""
+    if os.environ.get("CARTRIDGE_AUTO_TABLE"):
+        return Path(os.environ["CARTRIDGE_AUTO_TABLE"])
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "cartridge" / "auto-table.json"
+
+
+def _machine(env):
+    name = env.get("device") or env.get("processor") or env.get("machine") or "unknown machine"
+    return f"{name} {env['backend']}" + (f" ({env['cores']} cores)" if env.get("cores") else "")
+
+
+def table_from_bench(result, date=None):
+    """The table of a `cartridge bench --json` result: one entry per (tier, context, mode) it timed.
+
+    Args:
+        result (dict): the bench result ("environment", "shape", "attention" rows).
+        date (str | None): when it was measured, for a result without environment.date. Default: None.
+
+    Returns:
+        dict: {"version": 1, "entries": [...]} (module docstring); the fastest policy of each case among
+        the policies measured without error.
+
+    Raises:
+        InputError: `result` is not a bench result (no environment, shape or attention rows).
+    """
+    try:
+        env, head_dim, rows = result["environment"], result["shape"]["head_dim"], result["attention"]
+    except (KeyError, TypeError):
+        raise InputError("not a `cartridge bench --json` result: it needs environment, shape.head_dim and "
+                         "attention rows") from None
+    dense = {r["context"]: r["us"] for r in rows if r.get("policy") == "mlx-sdpa" and r.get("us")}
+    cases = {}
+    for r in rows:
+        if r.get("kind") != "cartridge" or not r.get("us"):
+            continue
+        mode = "multi-token" if r.get("query_rows", 1) >= MULTI_TOKEN_ROWS else "decode"
+        cases.setdefault((r["tier"], r["context"], mode), {})[r["policy"]] = r["us"]
+    entries = []
+    for (tier, context, mode), us in sorted(cases.items()):
+        entries.append({"backend": env["backend"], "tier": tier, "head_dim": head_dim, "mode": mode,
+                        "context": context, "policy": min(us, key=us.get), "us": us,
+                        "dense_us": dense.get(context), "machine": _machine(env),
+                        "measured": env.get("date") or date or "undated"})
+    return {"version": TABLE_VERSION, "entries": entries}
+
+
+def read_table(path):
+    """The entries of a table file.
+
+    Raises:
+        InputError: unreadable, not JSON, or not a table of this version.
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"attention table {path}: cannot read it ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != TABLE_VERSION or not isinstance(doc.get("entries"), list):
+        raise InputError(f"attention table {path}: expected {{\"version\": {TABLE_VERSION}, \"entries\": [...]}}")
+    return doc["entries"]
+
+
+def _key(e):
+    return e["backend"], e["tier"], e["head_dim"], e["mode"]
+
+
+def merged_entries(user=None):
+    """Shipped entries, with every (backend, tier, head_dim, mode) the user table measures replaced by its entries.
+
+    Args:
+        user (Path | None): the user table (default `user_table_path()`; absent is fine).
+    """
+    shipped = [e for f in sorted(SHIPPED.glob("*.json")) for e in read_table(f)]
+    user = user_table_path() if user is None else Path(user)
+    mine = read_table(user) if user.exists() else []
+    replaced = {_key(e) for e in mine}
+    return [e for e in shipped if _key(e) not in replaced] + mine
+
+
+def _nearest(entries, head_dim, n_tokens):
+    """The entry closest in head_dim (exact first), then in log2 context."""
+    return min(entries, key=lambda e: (abs(e["head_dim"] - head_dim),
+                                       abs(math.log2(e["context"]) - math.log2(max(n_tokens, 1))), -e["context"]))
+
+
+def choose(entries, backend, tiers, head_dim, n_tokens, mode="decode", allowed=None):
+    """The measured-fastest policy for one layer, and why.
+
+    Args:
+        entries (list[dict]): table entries (`merged_entries`).
+        backend (str): "cpu", "cuda" or "metal". tiers (tuple[str]): the layer's K and V tiers.
+        head_dim (int): the layer's head_dim. n_tokens (int): prefix tokens. mode (str): "decode" or
+            "multi-token". allowed (set | None): policies this backend runs (None: any in the table).
+
+    Returns:
+        tuple: (policy, reason). The policy minimises the summed measured time of the layer's tiers (each
+        at its nearest case); the reason says by how much and where it was measured, e.g. "portable: 0.80x
+        dequantize-once, 1.10x dense at 8192 tokens (mlx4g32, head_dim 64), measured 2026-12-01 on ...".
+        With no entry for a tier: FALLBACK[backend] and a reason saying so.
+    """
+    picked = []
+    for tier in dict.fromkeys(tiers):
+        cands = [e for e in entries if e["backend"] == backend and e["tier"] == tier and e["mode"] == mode]
+        if not cands:
+            return FALLBACK[backend], f"{FALLBACK[backend]}: no measurement of {tier} on {backend} (default)"
+        picked.append(_nearest(cands, head_dim, n_tokens))
+    policies = set.intersection(*(set(e["us"]) for e in picked))
+    if allowed is not None:
+        policies &= set(allowed)
+    if not policies:
+        return FALLBACK[backend], f"{FALLBACK[backend]}: no measured policy runs here (default)"
+    total = {p: sum(e["us"][p] for e in picked) for p in policies}
+    best = min(sorted(total), key=total.get)
+    return best, _reason(best, total, picked)
+
+
+def _reason(best, total, picked):
+    e = picked[0]
+    parts = [f"{total[best] / total[p]:.2f}x {p}" for p in sorted(total) if p != best]
+    dense = [x["dense_us"] for x in picked]
+    if all(dense):
+        parts.append(f"{total[best] / sum(dense):.2f}x dense")
+    what = ", ".join(parts) or "the only policy measured"
+    tiers = "+".join(x["tier"] for x in picked)
+    return (f"{best}: {what} at {e['context']} tokens ({tiers}, head_dim {e['head_dim']}), measured "
+            f"{e['measured']} on {e['machine']}")
+
+
+def write_table(table, path):
+    """Write `table` as JSON to `path` atomically (its folder is created)."""
+    from ..format.atomic import write_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))
+    return path
+
+
+def today():
+    """The date stamped on a bench result, YYYY-MM-DD."""
+    return time.strftime("%Y-%m-%d")

@@ -1,0 +1,162 @@
+"""The memory budget of `auto` (cartridge/attention/budget.py, policy.place): which sides are decoded for a
+given max_memory, exact byte accounting, the same attention whatever the placement, and load's max_memory."""
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cartridge.attention import budget
+from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.kernels import merge, portable
+from cartridge.attention.pages import make_prefix
+from cartridge.attention.policy import place
+from cartridge.errors import InputError
+from cartridge.tiers import TIERS
+
+N_KV, D, T, PAGE = 2, 32, 300, 64  # 5 pages, the last one padded
+SIDE = 12_800  # mlx4g32 bytes of one side: 5 pages x 2 heads x 64 tokens x (16 codes + 2 scale + 2 bias)
+DENSE = 5 * N_KV * PAGE * D * 4  # one side decoded to float32: 81,920 bytes
+
+
+def _prefixes(n_layers=3, tier="mlx4g32"):
+    c = TIERS[tier]
+    out = []
+    for i in range(n_layers):
+        k = mx.random.normal((N_KV, T, D), key=mx.random.key(2 * i))
+        v = mx.random.normal((N_KV, T, D), key=mx.random.key(2 * i + 1))
+        out.append(make_prefix(c, k, c, v, PAGE, layer=i))
+    return out
+
+
+def _sides(prefixes):
+    return {(i, s): (p.k_codec if s == "k" else p.v_codec).name for i, p in enumerate(prefixes) for s in "kv"}
+
+
+def test_sizes_of_a_side():
+    p = _prefixes(1)[0]
+    assert p.nbytes == 2 * SIDE
+    s = budget.side_sizes(0, "k", SIDE, (5, N_KV, PAGE, D), mx.float32)
+    assert (s.dense, s.transient) == (DENSE, DENSE)
+    s16 = budget.side_sizes(0, "k", SIDE, (5, N_KV, PAGE, D), mx.float16)
+    assert (s16.dense, s16.transient) == (DENSE // 2, DENSE + DENSE // 2)  # float32 decode, then the cast
+
+
+def test_plan_decodes_k_sides_first_in_layer_order_within_the_budget():
+    sides = [budget.Side(i, s, 100, 400, 400) for i in range(3) for s in "kv"]
+    held = 600
+    # K0 peaks at 600 + 400, then 900 held; K1 would peak at 1300 > 1299, and so would every other side
+    assert budget.plan(sides, held, 1299) == ([(0, "k")], 900, 1000)
+    assert budget.plan(sides, held, 1300) == ([(0, "k"), (1, "k")], 1200, 1300)
+    assert budget.plan(sides, held, 599)[0] == []  # below the stored bytes: nothing decoded
+    assert budget.plan(sides, held, None) == ([(0, "k"), (1, "k"), (2, "k"), (0, "v"), (1, "v"), (2, "v")],
+                                              2400, 2100 + 400)
+
+
+def test_default_budget_is_stored_times_1_25_plus_one_layer():
+    sides = [budget.Side(0, "k", 10, 400, 400), budget.Side(0, "v", 10, 300, 300), budget.Side(1, "k", 10, 500, 500)]
+    assert budget.default_budget(1000, sides) == 1250 + 700
+    assert budget.default_budget(1000, []) == 1250
+
+
+@pytest.mark.parametrize("max_memory, decoded", [
+    (None, {(0, "k"), (1, "k"), (2, "k"), (0, "v"), (1, "v"), (2, "v")}),  # named policy, no limit: all
+    (76_800 + DENSE - 1, set()),
+    (76_800 + DENSE, {(0, "k")}),
+    (76_800 + 2 * DENSE - 12_800, {(0, "k"), (1, "k")}),  # each decoded side frees its 12,800 stored bytes
+    (76_800 + 3 * DENSE - 2 * 12_800, {(0, "k"), (1, "k"), (2, "k")}),
+    (76_800 + 4 * DENSE - 3 * 12_800, {(0, "k"), (1, "k"), (2, "k"), (0, "v")}),
+])
+def test_place_decodes_the_sides_a_max_memory_allows(max_memory, decoded):
+    prefixes = _prefixes()
+    assert sum(p.nbytes for p in prefixes) == 76_800
+    out, report = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory)
+    want = {key: ("dequantized" if key in decoded else "mlx4g32") for key in _sides(prefixes)}
+    assert _sides(out) == want
+    m = report["memory"]
+    assert m["resident_bytes"] == sum(p.nbytes for p in out)  # the accounting is the arrays held
+    assert m["resident_bytes"] == 76_800 + len(decoded) * (DENSE - 12_800)
+    if max_memory is not None:
+        assert m["planned_peak_bytes"] <= max_memory
+    names = {"dequantize-once" if {(i, "k"), (i, "v")} <= decoded else
+             "dequantize-once (K only)" if (i, "k") in decoded else "portable" for i in range(3)}
+    assert report["policy"] == (names.pop() if len(names) == 1 else "mixed")
+
+
+def test_auto_uses_the_default_budget_and_a_named_policy_does_not():
+    entries = [{"backend": "cpu", "tier": "mlx4g32", "head_dim": D, "mode": "decode", "context": 256,
+                "policy": "dequantize-once", "us": {"portable": 2.0, "dequantize-once": 1.0}, "dense_us": 1.5,
+                "machine": "m", "measured": "d"}]
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the table entry is for the CPU")
+    prefixes = _prefixes()
+    out, report = place(list(prefixes), "auto", mx.float32, [(D, D)] * 3, entries=entries)
+    limit = int(76_800 * 1.25) + 2 * DENSE
+    assert report["memory"]["budget_bytes"] == limit
+    assert report["memory"]["planned_peak_bytes"] <= limit
+    # 96,000 + 163,840: K0 (peak 158,720), K1 (peak 227,840), K2 would peak at 296,960
+    assert {k for k, v in _sides(out).items() if v == "dequantized"} == {(0, "k"), (1, "k")}
+    assert report["layers"][0]["policy"] == "dequantize-once (K only)"
+    assert report["layers"][2]["policy"] == "portable"
+    assert "2 of 6 layer-sides decoded" in report["reason"]
+    entries[0]["policy"], entries[0]["us"] = "portable", {"portable": 1.0, "dequantize-once": 2.0}
+    out, report = place(list(prefixes), "auto", mx.float32, [(D, D)] * 3, entries=entries)
+    assert set(_sides(out).values()) == {"mlx4g32"} and report["policy"] == "portable"
+    assert report["reason"].startswith("portable: 0.50x dequantize-once, 0.67x dense at 256 tokens")
+
+
+def test_auto_decodes_fp16_pages_whole_without_a_budget():
+    """An fp16 cartridge's pages are as big as dense ones: auto decodes them as before (no default budget)."""
+    entries = [{"backend": "cpu", "tier": "fp16", "head_dim": D, "mode": "decode", "context": 256,
+                "policy": "dequantize-once", "us": {"portable": 2.0, "dequantize-once": 1.0}, "dense_us": 1.5,
+                "machine": "m", "measured": "d"}]
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the table entry is for the CPU")
+    out, report = place(list(_prefixes(tier="fp16")), "auto", mx.float32, [(D, D)] * 3, entries=entries)
+    assert report["memory"]["budget_bytes"] is None and report["policy"] == "dequantize-once"
+    assert set(_sides(out).values()) == {"dequantized"}
+    out, report = place(list(_prefixes(tier="fp16")), "auto", mx.float32, [(D, D)] * 3, max_memory=1, entries=entries)
+    assert set(_sides(out).values()) == {"fp16"} and report["policy"] == "portable"  # a max_memory still holds
+
+
+def test_every_placement_attends_the_same():
+    prefixes = _prefixes()
+    q = mx.random.normal((1, 4, 1, D), key=mx.random.key(9))
+    k_new = mx.random.normal((1, N_KV, 1, D), key=mx.random.key(10))
+    outs = []
+    for max_memory in (76_800, 76_800 + DENSE, None):
+        placed, _ = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory)
+        cache = CartridgeCache(placed[1])
+        cache.update_and_fetch(k_new, k_new)
+        outs.append(np.array(cache.attention(q, D ** -0.5)))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_split_over_streams_equals_one_pass():
+    c = TIERS["mlx4g32"]
+    k = mx.random.normal((N_KV, 1000, D), key=mx.random.key(3))
+    p = make_prefix(c, k, c, k, PAGE)  # 16 pages, 1000 tokens: the last page padded
+    q = mx.random.normal((N_KV, 3, D), key=mx.random.key(4))
+    with mx.stream(mx.cpu):
+        split = merge([portable._split_partial(q, p, 1000, 16)])
+        whole = merge([portable._partial(q, p, 1000)])
+    np.testing.assert_allclose(np.array(split), np.array(whole), rtol=1e-5, atol=1e-6)
+
+
+def test_load_refuses_a_bad_max_memory(tmp_path):
+    for bad in (0, -5, 1.5, True, "1G"):
+        with pytest.raises(InputError, match="max_memory"):
+            cartridge.load(tmp_path / "none.cart", max_memory=bad)
+
+
+def test_load_reports_the_plan(tiny, tmp_path):
+    r = cartridge.build("The kettle warranty lasts 24 months. " * 20, tmp_path / "a.cart", model=tiny,
+                        tier="fp16", page_size=64)
+    stored = sum(e.page_bytes * e.shape[0] for ex in cartridge.open_cartridge(r.path)[0].extents.values()
+                 for e in ex)
+    cart = cartridge.load(r.path, model=tiny, attention="dequantize-once", max_memory=stored)
+    assert cart.attention == "portable"  # nothing fits above the stored pages
+    assert cart.plan["memory"]["resident_bytes"] == stored == cart.plan["memory"]["stored_bytes"]
+    cart = cartridge.load(r.path, model=tiny, attention="dequantize-once")
+    assert cart.attention == "dequantize-once" and cart.plan["memory"]["budget_bytes"] is None
