@@ -10,6 +10,7 @@
 import mlx.core as mx
 
 from ..errors import InputError
+from ..tiers import protect
 from ..tiers.float16 import Float16Codec
 from .cache import LayerPrefix
 
@@ -53,6 +54,8 @@ def dequantize(prefix, dtype):
     """The same prefix with both sides decoded to dense (n_pages, n_kv_heads, P, head_dim) pages."""
     k = prefix.k_codec.decode(prefix.k_parts, prefix.k_params).astype(dtype)
     v = prefix.v_codec.decode(prefix.v_parts, prefix.v_params).astype(dtype)
+    if prefix.protected is not None:  # dense pages take the fp16 copies in place
+        k, v = (protect.overwrite(x, prefix.protected, side, prefix.n_tokens) for x, side in ((k, "k"), (v, "v")))
     return LayerPrefix(DEQUANTIZED, {"values": k}, DEQUANTIZED, {"values": v}, prefix.n_tokens)
 
 
@@ -60,8 +63,9 @@ def kernel_for(policy, prefix, head_dim):
     """The fused attention of one layer for a concrete policy, or None for the portable path.
 
     The fused kernel takes one head_dim for K and V; a layer whose widths differ takes the portable path.
+    No fused kernel reads protected tokens' fp16 copies either: such a layer takes the portable path.
     """
-    if policy == "portable" or backend() != "cuda":
+    if policy == "portable" or backend() != "cuda" or prefix.protected is not None:
         return None
     from .kernels import cuda
 
@@ -90,6 +94,6 @@ def prepare(prefixes, policy, dtype, head_dims):
         q = dequantize(p, dtype) if policy == "dequantize-once" else p
         kernel = kernel_for(policy, q, k_dim) if k_dim == v_dim else None
         out.append(LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params,
-                               kernel))
+                               kernel, q.protected))
     mx.eval([[list(p.k_parts.values()), list(p.v_parts.values())] for p in out if isinstance(p, LayerPrefix)])
     return out
