@@ -18,13 +18,13 @@ from .attention.store import check_layer_tiers, to_numpy, write_layer
 from .errors import InputError
 from .format import keys as K
 from .format.keys import HEAD_RECORD_BYTES
-from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_LIST, PAGE_RECORD
+from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
 from .format.source import source_keys
 from .format.writer import CartridgeWriter, check_output_path, check_space
 from .models.families import LayerPlan, plan_layers
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, read_schema, schema_for
+from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, presets, protect, read_schema, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
@@ -123,7 +123,7 @@ def _header(lm, tokens, plans, records, page_size, mode, source_dtype, source):
     n_kv, head_dim = next((u.k_shape for p in plans for u in p.units() if u.k_shape), (1, 1))  # pre-1.4 readers
     header = {
         K.FORMAT_MAJOR: FORMAT_MAJOR,
-        K.FORMAT_MINOR: FORMAT_MINOR_LIST if any(p.kind == "list" for p in plans) else FORMAT_MINOR,
+        K.FORMAT_MINOR: FORMAT_MINOR,
         K.WRITER: "cartridge 0.1.0",
         K.MODEL_REF: lm.ref,
         K.MODEL_FINGERPRINT: lm.fingerprint,
@@ -233,7 +233,7 @@ def check_options(document, options, page_size, prefill_step, reserve=0):
     _tier_options(*options)
 
 
-def plan(document, lm, geometry, options, reserve=0, system=None):
+def plan(document, lm, geometry, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
     """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
 
     Returns:
@@ -245,12 +245,13 @@ def plan(document, lm, geometry, options, reserve=0, system=None):
     tier, k_tier, v_tier, boundary_protect, _ = options
     schema = _tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
     check_schema(schema, *geometry)
+    check_page_size(schema, page_size)
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, document, mode, system=system)
     return schema, mode, tokens, _check_context(lm, tokens, reserve)
 
 
-def probe_plan(document, lm, options, reserve=0, system=None):
+def probe_plan(document, lm, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
     """Like `plan`, with each layer's cache kind and K/V shapes probed from the model itself.
 
     Returns:
@@ -268,12 +269,26 @@ def probe_plan(document, lm, options, reserve=0, system=None):
     plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
     schema = _tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
     check_layer_tiers(plans, schema)
+    check_page_size(schema, page_size)
     return schema, plans, mode, tokens, left
+
+
+def check_page_size(schema, page_size):
+    """Refuse a page size a tier with token-axis groups (kivi4) cannot fill with whole groups.
+
+    Raises:
+        InputError: naming the tier, the page size and its token group.
+    """
+    for name in sorted({r[s] for r in schema for s in ("k", "v")}):
+        check = getattr(get_tier(name), "check_page_size", None)
+        if check:
+            check(page_size)
 
 
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
-          progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None):
+          progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None, protect_first=0, protect_last=0,
+          preset=None):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -298,6 +313,11 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         system (str | None): a system message, rendered before the document where the chat template
             puts it and recorded (`prompt.system`, spec/FORMAT.md 5.4); questions and conversations are
             then answered under it. Default: None (the template's own default, if any).
+        protect_first, protect_last (int): also keep the first N / last M prefix tokens of every
+            (layer, side) of the layers that store every token in fp16 (`cartridge.tiers.protect`, format
+            1.5); clamped to leave one token. Default: 0.
+        preset (str | None): "exact", "safe", "balanced" or "compact" (`cartridge.tiers.presets`);
+            excludes the tier and protection options. Default: None.
 
     Returns:
         BuildResult
@@ -317,20 +337,23 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    options = (tier, k_tier, v_tier, boundary_protect, schema)
+    o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
+    options = tuple(o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect", "schema"))
+    protect.check_counts(o["protect_first"], o["protect_last"])
     check_options(document, options, page_size, prefill_step, reserve)
     if system is not None:
         check_text(system, "the system message")
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system)
+    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system, page_size)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
+    kept = protect.clamp(o["protect_first"], o["protect_last"], len(tokens))
 
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
     path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force,
-                        header_extras(document, source_name, system))
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left)
+                        header_extras(document, source_name, system), kept)
+    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
 
 
 def header_extras(document, source_name, system):
@@ -350,7 +373,8 @@ def kv_caches(layers):
         yield SimpleNamespace(keys=keys, values=values)
 
 
-def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, force=False, source=None):
+def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, force=False, source=None,
+                 kept=(0, 0)):
     """Encode every layer's K/V (or state) with its tiers and write the cartridge (atomic).
 
     Args:
@@ -364,6 +388,7 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
         force (bool): replace an existing cartridge at `output`. Default: False.
         source (dict | None): more header keys: source.* (`format.source.source_keys`), prompt.system.
             Default: None.
+        kept (tuple): (N, M) protected first and last tokens, already clamped (format 1.5). Default: (0, 0).
 
     Returns:
         Path: the published cartridge directory.
@@ -376,15 +401,19 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
         for layer, cache in enumerate(caches):
             if source_dtype is None and plans[layer].kind not in ("state", "list"):
                 source_dtype = str(cache.keys.dtype).replace("mlx.core.", "")
-            records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens)))
+            records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens),
+                                       kept))
         header = _header(lm, tokens, plans, records, page_size, mode, source_dtype or "float32", source or {})
+        header.update(protect.header_keys(*kept))
         return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
 
 
-def build_result(path, tokens, prefill_seconds, seconds, schema, plans, context_left=None):
+def build_result(path, tokens, prefill_seconds, seconds, schema, plans, context_left=None, kept=(0, 0)):
     """The BuildResult of a written cartridge (sizes read from disk); bytes per token of the layers
-    that store every token."""
+    that store every token, with the fp16 copies of `kept` (N, M) protected tokens spread over them."""
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(u, f"{s}_shape")) for p, r in zip(plans, schema)
               for u in p.units() if u.kind in ("attention", "dense") for s in ("k", "v"))
+    shapes = [getattr(p, f"{s}_shape") for p in plans if protect.protects(p.kind) for s in ("k", "v")]
+    bpt += protect.bytes_per_token(*kept, len(tokens), shapes)
     return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

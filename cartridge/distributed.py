@@ -343,7 +343,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         check_options(document, options, page_size, prefill_step, reserve)
         _require_kv_caches(model.model)
         geometry = _global_geometry(model.model)
-        schema, mode, tokens, left = plan(document, model, geometry, options, reserve, system)
+        schema, mode, tokens, left = plan(document, model, geometry, options, reserve, system, page_size)
         if group.rank() == 0:
             check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
         part = slice_for(model.model, geometry[0], geometry[1], group.rank(), group.size())

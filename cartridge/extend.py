@@ -244,6 +244,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         model = load_model(model)
     cart = load(path, model=model, attention=attention)
     require_attention_layers(cart.info, "extend")
+    _require_per_token_tiers(cart.info, "extend")
     ids, keep = extended_tokens(cart, text, separator)
     limit = context_length(cart.model)
     if limit and len(ids) >= limit:
@@ -254,6 +255,16 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     out = _write(cart, caches, ids, keep, dest, force, _header(cart, ids, keep, "extend", len(ids)))
     total = sum(f.stat().st_size for f in out.iterdir())
     return ExtendResult(str(out), len(ids), len(ids) - keep, keep, t2 - t1, time.perf_counter() - t0, total)
+
+
+def _require_per_token_tiers(info, what):
+    """Refuse a tier whose codes depend on other tokens (kivi4's token groups): the page splice needs
+    a token's codes to be the same whatever follows it."""
+    for row in info.tiers:
+        for side in SIDES:
+            if getattr(TIERS[row[side]], "token_group", None):
+                raise InputError(f"layer {row['layer']} {side} is {row[side]}, whose scales span groups of tokens; "
+                                 f"{what} takes tiers that encode each token alone")
 
 
 def save(cart, path, cache, tokens=None, force=False):
@@ -278,6 +289,7 @@ def save(cart, path, cache, tokens=None, force=False):
     """
     t0 = time.perf_counter()
     require_attention_layers(cart.info, "save")
+    _require_per_token_tiers(cart.info, "save")
     dest, force = _destination(cart.path, path, force)
     tail = _conversation_tokens(cart, cache, tokens)
     held = cache[0].tail_len

@@ -23,7 +23,7 @@ from .tiers import DTYPES
 from .format.reader import open_cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
 from .models.prompt import conversation_tokens, followup_tokens, question_tokens
-from .tiers import TIERS
+from .tiers import TIERS, protect
 
 
 def check_fingerprint(info, fp, path=None, model_ref=None):
@@ -62,7 +62,8 @@ def _layer_prefix(info, data, layer, meta=None):
     parts = {side: {e.component: _array(data, e) for e in info.extents[(layer, side)]} for side in SIDES}
     tier = info.unit_tiers[layer]
     return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], meta.count,
-                       info.params[(layer, "k")], info.params[(layer, "v")])
+                       info.params[(layer, "k")], info.params[(layer, "v")],
+                       protected=protect.layer_protected(info, layer))
 
 
 def _layer(info, data, layer, meta=None):

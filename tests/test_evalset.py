@@ -17,6 +17,15 @@ def test_sample_questions_load():
     assert rows[1] == {"id": 2, "question": "What is the date of version 3 of this license?", "answer": "29 June 2007"}
 
 
+def test_second_document_questions_load_and_short_answers_are_in_it():
+    """samples/h11-readme.*: the second evaluation document (issue 19) and its 20 questions."""
+    rows = load_questions(ROOT / "samples" / "h11-readme.questions.jsonl")
+    text = (ROOT / "samples" / "h11-readme.txt").read_text()
+    assert [r["id"] for r in rows] == list(range(1, 21))
+    short = [r["answer"] for r in rows if " " not in r["answer"]]  # names and figures quoted verbatim
+    assert len(short) == 9 and all(a in text for a in short), short
+
+
 def test_sample_needles_have_exact_digits_at_five_depths():
     rows = load_needles(NEEDLES)
     assert len(rows) == 10

@@ -61,6 +61,7 @@ def layer(name, n_tokens, page_size, seed):
 @pytest.mark.parametrize("name, shape, gqa, L", list(itertools.product(TIERS, SHAPES, GQA, QUERY_TOKENS)))
 def test_portable_attention_over_pages_matches_float64(name, shape, gqa, L):
     n_tokens, page_size = shape
+    page_size = max(page_size, getattr(TIERS[name], "token_group", 1))  # kivi4: pages of whole token groups
     prefix = layer(name, n_tokens, page_size, seed=n_tokens * 10 + gqa)
     rng = np.random.default_rng(L)
     q = mx.array(rng.standard_normal((N_KV, gqa * L, HEAD_DIM)).astype(np.float32) * HEAD_DIM ** -0.5)

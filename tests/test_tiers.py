@@ -28,19 +28,25 @@ FORMULAS = {
     "turbo4": lambda H, D: 4 * H * D // 8 + 2 * H,
     "turbo3": lambda H, D: 3 * H * D // 8 + 2 * H,
     "turbo2": lambda H, D: 2 * H * D // 8 + 2 * H,
+    "kivi4": lambda H, D: H * D // 2 + H * D // 8,
 }
+FORMULAS.update({f"{name}+rot": FORMULAS[name] for name in ("int8", "mlx4g32", "mxfp4", "nvfp4")})
 # default model (3 x 64, kv_dim 192) and a kv_dim 1024 config (8 x 128): exact numbers
 BYTES = {
     (3, 64): {"fp16": 384, "bf16": 384, "int8": 216, "mlx4g32": 120, "fp8": 198, "mxfp4": 102, "nvfp4": 108,
-              "turbo4": 102, "turbo3": 78, "turbo2": 54},
+              "turbo4": 102, "turbo3": 78, "turbo2": 54, "kivi4": 120, "int8+rot": 216, "mlx4g32+rot": 120,
+              "mxfp4+rot": 102, "nvfp4+rot": 108},
     (8, 128): {"fp16": 2048, "bf16": 2048, "int8": 1152, "mlx4g32": 640, "fp8": 1056, "mxfp4": 544, "nvfp4": 576,
-               "turbo4": 528, "turbo3": 400, "turbo2": 272},
+               "turbo4": 528, "turbo3": 400, "turbo2": 272, "kivi4": 640, "int8+rot": 1152, "mlx4g32+rot": 640,
+               "mxfp4+rot": 544, "nvfp4+rot": 576},
 }
 # tier -> (relative RMSE bound, max |error| bound) on N(0, 1) data
 GAUSSIAN_BOUNDS = {
     "fp16": (3e-4, 2e-3), "bf16": (2.5e-3, 1.6e-2), "int8": (6e-3, None), "mlx4g32": (0.09, None),
     "fp8": (0.03, 0.3), "mxfp4": (0.13, 0.8), "nvfp4": (0.11, 0.7),
     "turbo4": (0.10, 0.6), "turbo3": (0.19, 1.1), "turbo2": (0.35, 2.0),
+    "int8+rot": (6e-3, None), "mlx4g32+rot": (0.09, None), "mxfp4+rot": (0.13, 0.8), "nvfp4+rot": (0.11, 0.7),
+    "kivi4": (0.09, None),
 }
 
 
@@ -70,9 +76,10 @@ def test_bytes_per_token_exact(name, geometry):
     H, D = geometry
     codec = TIERS[name]
     assert codec.bytes_per_token(H, D) == FORMULAS[name](H, D) == BYTES[geometry][name]
-    x = gaussian((H, 5, D))
+    n = getattr(codec, "token_group", 5)  # kivi4 encodes whole groups of 32 tokens
+    x = gaussian((H, n, D))
     parts = codec.encode(x, codec.make_params(x, 0, "v"))
-    stored = sum(parts[c.name].nbytes for c in codec.components(D)) // 5
+    stored = sum(parts[c.name].nbytes for c in codec.components(D)) // n
     assert stored == BYTES[geometry][name]
 
 
@@ -83,19 +90,20 @@ def test_mlx4g32_is_640_bytes_at_kv_dim_1024():
 
 @pytest.mark.parametrize("name", list(FORMULAS))
 def test_components_match_encoded_arrays(name):
-    x = gaussian((3, 7, 64))
+    n = getattr(TIERS[name], "token_group", 7)  # kivi4 encodes whole groups of 32 tokens
+    x = gaussian((3, n, 64))
     codec, _, parts, decoded = roundtrip(name, x)
     comps = codec.components(64)
     assert list(parts) == [c.name for c in comps]
     for c in comps:
-        assert parts[c.name].shape == (3, 7, c.width)
+        assert parts[c.name].shape == (3, n, c.width)
         assert parts[c.name].dtype == getattr(mx, c.dtype)
     assert decoded.shape == x.shape and decoded.dtype == mx.float32
 
 
 @pytest.mark.parametrize("name", list(FORMULAS))
 def test_encoding_is_deterministic(name):
-    x = gaussian(seed=3)
+    x = gaussian(seed=3)[:, :288]  # whole groups of 32 tokens for kivi4
     a = TIERS[name].encode(x, TIERS[name].make_params(x, 4, "v"))
     b = TIERS[name].encode(mx.array(np.array(x)), TIERS[name].make_params(mx.array(np.array(x)), 4, "v"))
     for key in a:
@@ -104,7 +112,7 @@ def test_encoding_is_deterministic(name):
 
 @pytest.mark.parametrize("name", list(FORMULAS))
 def test_gaussian_round_trip_error_within_bound(name):
-    x = gaussian()
+    x = gaussian()[:, :288] if name == "kivi4" else gaussian()  # kivi4: whole groups of 32 tokens
     *_, d = roundtrip(name, x)
     err = np.array(d) - np.array(x)
     rel_rmse = np.sqrt((err ** 2).mean() / (np.array(x) ** 2).mean())
@@ -223,10 +231,10 @@ def test_turbo_params_record_every_choice():
 
 
 def test_zero_vectors_decode_to_zero():
-    x = mx.zeros((3, 4, 64))
+    x = mx.zeros((3, 32, 64))  # 32 tokens: one whole token group of kivi4
     for name in FORMULAS:
         *_, d = roundtrip(name, x)
-        assert np.array_equal(np.array(d), np.zeros((3, 4, 64))), name
+        assert np.array_equal(np.array(d), np.zeros((3, 32, 64))), name
 
 
 @pytest.mark.parametrize("d, bits, want", [

@@ -33,18 +33,27 @@ from cartridge.load import check_fingerprint
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
 sys.path.insert(0, str(VECTORS))
-from make_vectors import FINGERPRINT, TOKENS, vector_header, vector_pages, write_vector  # noqa: E402
+from make_vectors import (  # noqa: E402
+    FINGERPRINT,
+    PROTECT,
+    TOKENS,
+    vector_header,
+    vector_pages,
+    vector_protected,
+    write_vector,
+)
 
 TINY_10 = VECTORS / "tiny-1.0.cart"  # format 1.0, as written before any optional key: must keep loading
 TINY = VECTORS / "tiny.cart"  # format 1.2 (per-head checksums), as written before per-layer keys: must keep loading
-TINY_14 = VECTORS / "tiny-1.4.cart"  # format 1.4: per-layer kind and shapes
+TINY_14 = VECTORS / "tiny-1.4.cart"  # format 1.4: per-layer kind and shapes, as written before 1.5: must keep loading
+TINY_15 = VECTORS / "tiny-1.5.cart"  # format 1.5: protected tokens 0 and 2 (spec 4.6)
 PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the OS page: bytes pinned at 4 KiB
 
 
 @pytest.mark.skipif(not PAGE_4K, reason="index.lmdb bytes depend on the OS page size (vector made at 4 KiB)")
 def test_writer_produces_the_committed_bytes(tmp_path):
     out = write_vector(tmp_path / "v.cart")
-    assert files(out) == files(TINY_14)
+    assert files(out) == files(TINY_15)
 
 
 def test_serialization_order_invariant(tmp_path):
@@ -55,7 +64,7 @@ def test_serialization_order_invariant(tmp_path):
         assert files(write_vector(tmp_path / f"s{seed}.cart", header=dict(items))) == base
 
 
-@pytest.mark.parametrize("path,version", [(TINY_10, "1.0"), (TINY, "1.2"), (TINY_14, "1.4")])
+@pytest.mark.parametrize("path,version", [(TINY_10, "1.0"), (TINY, "1.2"), (TINY_14, "1.4"), (TINY_15, "1.5")])
 def test_vector_parses_to_known_values(path, version):
     info, data = open_cartridge(path)
     assert info.tokens.tolist() == TOKENS
@@ -68,6 +77,29 @@ def test_vector_parses_to_known_values(path, version):
         np.testing.assert_array_equal(data.view(extent, "float16"), vector_pages(side))
     assert os.path.getsize(path / DATA_NAME) == 2 * ALIGN
     assert verify_cartridge(path).ok
+    if version == "1.5":
+        assert (info.protect_first, info.protect_last) == PROTECT
+        for side in "kv":
+            np.testing.assert_array_equal(info.protected[(0, side)], vector_protected(side))
+    else:  # before 1.5: no protection
+        assert (info.protect_first, info.protect_last, info.protected) == (0, 0, {})
+
+
+PROTECT_CORRUPTIONS = {  # format 1.5 protected tokens (spec 4.6) -> FieldError
+    "protected record too short": lambda r: {**r, K.layer_protected(0, "v"): r[K.layer_protected(0, "v")][:-2]},
+    "protected record missing": lambda r: {k: v for k, v in r.items() if k != K.layer_protected(0, "k")},
+    "protected counts cover every token": lambda r: {**r, K.PROTECT_LAST: b"2"},
+    "protected count not an integer": lambda r: {**r, K.PROTECT_FIRST: b'"1"'},
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROTECT_CORRUPTIONS))
+def test_protected_record_corruption_raises_field_error(tmp_path, case):
+    path = Path(shutil.copytree(TINY_15, tmp_path / "v.cart"))
+    forge_records(path, PROTECT_CORRUPTIONS[case])
+    with pytest.raises(CartridgeError) as e:
+        open_cartridge(path)
+    assert type(e.value) is FieldError, (case, repr(e.value))
 
 
 LAYER_CORRUPTIONS = {  # format 1.4 per-layer records (spec section 5.5) -> exact exception class

@@ -42,6 +42,8 @@ class LayerPrefix:
         kernel (callable | None): fused attention of this layer, called as
             kernel(cache, queries, scale) -> output or None (`cartridge.attention.kernels.cuda.FusedAttention`);
             None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
+        protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
+            their compressed pages (`cartridge.tiers.protect`).
     """
 
     k_codec: object
@@ -52,6 +54,7 @@ class LayerPrefix:
     k_params: dict = field(default_factory=dict)
     v_params: dict = field(default_factory=dict)
     kernel: object = None
+    protected: object = None
 
     @property
     def n_kv_heads(self):
@@ -158,6 +161,8 @@ class CartridgeCache(_BaseCache):
         q = (queries.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
         keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
         parts = [prefix_partial(q, p, p.n_tokens)]
+        if p.protected is not None:  # fp16 copies of the positions prefix_partial masked out
+            parts.append(tail_partial(q, p.protected.k, p.protected.v, True))
         start = 0
         for k, v in self._tail_parts():
             end = start + k.shape[1]

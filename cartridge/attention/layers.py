@@ -18,15 +18,19 @@ shared arrays. The page-attended kind ("attention") is `cartridge.attention.cach
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from ..tiers import protect
 from .cache import CartridgeCache, LayerPrefix
 
 
 def decode_prefix(prefix, dtype):
-    """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`."""
+    """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`, with
+    protected tokens (if any) from their fp16 copies."""
     out = []
-    for codec, parts, params in ((prefix.k_codec, prefix.k_parts, prefix.k_params),
-                                 (prefix.v_codec, prefix.v_parts, prefix.v_params)):
+    for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
+                                       ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
         x = codec.decode(parts, params)  # (n_pages, n_kv, P, D) float32
+        if prefix.protected is not None:  # protected tokens (format 1.5) take their fp16 copies
+            x = protect.overwrite(x, prefix.protected, side, prefix.n_tokens)
         n_pages, n_kv, page, d = x.shape
         # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
         x = x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens]

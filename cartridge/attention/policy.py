@@ -12,6 +12,7 @@
 import mlx.core as mx
 
 from ..errors import InputError
+from ..tiers import protect
 from ..tiers.float16 import Float16Codec
 from . import budget, calibration
 from .cache import LayerPrefix
@@ -60,6 +61,8 @@ def dequantize(prefix, dtype):
     """The same prefix with both sides decoded to dense (n_pages, n_kv_heads, P, head_dim) pages."""
     k = prefix.k_codec.decode(prefix.k_parts, prefix.k_params).astype(dtype)
     v = prefix.v_codec.decode(prefix.v_parts, prefix.v_params).astype(dtype)
+    if prefix.protected is not None:  # dense pages take the fp16 copies in place
+        k, v = (protect.overwrite(x, prefix.protected, side, prefix.n_tokens) for x, side in ((k, "k"), (v, "v")))
     return LayerPrefix(DEQUANTIZED, {"values": k}, DEQUANTIZED, {"values": v}, prefix.n_tokens)
 
 
@@ -67,8 +70,9 @@ def kernel_for(policy, prefix, head_dim):
     """The fused attention of one layer for a concrete policy, or None for the portable path.
 
     The fused kernel takes one head_dim for K and V; a layer whose widths differ takes the portable path.
+    No fused kernel reads protected tokens' fp16 copies either: such a layer takes the portable path.
     """
-    if policy == "portable" or backend() != "cuda":
+    if policy == "portable" or backend() != "cuda" or prefix.protected is not None:
         return None
     from .kernels import cuda
 
@@ -111,14 +115,21 @@ def _sides(prefixes, choices, head_dims, dtype):
 
 def _decoded(p, sides, dtype):
     """`p` with the sides in `sides` decoded to dense pages of `dtype`, each evaluated before the next."""
+    if sides == {"k", "v"}:
+        return dequantize(p, dtype)
     k_codec, k_parts, v_codec, v_parts = p.k_codec, p.k_parts, p.v_codec, p.v_parts
-    if "k" in sides:
-        k_codec, k_parts = DEQUANTIZED, {"values": p.k_codec.decode(p.k_parts, p.k_params).astype(dtype)}
-        mx.eval(k_parts)
-    if "v" in sides:
-        v_codec, v_parts = DEQUANTIZED, {"values": p.v_codec.decode(p.v_parts, p.v_params).astype(dtype)}
-        mx.eval(v_parts)
-    return LayerPrefix(k_codec, k_parts, v_codec, v_parts, p.n_tokens, p.k_params, p.v_params)
+    for side in sorted(sides):  # one side: it takes the protected tokens' fp16 copies in place
+        x = (p.k_codec if side == "k" else p.v_codec).decode(p.k_parts if side == "k" else p.v_parts,
+                                                             p.k_params if side == "k" else p.v_params).astype(dtype)
+        if p.protected is not None:
+            x = protect.overwrite(x, p.protected, side, p.n_tokens)
+        mx.eval(x)
+        if side == "k":
+            k_codec, k_parts = DEQUANTIZED, {"values": x}
+        else:
+            v_codec, v_parts = DEQUANTIZED, {"values": x}
+    # the stored side still reads the protected copies on the portable path
+    return LayerPrefix(k_codec, k_parts, v_codec, v_parts, p.n_tokens, p.k_params, p.v_params, None, p.protected)
 
 
 def _compressed(tiers):
@@ -182,7 +193,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None):
         q = _decoded(p, by_layer.get(i, set()), dtype) if c[0] == "dequantize-once" else p
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
-        out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel)
+        out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
+                             q.protected)
         mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
     layers = [None if c is None else {"layer": i, "policy": _name(c, by_layer.get(i, set())), "reason": c[1]}
               for i, c in enumerate(choices)]

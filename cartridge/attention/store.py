@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..format import keys as K
-from ..tiers import get_tier
+from ..tiers import get_tier, protect
 from .layers import stored_kv
 from .pages import encode_pages
 
@@ -66,7 +66,7 @@ def _write_state(writer, layer, plan, cache):
     return {K.layer_kind(layer): "state", K.layer_state(layer): {"size": plan.size, "arrays": arrays}}
 
 
-def write_layer(writer, layer, plan, cache, row, page_size, n_tokens):
+def write_layer(writer, layer, plan, cache, row, page_size, n_tokens, kept=(0, 0)):
     """Encode and append one layer's extents.
 
     Args:
@@ -74,6 +74,8 @@ def write_layer(writer, layer, plan, cache, row, page_size, n_tokens):
             a "list" layer i.
         plan (LayerPlan): the probe's plan. cache: the layer's filled mlx-lm cache.
         row (dict): {"k": tier, "v": tier}. page_size (int): tokens per page. n_tokens (int): prefix tokens.
+        kept (tuple): (N, M) first and last tokens also stored in fp16 records where the layer's kind
+            stores every token (`cartridge.tiers.protect`, format 1.5). Default: (0, 0).
 
     Returns:
         dict: the layer's header records (kind, shapes, window or state, tiers, params, components).
@@ -102,6 +104,8 @@ def write_layer(writer, layer, plan, cache, row, page_size, n_tokens):
                 raise InputError(f"layer {layer} {side} {comp.name}: pages {tuple(parts[comp.name].shape)}; "
                                  f"the header would say {page_shape}")
             writer.add_extent(layer, side, comp.name, to_numpy(parts[comp.name]))
+        if sum(kept) and protect.protects(plan.kind):
+            writer.add_record(K.layer_protected(layer, side), protect.take(x, *kept))
         records.update({
             K.layer_shape(layer, side): list(shape),
             K.layer_tier(layer, side): codec.name,

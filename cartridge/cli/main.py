@@ -10,7 +10,7 @@ import sys
 import click
 
 import cartridge
-from cartridge.errors import CartridgeError
+from cartridge.errors import CartridgeError, InputError
 
 from .ask import ask, chat
 from .bench import bench as bench_command
@@ -40,6 +40,12 @@ def cli():
               help="Keep K fp16 on every layer and V fp16 on the first N and last N layers.")
 @click.option("--schema", "schema", default=None, metavar="FILE.json",
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
+@click.option("--protect-first", default=0, show_default=True, metavar="N",
+              help="Also keep the first N prefix tokens of every layer (K and V) in fp16.")
+@click.option("--protect-last", default=0, show_default=True, metavar="M",
+              help="Also keep the last M prefix tokens of every layer (K and V) in fp16.")
+@click.option("--preset", default=None, type=click.Choice(["exact", "safe", "balanced", "compact"]),
+              help="A named outcome (docs/tiers.md): sets the tiers and protection; excludes those options.")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -50,18 +56,21 @@ def cli():
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
               help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
-def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, prefill_step, page_size, reserve,
-          system, force, parallel):
+def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last, preset,
+          prefill_step, page_size, reserve, system, force, parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from tqdm import tqdm
 
     from cartridge.format.writer import check_output_path
-    from cartridge.tiers import check_tier_options
+    from cartridge.tiers import check_tier_options, presets
 
     from .report import fold_tiers
 
-    check_tier_options(tier, k_tier, v_tier, boundary_protect)
+    o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
+    check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
+    if parallel and (preset or protect_first or protect_last):
+        raise InputError("--parallel builds take tier options only, not --preset or --protect-first/--protect-last")
     group = launched_group(parallel)
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
         check_output_path(output, force)
@@ -79,7 +88,8 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     try:
         with warnings_as_lines():
             if group is None:
-                r = cartridge.build(text, output, model=model, progress=progress, **options)
+                r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
+                                    protect_last=protect_last, preset=preset, **options)
             else:
                 from cartridge.distributed import build_sharded, load_sharded_model
 

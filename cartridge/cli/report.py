@@ -83,6 +83,7 @@ def inspect_dict(info, path):
         "tier_formulas": tier_formulas(info.tiers, info.n_kv_heads, info.head_dim),
         "layers": layer_rows(info),
         "fixed_bytes": info.fixed_bytes(),
+        "protected": {"first": info.protect_first, "last": info.protect_last},
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
         "total_bytes": total,
@@ -138,6 +139,8 @@ def inspect_table(d):
            f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)"),
         f"on disk       {d['total_bytes']:,} bytes",
         *source_lines(d["source"]),
+        f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
+        f"also kept in fp16",
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device: "
         f"{d['attention']['reason']}",

@@ -6,6 +6,8 @@ A `--tiers` entry is colon-separated fields, its label is the entry as written:
     TIER:bpN        ... with boundary_protect=N (K fp16 everywhere,  mlx4g32:bp2
                     V fp16 on the first and last N layers)
     k=TIER:v=TIER   K and V tiers apart (build's k_tier / v_tier)     k=fp16:v=fp8, k=fp16:v=fp8:bp2
+    TIER:pfN:plM    ... with protect_first=N / protect_last=M         mlx4g32+rot:pf16:pl64
+    preset=NAME     a preset (build's preset)                         preset=balanced
 
 A `--schemas` file is a JSON object mapping a label to either a schema (a list of
 {"layer", "k", "v"}) or a dict of build keywords (tier, k_tier, v_tier, boundary_protect, schema;
@@ -28,9 +30,9 @@ from .. import __version__
 from ..build import build
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
-from ..tiers import get_tier
+from ..tiers import get_tier, presets
 
-BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema")
+BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last", "preset")
 REFERENCE_OPTIONS = {"tier": "fp16"}
 
 
@@ -69,7 +71,12 @@ def _field(options, part, entry):
         raise InputError(f"{where}: field {part!r} must be bp followed by a whole number of layers, as bp2")
     elif part.startswith(("k=", "v=")):
         key, value = f"{part[0]}_tier", _tier_name(part[2:], where)
-    elif re.fullmatch(r"[A-Za-z0-9_]+", part):
+    elif re.fullmatch(r"(pf|pl)\d+", part):  # protect_first / protect_last tokens
+        key, value = {"pf": "protect_first", "pl": "protect_last"}[part[:2]], int(part[2:])
+    elif part.startswith("preset="):
+        key, value = "preset", part[7:]
+        presets.resolve(value)  # an unknown name is refused before any build
+    elif re.fullmatch(r"[A-Za-z0-9_]+(\+rot)?", part):
         key, value = "tier", _tier_name(part, where)
     else:
         raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER or bpN")
@@ -185,6 +192,8 @@ def _tiers_used(options):
     names |= {row[s] for row in options.get("schema") or () for s in ("k", "v")}
     if options.get("boundary_protect"):
         names.add("fp16")
+    if options.get("preset"):
+        names |= {presets.resolve(options["preset"])[k] for k in ("k_tier", "v_tier")}
     return sorted(n for n in names if n)
 
 

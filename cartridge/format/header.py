@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CorruptCartridgeError, FieldError, InputError, LayoutError, UnsupportedVersionError
-from ..tiers import DTYPES, TIERS
+from ..tiers import DTYPES, TIERS, protect
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
@@ -112,6 +112,9 @@ class CartridgeInfo:
     document_tokens: int = 0
     parts: list = field(default_factory=list)
     lineage_source: str = ""
+    protect_first: int = 0
+    protect_last: int = 0
+    protected: dict = field(default_factory=dict, repr=False)
     system: str | None = None
     unit_tiers: dict = field(default_factory=dict)
 
@@ -130,8 +133,11 @@ class CartridgeInfo:
                 if info.kind in ("attention", "dense") for side in SIDES]
 
     def bytes_per_token(self):
-        """K+V payload bytes per token of the layers that store every token, by the tiers' formulas."""
-        return sum(TIERS[self.unit_tiers[p][side]].bytes_per_token(*shape) for p, side, shape in self._growing())
+        """K+V payload bytes per token of the layers that store every token, by the tiers' formulas, plus
+        the fp16 copies of protected tokens spread over the prefix (format 1.5, rounded to a byte)."""
+        shapes = [shape for path, _, shape in self._growing() if isinstance(path, int)]  # not inside lists
+        return sum(TIERS[self.unit_tiers[p][side]].bytes_per_token(*shape) for p, side, shape in self._growing()) + \
+            protect.bytes_per_token(self.protect_first, self.protect_last, len(self.tokens), shapes)
 
     def fp16_bytes_per_token(self):
         """What the same layers would take in fp16: 2 bytes per element of every K and V row."""
@@ -155,7 +161,8 @@ def require_attention_layers(info, what):
     """Refuse a cartridge with a layer that is not "attention" of the global (n_kv_heads, head_dim).
 
     Extend, save, compose, convert and sharded loading handle paged attention layers of one shape
-    only; dense, window and state layers (format 1.4, section 5.5) are refused in one line.
+    only; dense, window and state layers (format 1.4, section 5.5) and protected tokens (1.5, section
+    4.6) are refused in one line.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
@@ -168,6 +175,9 @@ def require_attention_layers(info, what):
         if layer.kind != "attention" or layer.k_shape != shape or layer.v_shape != shape:
             raise InputError(f"layer {i} is a {layer.kind} layer (K {layer.k_shape}, V {layer.v_shape}); {what} "
                              f"takes attention layers of {shape} only")
+    if info.protect_first + info.protect_last:  # their fp16 copies sit at positions a new cartridge would move
+        raise InputError(f"the cartridge keeps {info.protect_first} first and {info.protect_last} last tokens in "
+                         f"fp16 (format 1.5); {what} takes cartridges without protected tokens only")
 
 
 def _json(records, key):
@@ -398,6 +408,7 @@ def parse_header(records, manifest):
     layers = _layers(records, n_layers, geometry[1], geometry[2], n_tokens)
     tiers, unit_tiers = _tier_map(records, layers)
     _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
+    first, last, protected = protect.read(records, layers, n_tokens)
     return CartridgeInfo(
         format_version=f"{major}.{_typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
@@ -418,6 +429,7 @@ def parse_header(records, manifest):
         source=read_source(records),
         records=records,
         **_lineage(records, ids, n_tokens),
+        protect_first=first, protect_last=last, protected=protected,
     )
 
 

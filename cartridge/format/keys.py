@@ -41,6 +41,16 @@ REQUIRED = (
 )
 
 
+# Format 1.5 (issue 19): protected tokens. Absent before 1.5, which means 0 / no record.
+PROTECT_FIRST = "cache.protect_first"  # JSON integer N: the first N prefix tokens are also kept in fp16
+PROTECT_LAST = "cache.protect_last"  # JSON integer M: the last M prefix tokens are also kept in fp16
+
+
+def layer_protected(layer, side):
+    """Binary: float16 little-endian (n_kv_heads, N + M, head_dim), tokens 0..N-1 then T-M..T-1."""
+    return f"layer.{layer}.{side}.protected"
+
+
 def layer_tier(layer, side):
     """Tier name of one (layer, side); side is "k" or "v"."""
     return f"layer.{layer}.{side}.tier"

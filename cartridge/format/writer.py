@@ -102,6 +102,10 @@ class CartridgeWriter:
         self._tables[K.head_table(layer, side, component)] = b"".join(hashlib.sha256(h.data).digest() for h in heads)
         crash_point("extent-written")
 
+    def add_record(self, key, raw):
+        """Add one binary index record (e.g. `layer.{i}.{side}.protected`), written at commit."""
+        self._tables[key] = bytes(raw)
+
     def commit(self, header, token_ids, check=None):
         """Write the index and manifest, fsync, and rename into place.
 

@@ -4,14 +4,17 @@ from ..errors import InputError
 from .affine import Int8Codec, Mlx4G32Codec
 from .base import DTYPES, Component, TierCodec
 from .float16 import BFloat16Codec, Float16Codec
+from .kivi import Kivi4Codec
 from .mxfp import Fp8Codec, Mxfp4Codec, Nvfp4Codec
+from .rotation import RotatedCodec
 from .turbo import Turbo2Codec, Turbo3Codec, Turbo4Codec
 
 TIERS = {
     codec.name: codec
     for codec in (
         Float16Codec(), BFloat16Codec(), Int8Codec(), Mlx4G32Codec(), Fp8Codec(), Mxfp4Codec(), Nvfp4Codec(),
-        Turbo4Codec(), Turbo3Codec(), Turbo2Codec(),
+        Turbo4Codec(), Turbo3Codec(), Turbo2Codec(), Kivi4Codec(),
+        *(RotatedCodec(base()) for base in (Int8Codec, Mlx4G32Codec, Mxfp4Codec, Nvfp4Codec)),
     )
 }
 DEFAULT_TIER = "fp16"

@@ -74,9 +74,11 @@ def combine(parts):
 def _partial(q, prefix, n_tokens):
     s = prefix.k_codec.scores(q, prefix.k_parts, prefix.k_params)  # (n_pages, n_kv, R, P)
     n_pages, _, _, page = s.shape
-    if n_pages * page != n_tokens:
+    protected = getattr(prefix, "protected", None)  # their fp16 copies are attended as another part
+    lo, hi = (0, n_tokens) if protected is None else protected.page_range(n_tokens)
+    if lo or n_pages * page != hi:
         pos = mx.arange(n_pages * page).reshape(n_pages, 1, 1, page)
-        s = mx.where(pos < n_tokens, s, -mx.inf)
+        s = mx.where((pos >= lo) & (pos < hi), s, -mx.inf)
     m = s.max(axis=(0, 3))  # (n_kv, R)
     p = mx.exp(s - m[None, :, :, None])
     return prefix.v_codec.weighted_values(p, prefix.v_parts, prefix.v_params), m, p.sum(axis=(0, 3))

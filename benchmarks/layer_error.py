@@ -1,0 +1,168 @@
+"""Per-layer K/V error and attention-output error of each tier against fp16 (issue 19 item 5).
+
+For a document: prefill it once (the model's own K/V, rounded to fp16 as the fp16 cartridge stores them),
+record the queries the model computes for each question's tokens on top of it (post-RoPE, every layer),
+then for each configuration encode and decode every (layer, side) through its tier's pages, with the
+protected first/last tokens (if any) put back in fp16, exactly as a cartridge stores them. Per layer:
+
+- K mean abs error and relative error (Frobenius ||K' - K|| / ||K||), the same for V;
+- attention-output relative error over the prefix: softmax(q K^T * scale) V against the same with
+  K', V', for every recorded question query (GQA: each KV head serves its query-head group),
+  ||o' - o|| / ||o|| over all query rows.
+
+    python benchmarks/layer_error.py DOC.txt QUESTIONS.jsonl [DOC2 Q2 ...] --json out.json [--only LABEL,...]
+
+Tables and plot: benchmarks/issue19_report.py --layers.
+
+Cheap (no generation): one prefill, one forward per question, then numpy/mlx arithmetic per config.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import cartridge  # noqa: F401  (before mlx: loads OpenBLAS)
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from cartridge.attention.pages import encode_pages
+from cartridge.build import prefill
+from cartridge.eval.dataset import load_questions
+from cartridge.models.loader import load_model
+from cartridge.models.prompt import prefix_tokens, prompt_mode, question_tokens
+from cartridge.tiers import TIERS, presets
+
+PAGE = 256
+CONFIGS = {  # label -> (k_tier, v_tier, protect_first, protect_last)
+    "bf16": ("bf16", "bf16", 0, 0), "int8": ("int8", "int8", 0, 0), "int8+rot": ("int8+rot", "int8+rot", 0, 0),
+    "fp8": ("fp8", "fp8", 0, 0),
+    "mlx4g32": ("mlx4g32", "mlx4g32", 0, 0), "mlx4g32+rot": ("mlx4g32+rot", "mlx4g32+rot", 0, 0),
+    "mlx4g32:pf4:pl28": ("mlx4g32", "mlx4g32", 4, 28),
+    "mlx4g32+rot:pf4:pl28": ("mlx4g32+rot", "mlx4g32+rot", 4, 28),
+    "k=kivi4:v=mlx4g32": ("kivi4", "mlx4g32", 0, 0), "k=kivi4:v=mlx4g32+rot": ("kivi4", "mlx4g32+rot", 0, 0),
+    "mxfp4": ("mxfp4", "mxfp4", 0, 0), "mxfp4+rot": ("mxfp4+rot", "mxfp4+rot", 0, 0),
+    "nvfp4": ("nvfp4", "nvfp4", 0, 0), "nvfp4+rot": ("nvfp4+rot", "nvfp4+rot", 0, 0),
+    "turbo4": ("turbo4", "turbo4", 0, 0), "turbo3": ("turbo3", "turbo3", 0, 0), "turbo2": ("turbo2", "turbo2", 0, 0),
+    "k=mxfp4+rot:v=turbo2": ("mxfp4+rot", "turbo2", 0, 0),
+}
+for _name in ("safe", "balanced", "compact"):
+    _p = presets.resolve(_name)
+    CONFIGS[f"preset={_name}"] = (_p["k_tier"], _p["v_tier"], _p["protect_first"], _p["protect_last"])
+
+
+def record_queries(model, caches, prompts):
+    """Per layer, the post-RoPE queries (n_heads, rows, D) float32 of every prompt's tokens after the prefix."""
+    seen, real = [], llama.scaled_dot_product_attention
+
+    def spy(queries, keys, values, cache, scale, mask, **kw):
+        seen.append(queries[0].astype(mx.float32))  # (n_heads, L, D)
+        return real(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+    llama.scaled_dot_product_attention = spy
+    try:
+        per_layer = [[] for _ in caches]
+        for ids in prompts:
+            seen.clear()
+            fresh = []
+            for c in caches:
+                k = KVCache()
+                k.update_and_fetch(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+                fresh.append(k)
+            mx.eval(model(mx.array(ids)[None], cache=fresh))
+            for layer, q in enumerate(seen):
+                per_layer[layer].append(q)
+        return [mx.concatenate(qs, axis=1) for qs in per_layer]
+    finally:
+        llama.scaled_dot_product_attention = real
+
+
+def round_trip(name, x, layer, side, first, last):
+    """x (n_kv, T, D) float32 -> its tier's decoded pages (n_kv, T, D), protected tokens back in fp16."""
+    codec = TIERS[name]
+    params = codec.make_params(x, layer, side)
+    pages = codec.decode(encode_pages(codec, x, params, PAGE), params)  # (n_pages, n_kv, P, D)
+    n_pages, n_kv, p, d = pages.shape
+    # (n_pages, n_kv, P, D) -> (n_kv, T, D)
+    y = pages.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * p, d)[:, : x.shape[1]]
+    t = x.shape[1]
+    if first + last:
+        kept = x.astype(mx.float16).astype(mx.float32)
+        y = mx.concatenate([kept[:, :first], y[:, first: t - last], kept[:, t - last:]], axis=1)
+    return y
+
+
+def attend(q, k, v):
+    """q (H, R, D), k/v (n_kv, T, D) -> (H, R, D) softmax attention in float32 (GQA by head groups)."""
+    h, r, d = q.shape
+    n_kv = k.shape[0]
+    # (H, R, D) -> (n_kv, H / n_kv * R, D): each KV head's query group
+    qg = q.reshape(n_kv, h // n_kv * r, d) * d ** -0.5
+    p = mx.softmax(qg @ k.transpose(0, 2, 1), axis=-1)
+    return (p @ v).reshape(h, r, d)
+
+
+def rel(a, b):
+    return (mx.sqrt(((a - b) ** 2).sum()) / mx.sqrt((b ** 2).sum())).item()
+
+
+def measure(kv, queries, config):
+    """Per-layer error dict lists for one config."""
+    k_tier, v_tier, first, last = config
+    rows = []
+    for layer, ((k, v), q) in enumerate(zip(kv, queries)):
+        k2 = round_trip(k_tier, k, layer, "k", first, last)
+        v2 = round_trip(v_tier, v, layer, "v", first, last)
+        o, o2 = attend(q, k, v), attend(q, k2, v2)
+        rows.append({"k_mean_abs": mx.abs(k2 - k).mean().item(), "k_rel": rel(k2, k),
+                     "v_mean_abs": mx.abs(v2 - v).mean().item(), "v_rel": rel(v2, v), "attn_rel": rel(o2, o)})
+    return rows
+
+
+def run(doc_path, questions_path, n_questions, lm):
+    text = Path(doc_path).read_text()
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, text, mode)
+    caches = prefill(lm.model, tokens)
+    # the fp16 cartridge's K/V: (n_kv, T, D) rounded to fp16, computed in float32
+    kv = [tuple(x[0, :, : len(tokens)].astype(mx.float16).astype(mx.float32) for x in (c.keys, c.values))
+          for c in caches]
+    questions = load_questions(questions_path)[:n_questions]
+    prompts = [question_tokens(lm.tokenizer, q["question"], mode) for q in questions]
+    queries = record_queries(lm.model, caches, prompts)
+    out = {"document": str(doc_path), "tokens": len(tokens), "questions": len(prompts),
+           "query_rows": queries[0].shape[1], "configs": {}}
+    for label, config in CONFIGS.items():
+        t0 = time.perf_counter()
+        layers = measure(kv, queries, config)
+        means = {key: float(np.mean([r[key] for r in layers])) for key in layers[0]}
+        out["configs"][label] = {"k_tier": config[0], "v_tier": config[1], "protect_first": config[2],
+                                 "protect_last": config[3], "mean": means, "layers": layers}
+        print(f"{Path(doc_path).name:24} {label:24} K rel {means['k_rel']:.4f}  V rel {means['v_rel']:.4f}  "
+              f"attn rel {means['attn_rel']:.4f}  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("pairs", nargs="+", help="DOC.txt QUESTIONS.jsonl [DOC2 Q2 ...]")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--questions", type=int, default=20)
+    ap.add_argument("--only", default=None, help="comma-separated config labels (default: all)")
+    args = ap.parse_args()
+    if len(args.pairs) % 2:
+        ap.error("give documents and question files in pairs")
+    if args.only:
+        for label in set(CONFIGS) - set(args.only.split(",")):
+            del CONFIGS[label]
+    lm = load_model("default")
+    results = [run(d, q, args.questions, lm) for d, q in zip(args.pairs[::2], args.pairs[1::2])]
+    Path(args.json).write_text(json.dumps({"model": "default (SmolLM2-135M-Instruct)", "page_size": PAGE,
+                                           "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

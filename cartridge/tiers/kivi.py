@@ -1,0 +1,83 @@
+"""kivi4: 4-bit affine K with per-channel groups along tokens (KIVI, Liu et al. 2024; spec/FORMAT.md 6.5).
+
+K has a few outlier channels whose magnitude is stable across tokens; grouping along head_dim (mlx4g32)
+lets one outlier set the scale of 31 typical values, while grouping one channel over G = 32 tokens gives
+each channel its own scale. A stored prefix knows all its tokens at build time, so it can afford the
+token-axis groups that a growing cache cannot.
+
+Layout (per KV head): codes as mlx4g32 (one token's head_dim codes packed LSB first, 8 per uint32);
+scales and biases (fp16) of token group g (tokens g*G .. g*G+G-1) are its head_dim per-channel values
+spread over the group's G token rows, head_dim / G per row, in channel order. So every component is a
+per-token width and pages hold whole groups: the page size must be a multiple of G. Scale and bias are
+chosen as mlx4g32's (bias = group minimum rounded down to fp16, scale rounded up: no clipping).
+"""
+
+import mlx.core as mx
+
+from ..errors import CorruptCartridgeError, InputError
+from . import bitpack
+from .affine import _f16_toward
+from .base import Component, TierCodec
+
+TOKEN_GROUP = 32
+
+
+class Kivi4Codec(TierCodec):
+    """kivi4: 4-bit codes, fp16 scale and bias per (channel, 32 tokens): kv_dim/2 + kv_dim/8 bytes."""
+
+    name = "kivi4"
+    formula = "kv_dim/2 + kv_dim/8"
+    bits = 4
+    token_group = TOKEN_GROUP
+
+    def _fixed_params(self):
+        return {"mode": "affine_per_channel", "bits": self.bits, "token_group": self.token_group,
+                "scale_rule": "fp16_bias_down_scale_up", "packing": "lsb_first"}
+
+    def components(self, head_dim):
+        per_row = head_dim // self.token_group
+        return [Component("codes", "uint32", head_dim * self.bits // 32), Component("scales", "float16", per_row),
+                Component("biases", "float16", per_row)]
+
+    def check(self, n_kv_heads, head_dim):
+        if head_dim % self.token_group or head_dim * self.bits % 32:
+            raise InputError(f"tier {self.name}: head_dim {head_dim} is not a multiple of {self.token_group}")
+
+    def check_page_size(self, page_size):
+        """Raise InputError unless pages hold whole token groups."""
+        if page_size % self.token_group:
+            raise InputError(f"tier {self.name}: page size {page_size} is not a multiple of its token group "
+                             f"{self.token_group}")
+
+    def make_params(self, x, layer, side):
+        return self._fixed_params()
+
+    def check_params(self, params, n_kv_heads, head_dim):
+        for key, value in self._fixed_params().items():
+            if params.get(key) != value:
+                raise CorruptCartridgeError(f"tier {self.name}: params.{key} is {params.get(key)!r}; expected {value!r}")
+
+    def encode(self, x, params):
+        n, t, d = x.shape
+        g, levels = self.token_group, (1 << self.bits) - 1
+        if t % g:
+            raise InputError(f"tier {self.name}: {t} tokens are not whole groups of {g}")
+        xg = x.astype(mx.float32).reshape(n, t // g, g, d)  # (n_kv, groups, G, D)
+        bias = _f16_toward(xg.min(axis=2), up=False)  # (n_kv, groups, D)
+        scale = _f16_toward((xg.max(axis=2) - bias.astype(mx.float32)) / levels, up=True)
+        s, b = scale.astype(mx.float32)[:, :, None, :], bias.astype(mx.float32)[:, :, None, :]
+        q = mx.round((xg - b) / mx.where(s > 0, s, 1))
+        q = mx.where(s > 0, mx.clip(q, 0, levels), 0).astype(mx.uint32).reshape(n, t, d)
+        # (n_kv, groups, D) -> (n_kv, T, D / G): a group's channel values over its G token rows
+        return {"codes": bitpack.pack(q, self.bits), "scales": scale.reshape(n, t, d // g),
+                "biases": bias.reshape(n, t, d // g)}
+
+    def decode(self, parts, params):
+        codes = parts["codes"]
+        *lead, t, w = codes.shape
+        d, g = w * 32 // self.bits, self.token_group
+        q = bitpack.unpack(codes, self.bits, d).astype(mx.float32).reshape(*lead, t // g, g, d)
+        # (..., T, D / G) -> (..., T / G, 1, D): per-channel scale and bias of each token group
+        s = parts["scales"].astype(mx.float32).reshape(*lead, t // g, 1, d)
+        b = parts["biases"].astype(mx.float32).reshape(*lead, t // g, 1, d)
+        return (q * s + b).reshape(*lead, t, d)
