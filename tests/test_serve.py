@@ -278,11 +278,14 @@ def _body(**kw):
 ])
 def test_bad_requests_get_4xx_json(server, body, status, param):
     port = _port(server[0])
+    before = json.loads(_raw(port, "GET", "/stats")[1])
     got, raw = _raw(port, "POST", "/v1/chat/completions", body)
     assert got == status, raw
     error = json.loads(raw)["error"]
     assert error["param"] == param and error["message"]
     assert _raw(port, "GET", "/v1/models")[0] == 200  # still serving
+    after = json.loads(_raw(port, "GET", "/stats")[1])
+    assert [after.get(k, 0) - before.get(k, 0) for k in ("requests", "refused")] == [1, 1]
 
 
 def test_body_of_100_mb_is_refused(server):

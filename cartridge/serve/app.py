@@ -189,6 +189,7 @@ def make_app(engine, max_body=MAX_BODY):
         try:
             req = parse(parse_body(await read_body(request, max_body)))
         except APIError as e:
+            engine.note_rejected()
             return error_response(e)
         job = Job(req, asyncio.get_running_loop())
         engine.submit(job)

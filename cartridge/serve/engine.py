@@ -156,6 +156,11 @@ class Engine:
         with self._stats_lock:
             self._stats[key] += 1
 
+    def note_rejected(self):
+        """Count a request refused before it was queued (a 4xx from parsing: bad JSON, bad fields)."""
+        self._count("requests")
+        self._count("refused")
+
     def stats(self):
         """Counts since start: requests, answered, cancelled, refused, failed, generated_tokens."""
         with self._stats_lock:
