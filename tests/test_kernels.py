@@ -33,8 +33,9 @@ SHAPES = [
 TOL = 1e-3  # relative error (max abs error / max abs reference), float32 accumulation
 
 
-def reference(q, k, v, tail_k, tail_v, scale):
-    """float64 attention: q (n_q, L, D) over prefix k/v (n_kv, N, D) then tail (n_kv, T, D), causal tail."""
+def reference(q, k, v, tail_k, tail_v, scale, sinks=None):
+    """float64 attention: q (n_q, L, D) over prefix k/v (n_kv, N, D) then tail (n_kv, T, D), causal tail;
+    `sinks` (n_q,): one more logit per head with no value (gpt-oss)."""
     n_q, L, D = q.shape
     n_kv, N, _ = k.shape
     T = tail_k.shape[1]
@@ -46,8 +47,10 @@ def reference(q, k, v, tail_k, tail_v, scale):
         s = q[h].astype(np.float64) @ keys[h // g].T * scale  # (L, N + T)
         for i in range(L):
             s[i, N + T - L + i + 1:] = -np.inf
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[h] = (p / p.sum(axis=1, keepdims=True)) @ vals[h // g]
+        top = s.max(axis=1, keepdims=True) if sinks is None else np.maximum(s.max(axis=1, keepdims=True), sinks[h])
+        p = np.exp(s - top)
+        den = p.sum(axis=1, keepdims=True) + (0 if sinks is None else np.exp(sinks[h] - top))
+        out[h] = (p / den) @ vals[h // g]
     return out
 
 
@@ -63,27 +66,34 @@ def _case(tier, shape, seed):
     return prefix, q, tail_k, tail_v
 
 
-def _run(prefix, q, tail_k, tail_v, dtype=mx.float32):
+def _cache(prefix, tail_k, tail_v, dtype):
+    """A cache over `prefix` holding the tail, its unused tail slots poisoned with NaN."""
     cache = CartridgeCache(prefix, chunk_size=256)
     T = tail_k.shape[2]
     cache.update_and_fetch(mx.array(tail_k).astype(dtype), mx.array(tail_v).astype(dtype))
-    for chunks in (cache._k_chunks, cache._v_chunks):  # poison the unused tail slots
+    for chunks in (cache._k_chunks, cache._v_chunks):
         last = len(chunks) - 1
         used = T - last * cache.chunk_size
         chunks[last][..., used:, :] = mx.nan
+    return cache
+
+
+def _run(prefix, q, tail_k, tail_v, dtype=mx.float32, sinks=None):
+    cache = _cache(prefix, tail_k, tail_v, dtype)
     scale = q.shape[-1] ** -0.5
-    out = cache.attention(mx.array(q).astype(dtype), scale, "causal" if q.shape[2] > 1 else None)
+    out = cache.attention(mx.array(q).astype(dtype), scale, "causal" if q.shape[2] > 1 else None,
+                          None if sinks is None else mx.array(sinks))
     return np.array(out.astype(mx.float32))[0]
 
 
-def _check(prefix, q, tail_k, tail_v, got, label):
+def _check(prefix, q, tail_k, tail_v, got, label, sinks=None):
     k = np.array(prefix.k_codec.decode(prefix.k_parts, prefix.k_params))  # (n_pages, n_kv, P, D)
     v = np.array(prefix.v_codec.decode(prefix.v_parts, prefix.v_params))
     n_pages, n_kv, P, D = k.shape
     # (n_pages, n_kv, P, D) -> (n_kv, N, D)
     k = k.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, D)[:, : prefix.n_tokens]
     v = v.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, D)[:, : prefix.n_tokens]
-    want = reference(q[0], k, v, tail_k[0], tail_v[0], D ** -0.5)
+    want = reference(q[0], k, v, tail_k[0], tail_v[0], D ** -0.5, sinks)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all(), label
     assert err < TOL, f"{label}: relative error {err:.2e}"
@@ -121,7 +131,7 @@ def _fused_cases():
 def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, monkeypatch):
     from cartridge.attention.kernels import cuda
 
-    if tier not in cuda.FUSED_TIERS:
+    if cuda.tier_spec(TIERS[tier], {}) is None:
         pytest.skip(f"no fused kernel for {tier}")
     monkeypatch.setattr(cuda, "TENSOR_CORES", tensor_cores)
     monkeypatch.setattr(cuda, "SINGLE_LAUNCH", single)
@@ -134,7 +144,8 @@ def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, monkeypat
                         prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
     n_q, n_kv, D, _, _, _, L = shape
     # every shape's page is a multiple of 16 tokens; mxfp4 and nvfp4 have only the tensor-core pass 1
-    tc = (tensor_cores or tier in ("mxfp4", "nvfp4")) and D in (64, 128) and cuda.has_tensor_cores()
+    tc = ((tensor_cores or tier in ("mxfp4", "nvfp4") or tier.endswith("+rot")) and D in (64, 128)
+          and cuda.has_tensor_cores())
     assert fused.kernel.uses_tensor_cores(n_q // n_kv * L, D) == tc
     for dtype in (mx.float32, mx.float16):
         got = _run(fused, q, tk, tv, dtype)
@@ -165,6 +176,29 @@ def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
     two = np.array(cache.attention(qa, 128 ** -0.5))
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
     assert np.abs(two - outs[0]).max() <= 1e-5 * np.abs(two).max()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier, shape", list(itertools.product(["fp16", "mlx4g32", "mlx4g32+rot", "turbo4", "nvfp4"],
+                                                               [SHAPES[1], SHAPES[2], SHAPES[5]])))
+def test_fused_cuda_sinks_match_float64(tier, shape, monkeypatch):
+    """gpt-oss sinks on the fused path: the kernel itself answers (no portable fallback) with one more logit
+    per head."""
+    from cartridge.attention.kernels import cuda
+
+    monkeypatch.setattr(cuda, "POISON", float("nan"))
+    prefix, q, tk, tv = _case(tier, shape, seed=hash((tier, shape, 2)) % 2**32)
+    sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3
+    kernel = cuda.FusedAttention(prefix)
+    fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
+                        prefix.k_params, prefix.v_params, kernel)
+    cache = _cache(fused, tk, tv, mx.float32)
+    out = kernel(cache, mx.array(q), shape[2] ** -0.5, mx.array(sinks))
+    assert out is not None
+    got = np.array(out)[0]
+    _check(prefix, q, tk, tv, got, f"fused {tier} {shape} sinks", sinks)
+    assert np.array_equal(got, _run(fused, q, tk, tv, sinks=sinks))  # cache.attention routes sinks to it
+    assert not np.allclose(got, _run(fused, q, tk, tv), atol=1e-3)  # the sinks did something
 
 
 def test_split_plan_rounds_splits_to_the_granule():

@@ -150,8 +150,8 @@ class CartridgeCache(_BaseCache):
             CartridgeError: for a mask that hides prefix tokens or is not boolean.
         """
         p = self.prefix
-        if p.kernel is not None and sinks is None and (mask is None or isinstance(mask, str)):
-            out = p.kernel(self, queries, scale)
+        if p.kernel is not None and (mask is None or isinstance(mask, str)):
+            out = p.kernel(self, queries, scale, sinks)
             if out is not None:
                 return out
         _, n_q, L, D = queries.shape

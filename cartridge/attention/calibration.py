@@ -128,19 +128,23 @@ def choose(entries, backend, tiers, head_dim, n_tokens, mode="decode", allowed=N
         tuple: (policy, reason). The policy minimises the summed measured time of the layer's tiers (each
         at its nearest case); the reason says by how much and where it was measured, e.g. "portable: 0.80x
         dequantize-once, 1.10x dense at 8192 tokens (mlx4g32, head_dim 64), measured 2026-12-01 on ...".
-        With no entry for a tier: FALLBACK[backend] and a reason saying so.
+        With no entry for a tier: FALLBACK[backend] (dequantize-once where `allowed` excludes it) and a
+        reason saying so.
     """
+    fallback = FALLBACK[backend]
+    if allowed is not None and fallback not in allowed:  # e.g. no fused kernel for this layer's tiers
+        fallback = "dequantize-once"
     picked = []
     for tier in dict.fromkeys(tiers):
         cands = [e for e in entries if e["backend"] == backend and e["tier"] == tier and e["mode"] == mode]
         if not cands:
-            return FALLBACK[backend], f"{FALLBACK[backend]}: no measurement of {tier} on {backend} (default)"
+            return fallback, f"{fallback}: no measurement of {tier} on {backend} (default)"
         picked.append(_nearest(cands, head_dim, n_tokens))
     policies = set.intersection(*(set(e["us"]) for e in picked))
     if allowed is not None:
         policies &= set(allowed)
     if not policies:
-        return FALLBACK[backend], f"{FALLBACK[backend]}: no measured policy runs here (default)"
+        return fallback, f"{fallback}: no measured policy runs here (default)"
     total = {p: sum(e["us"][p] for e in picked) for p in policies}
     best = min(sorted(total), key=total.get)
     return best, _reason(best, total, picked)

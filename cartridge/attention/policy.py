@@ -52,9 +52,17 @@ def resolve(policy):
     return policy
 
 
-def allowed():
-    """The concrete policies this backend runs."""
-    return ("fused", "portable", "dequantize-once") if backend() == "cuda" else ("portable", "dequantize-once")
+def allowed(prefix=None, head_dim=None):
+    """The concrete policies this backend runs (for `prefix`, a layer's pages of `head_dim`: "fused" only where
+    a fused kernel reads its tiers)."""
+    if backend() != "cuda":
+        return ("portable", "dequantize-once")
+    if prefix is not None:
+        from .kernels import cuda
+
+        if not cuda.supported(prefix, head_dim):
+            return ("portable", "dequantize-once")
+    return ("fused", "portable", "dequantize-once")
 
 
 def dequantize(prefix, dtype):
@@ -97,7 +105,7 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
             out.append(None)
             continue
         tiers = (p.k_codec.name, p.v_codec.name)
-        out.append(calibration.choose(entries, backend(), tiers, k_dim, p.n_tokens, "decode", allowed()))
+        out.append(calibration.choose(entries, backend(), tiers, k_dim, p.n_tokens, "decode", allowed(p, k_dim)))
     return out
 
 

@@ -27,7 +27,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...tiers.rotation import sign_bits
+
 FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4 = range(9)
+_NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
 # tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
 FUSED_TIERS = {
     "fp16": (FP16, 0, ("values",)),
@@ -77,7 +80,7 @@ PASS1_CALL = """cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, W
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
 MMA_INPUTS = ["q", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
-TC_CALL = """cart::flash_pass1_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS, STAGES>(
+TC_CALL = """cart::flash_pass1_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS, STAGES, RK>(
     q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
@@ -135,10 +138,10 @@ def kernel_spec(kind, n_chunks=0, consts=()):
     if kind == "finish":
         tails = [name for i in range(n_chunks) for name in (f"tk{i}", f"tv{i}")]
         tks, tvs = ", ".join(tails[0::2]), ", ".join(tails[1::2])
-        inputs, outputs = ["O", "M", "L", "q", "prm", "sgv", *tails], ["out"]
+        inputs, outputs = ["O", "M", "L", "q", "prm", "sgv", "snk", *tails], ["out"]
         body = (f"const T* tks[{n_chunks}] = {{{tks}}};\nconst T* tvs[{n_chunks}] = {{{tvs}}};\n"
-                "cart::finish_row<T, HD, NKV, NCH, CH, VTURBO>(O, M, L, q, SCALE, prm, sgv, tks, tvs, out, "
-                "blockIdx.y, blockIdx.z);\n")
+                "cart::finish_row<T, HD, NKV, NCH, CH, VROT, SINKS>(O, M, L, q, SCALE, prm, sgv, snk, tks, tvs, "
+                "out, blockIdx.y, blockIdx.z);\n")
     else:
         base = kind.split("+")[0]
         inputs = list(MMA_INPUTS if base == "mma" else PASS1_INPUTS)
@@ -192,29 +195,45 @@ def has_tensor_cores():
 
 
 def tier_spec(codec, parts):
-    """(kernel tier id, bits, component names) for a stored side, or None if no fused kernel reads it."""
+    """(kernel tier id, bits, component names) for a stored side, or None if no fused kernel reads it. A
+    rotated tier (`mlx4g32+rot`) is read as its base tier; `rotation` gives its rotation."""
     if codec.name == "dequantized":
         tid = DENSE_IDS.get(parts["values"].dtype)
         return None if tid is None else (tid, 0, ("values",))
-    return FUSED_TIERS.get(codec.name)
+    return FUSED_TIERS.get(getattr(codec, "base", codec).name)
+
+
+def rotation(codec, params):
+    """The rotation record of a +rot side ({"kind", "block", "seed"}, spec/FORMAT.md 6.4), else None."""
+    return params.get("rotation") if hasattr(codec, "base") else None
 
 
 def supported(prefix, head_dim):
-    """True if both sides' tiers and the head_dim have a fused kernel (mxfp4 and nvfp4: only the tensor-core
-    pass 1, so head_dim 64 or 128, pages of a multiple of 16 tokens and a GPU with tensor cores)."""
+    """True if both sides' tiers and the head_dim have a fused kernel (mxfp4, nvfp4 and the rotated tiers: only
+    the tensor-core pass 1, so head_dim 64 or 128, pages of a multiple of 16 tokens and a GPU with tensor
+    cores; a rotation's block must be the whole head, as it is by default at 64 and 128)."""
     specs = [tier_spec(prefix.k_codec, prefix.k_parts), tier_spec(prefix.v_codec, prefix.v_parts)]
     if head_dim not in HEAD_DIMS or None in specs:
         return False
-    if any(s[0] in TC_ONLY for s in specs):
+    rots = [rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)]
+    if any(r is not None and r["block"] != head_dim for r in rots):  # the kernel rotates whole heads
+        return False
+    if any(s[0] in TC_ONLY for s in specs) or any(r is not None for r in rots):
         page = prefix.k_parts[next(iter(prefix.k_parts))].shape[2]
         return head_dim in MMA_HEAD_DIMS and page % 16 == 0 and has_tensor_cores()
     return True
 
 
-def _side_inputs(spec, parts, params):
-    """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy."""
+def _side_inputs(spec, parts, params, rot=None):
+    """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy: a
+    TurboQuant side's, or a rotated side's (the rotation's signs, the same for every KV head)."""
     tid, _, names = spec
     arrays = [parts[n] for n in names] + [mx.zeros((4,), dtype=mx.uint32)] * (3 - len(names))
+    if rot is not None:
+        n_kv, D = arrays[0].shape[1], rot["block"]
+        signs = mx.array(np.tile(sign_bits(rot["seed"], D), (n_kv, 1)))  # (n_kv, D)
+        _, cb, _ = _side_inputs(spec, parts, params)
+        return arrays, cb, signs
     if tid == NVFP4:  # cb[0]: the global factor global_scale / (448 * 6)
         cb = np.zeros(16, dtype=np.float32)
         cb[0] = params["global_scale"] / (448.0 * 6.0)
@@ -264,12 +283,16 @@ class FusedAttention:
     def __init__(self, prefix):
         self.k_spec = tier_spec(prefix.k_codec, prefix.k_parts)
         self.v_spec = tier_spec(prefix.v_codec, prefix.v_parts)
-        self.k_in, self.cbk, self.sgk = _side_inputs(self.k_spec, prefix.k_parts, prefix.k_params)
-        self.v_in, self.cbv, self.sgv = _side_inputs(self.v_spec, prefix.v_parts, prefix.v_params)
+        k_rot, v_rot = rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)
+        self.k_in, self.cbk, self.sgk = _side_inputs(self.k_spec, prefix.k_parts, prefix.k_params, k_rot)
+        self.v_in, self.cbv, self.sgv = _side_inputs(self.v_spec, prefix.v_parts, prefix.v_params, v_rot)
+        self.k_rot, self.v_rot = k_rot is not None, v_rot is not None
         _, self.n_kv, self.page, _ = self.k_in[0].shape
         self.n_tokens = prefix.n_tokens
-        self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0
-        self.tc_only = self.k_spec[0] in TC_ONLY or self.v_spec[0] in TC_ONLY
+        rotated = self.k_rot or self.v_rot
+        self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0 and not rotated
+        self.tc_only = self.k_spec[0] in TC_ONLY or self.v_spec[0] in TC_ONLY or rotated
+        self.v_back = self.v_spec[0] == TURBO or self.v_rot  # the finish rotates the prefix output back
         self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (6,) device row per tail length]
         self._plans = {}
 
@@ -298,7 +321,7 @@ class FusedAttention:
         head and head_dim D; mxfp4 and nvfp4 always do (they have no other pass 1)."""
         return (self.tc_only or TENSOR_CORES) and D in MMA_HEAD_DIMS and self.page % 16 == 0 and has_tensor_cores()
 
-    def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single):
+    def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks):
         R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
         smem = 0
         if self.uses_mma(R, D):
@@ -317,7 +340,8 @@ class FusedAttention:
             (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
             kind, inputs, threads = "tc", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], TC_WARPS * 32
             consts = [("T", dtype), ("TK", tk), ("BK", bk), ("TV", tv), ("BV", bv), ("HD", D), ("NKV", self.n_kv),
-                      ("PAGE", self.page), ("WARPS", TC_WARPS), ("STAGES", TC_STAGES), ("DIAG", 0)]
+                      ("PAGE", self.page), ("WARPS", TC_WARPS), ("STAGES", TC_STAGES), ("DIAG", 0),
+                      ("RK", self.k_rot)]
             grid = (n_splits * threads, self.n_kv, row_blocks)
             smem = tc_smem_bytes(self.k_spec, self.v_spec, D)
             # MLX raises a kernel's shared-memory limit only for more than 48000 dynamic bytes; with the static
@@ -341,12 +365,12 @@ class FusedAttention:
             return _Plan(_kernel(kind + "+finish", 1, consts, smem), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
         finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
-                  ("VTURBO", self.v_spec[0] == TURBO), ("SCALE", float(scale))]
+                  ("VROT", self.v_back), ("SINKS", sinks), ("SCALE", float(scale))]
         consts = tuple(consts)
         return _Plan(_kernel(kind, 0, consts, smem), consts, inputs, grid, threads, False,
                      _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
 
-    def __call__(self, cache, queries, scale):
+    def __call__(self, cache, queries, scale, sinks=None):
         """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
 
         Args:
@@ -359,6 +383,8 @@ class FusedAttention:
                 cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py.)
             queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
             scale (float): softmax scale.
+            sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), merged by the two-kernel finish
+                as one more logit per head. Default: None.
         """
         _, n_q, L, D = queries.shape
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
@@ -366,12 +392,13 @@ class FusedAttention:
         if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
             return None
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
-                  and tail_len <= chunk_size and self.v_spec[0] != TURBO)
+                  and tail_len <= chunk_size and not self.v_back and sinks is None)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
-               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES)
+               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES, sinks is None)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single)
+            plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single,
+                                                 sinks is not None)
         prm = self._params(plan, L, tail_len, chunk_size)
         if plan.single:
             work = cache.scratch.get(plan)
@@ -388,6 +415,7 @@ class FusedAttention:
             init_value=POISON)
         tails = [c for pair in zip(cache._k_chunks[:n_chunks], cache._v_chunks[:n_chunks]) for c in pair]
         return plan.finish(
-            inputs=[O, M, Lsum, queries, prm, self.sgv, *tails], grid=(128, self.n_kv, plan.R),
+            inputs=[O, M, Lsum, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
+                    *tails], grid=(128, self.n_kv, plan.R),
             threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
             init_value=POISON)[0]

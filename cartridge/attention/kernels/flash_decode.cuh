@@ -715,10 +715,13 @@ namespace cart {
 // output, attend over the dense tail chunks (causal among the new tokens), merge all by log-sum-exp,
 // normalize, and write the row in the queries' dtype and layout (1, n_q, L, D). Needs 128 threads.
 // O, M, L are read with ld.global.cg: in a single launch other blocks wrote them during this kernel.
-template <typename T, int D, int NKV, int NCH, int CH, bool VTURBO>
+// VROT: the prefix's V was stored rotated (TurboQuant, or a +rot tier): the merged prefix output is rotated
+// back before the tail is added. SINKS: one more logit per query head with no value (gpt-oss `sinks`, natural
+// log units like the scores), snk[q head], q head = h * group + row / Lq.
+template <typename T, int D, int NKV, int NCH, int CH, bool VROT, bool SINKS>
 __device__ void finish_row(const float* O, const float* M, const float* L, const T* q, float scale,
-                           const int32_t* prm, const float* sgv, const T* const* tks, const T* const* tvs,
-                           T* out, int h, int row) {
+                           const int32_t* prm, const float* sgv, const float* snk, const T* const* tks,
+                           const T* const* tvs, T* out, int h, int row) {
   constexpr int WARPS = 4, EPT = D / 32;
   const int R = prm[1], S = prm[3], tail_len = prm[4], Lq = prm[5];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -759,7 +762,7 @@ __device__ void finish_row(const float* O, const float* M, const float* L, const
     sl[WARPS] = ls;
   }
   __syncthreads();
-  if constexpr (VTURBO) {  // x = diag(s) H y / sqrt(D)
+  if constexpr (VROT) {  // x = diag(s) H y / sqrt(D)
     fwht_rows<1, D>(so[WARPS]);
     for (int d = threadIdx.x; d < D; d += blockDim.x) so[WARPS][d] *= sgv[h * D + d] * rsqrtf((float)D);
   }
@@ -801,12 +804,17 @@ __device__ void finish_row(const float* O, const float* M, const float* L, const
   }
   __syncthreads();
 
-  float mt = NEG_INF;
+  float mt = NEG_INF, sink = NEG_INF;
 #pragma unroll
   for (int w = 0; w <= WARPS; ++w) mt = fmaxf(mt, sm[w]);
+  if constexpr (SINKS) {
+    sink = snk[h * (R / Lq) + row / Lq];
+    mt = fmaxf(mt, sink);
+  }
   float den = 0.f;
 #pragma unroll
   for (int w = 0; w <= WARPS; ++w) den += safe_exp(sm[w], mt) * sl[w];
+  if constexpr (SINKS) den += safe_exp(sink, mt);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float num = 0.f;
 #pragma unroll
@@ -1113,7 +1121,9 @@ __host__ __device__ constexpr int tc_smem_bytes() {
   return SK::LUT_BYTES + SV::LUT_BYTES + (stages > outs ? stages : outs);
 }
 
-template <typename T, int TK, int BK, int TV, int BV, int D, int NKV, int P, int WARPS, int STAGES>
+// RK: K was stored rotated by a +rot tier (R = H diag(s) / sqrt(D), the signs in sgk): q is rotated as for
+// TurboQuant K, so (R q).(R k) = q.k; the tile decode is the base tier's.
+template <typename T, int TK, int BK, int TV, int BV, int D, int NKV, int P, int WARPS, int STAGES, bool RK>
 __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const void* k0, const void* k1,
                                const void* k2, const void* v0, const void* v1, const void* v2, const float* cbk,
                                const float* cbv, const int32_t* prm, float* O, float* M, float* L) {
@@ -1170,11 +1180,11 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
   for (int idx = threadIdx.x; idx < 8 * D; idx += blockDim.x) {
     const int c = idx / D, d = idx % D, row = rb * 8 + c;
     float v = row < R ? (float)q[((size_t)h * R + row) * D + d] : 0.f;
-    if constexpr (TK == TURBO) v *= sgk[h * D + d];
+    if constexpr (TK == TURBO || RK) v *= sgk[h * D + d];
     sq[c][d] = v;
   }
   __syncthreads();
-  if constexpr (TK == TURBO) {
+  if constexpr (TK == TURBO || RK) {
     fwht_rows<8, D>(&sq[0][0]);
     for (int idx = threadIdx.x; idx < 8 * D; idx += blockDim.x) sq[idx / D][idx % D] *= rsqrtf((float)D);
     __syncthreads();
