@@ -57,6 +57,12 @@ SINGLE_LAUNCH = True  # finish in pass 1's last block where it applies (benchmar
 SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 per warp)
 SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
 TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
+# The rotated tiers' fused path (flash_pass1_tc with RK, the finish's VROT) and sinks in the two-kernel finish
+# (SINKS) compile with nvcc for sm_90 but have not run on a GPU yet (no GPU was lent to the session that wrote
+# them): off until tests/test_kernels.py's fused rot/sinks cases pass on one. Off: rotated layers are not
+# `supported` (auto takes dequantize-once), and a call with sinks returns None (the portable path).
+ROTATED_FUSED = False
+SINKS_FUSED = False
 # pass-1 blocks of the tensor-core variant, measured on an H200 (benchmarks/results/h200-blocks-sweep.json):
 # head_dim 128: 264 (2 per SM) was fastest of 132-594 at 32K-128K tokens; head_dim 64: 528 (45.1-45.8 us
 # against 49.2-49.4 for 264 at 128K, equal at 64K)
@@ -216,7 +222,7 @@ def supported(prefix, head_dim):
     if head_dim not in HEAD_DIMS or None in specs:
         return False
     rots = [rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)]
-    if any(r is not None and r["block"] != head_dim for r in rots):  # the kernel rotates whole heads
+    if any(r is not None and (r["block"] != head_dim or not ROTATED_FUSED) for r in rots):  # whole heads only
         return False
     if any(s[0] in TC_ONLY for s in specs) or any(r is not None for r in rots):
         page = prefix.k_parts[next(iter(prefix.k_parts))].shape[2]
@@ -389,7 +395,7 @@ class FusedAttention:
         _, n_q, L, D = queries.shape
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         n_chunks = -(-tail_len // chunk_size)
-        if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
+        if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
             return None
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
                   and tail_len <= chunk_size and not self.v_back and sinks is None)
