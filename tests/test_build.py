@@ -1,5 +1,7 @@
 """build(): options are checked before any prefill; what it writes is what inspect and load report."""
 
+import shutil
+
 import pytest
 from conftest import make_tiny
 
@@ -110,6 +112,33 @@ def test_load_takes_a_model_reference(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_model_folder_without_tokenizer_files_is_refused_in_one_line(tiny_dir, smol_tokenizer, tmp_path):
+    """Without tokenizer files transformers raises for a llama folder, and gives an empty tokenizer for a
+    qwen3 one (which would fail later, in the probe, as if the model were at fault): one line each."""
+    import json
+
+    import mlx.core as mx
+    from family_models import make_model, tiny_config
+    from mlx.utils import tree_flatten
+
+    from cartridge.errors import ModelLoadError
+    from cartridge.models.loader import load_model
+
+    llama, qwen3 = tmp_path / "llama", tmp_path / "qwen3"
+    llama.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_dir / name, llama / name)
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps(tiny_config("qwen3", len(smol_tokenizer.vocab))))
+    weights = make_model("qwen3", smol_tokenizer).model.parameters()
+    mx.save_safetensors(str(qwen3 / "model.safetensors"), dict(tree_flatten(weights)))
+    with pytest.raises(ModelLoadError, match="tokenizer") as e:
+        load_model(str(llama))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelLoadError, match="encodes no tokens: its folder needs the model's tokenizer files"):
+        load_model(str(qwen3))
+
+
 def test_load_takes_default(real_model, tmp_path):
     r = cartridge.build("A short note about leases.", tmp_path / "d.cart", model=real_model)
     assert cartridge.load(r.path, model="default").info.model_ref == "default"

@@ -4,6 +4,7 @@ the LRU under --max-bytes; refused cartridges; 8 concurrent clients; bad request
 
 import http.client
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -275,6 +276,11 @@ def _body(**kw):
     (_body(n=2), 400, "n"),
     (_body(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (_body(messages=_user("word " * 600)), 400, "messages"),
+    (_body(messages=["hello"]), 400, "messages[0]"),
+    (_body(seed=-1, temperature=1), 400, "seed"),
+    (_body(seed=2 ** 64), 400, "seed"),
+    (_body(logprobs=True), 400, "logprobs"),
+    (_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
 ])
 def test_bad_requests_get_4xx_json(server, body, status, param):
     port = _port(server[0])
@@ -286,6 +292,25 @@ def test_bad_requests_get_4xx_json(server, body, status, param):
     assert _raw(port, "GET", "/v1/models")[0] == 200  # still serving
     after = json.loads(_raw(port, "GET", "/stats")[1])
     assert [after.get(k, 0) - before.get(k, 0) for k in ("requests", "refused")] == [1, 1]
+
+
+@pytest.mark.parametrize("model, prompt, status, param", [
+    ("lease", "word " * 600, 400, "prompt"),
+    ("tiny-model", "", 400, "prompt"),  # the base model with nothing to continue
+    ("lease", "x", 200, None),
+])
+def test_completion_prompt_errors_name_the_prompt(server, tiny_dir, model, prompt, status, param):
+    model = tiny_dir.name if model == "tiny-model" else model
+    got, raw = _raw(_port(server[0]), "POST", "/v1/completions",
+                    json.dumps({"model": model, "prompt": prompt, "max_tokens": 2}).encode())
+    assert got == status, raw
+    assert json.loads(raw).get("error", {}).get("param") == param
+
+
+def test_models_retrieve_one(client, server):
+    assert client.models.retrieve("lease").id == "lease"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 def test_body_of_100_mb_is_refused(server):
@@ -372,8 +397,11 @@ def test_pool_finds_cartridges_and_refuses_what_cannot_fit(shelf):
     found = find_cartridges([folder])
     assert list(found) == ["brief", "broken", "lease", "other", "wrong"]
     assert find_cartridges([folder / "lease.cart"]) == {"lease": folder / "lease.cart"}
+    assert find_cartridges([folder, folder / "lease.cart"]) == found  # the same cartridge twice: once
+    twin = folder.parent / f"{folder.name}-twin"
+    shutil.copytree(folder / "lease.cart", twin / "lease.cart", dirs_exist_ok=True)
     with pytest.raises(InputError, match="two cartridges are named 'lease'"):
-        find_cartridges([folder, folder / "lease.cart"])
+        find_cartridges([folder, twin / "lease.cart"])
     with pytest.raises(InputError, match="neither a cartridge"):
         find_cartridges([folder / "missing"])
     pool = Pool(found, lm, max_bytes=1000)
@@ -381,6 +409,30 @@ def test_pool_finds_cartridges_and_refuses_what_cannot_fit(shelf):
     with pytest.raises(Refused, match=f"maps {size:,} page bytes; --max-bytes is 1,000") as e:
         pool.get("lease")
     assert (e.value.status, e.value.code, pool.loaded_bytes) == (422, "cartridge_too_large", 0)
+
+
+def test_pool_verifies_again_when_the_files_change(shelf, tmp_path):
+    """A refusal is forgotten once any file of the cartridge changes (here: the bad byte mended), and a loaded
+    cartridge whose pages change on disk is read and verified again before it answers."""
+    from cartridge.serve.pool import Pool, Refused
+
+    folder, lm = shelf
+    shutil.copytree(folder / "lease.cart", tmp_path / "lease.cart")
+    pages = tmp_path / "lease.cart" / "pages.bin"
+    good = pages.read_bytes()
+    pool = Pool({"lease": tmp_path / "lease.cart"}, lm)
+    assert pool.get("lease") is pool.get("lease")  # loaded once while nothing changes
+    def rewrite(data, stamp):  # mtimes set apart: two writes within one clock tick could share one
+        pages.write_bytes(data)
+        os.utime(pages, ns=(stamp, stamp))
+
+    rewrite(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:], 10 ** 18)
+    with pytest.raises(Refused, match="ChecksumError"):
+        pool.get("lease")
+    with pytest.raises(Refused, match="ChecksumError"):  # remembered while the files stay as they are
+        pool.get("lease")
+    rewrite(good, 10 ** 18 + 10 ** 9)
+    assert pool.get("lease").info.data_size == pool.loaded_bytes == len(good)
 
 
 @pytest.mark.parametrize("text, value", [("1000", 1000), ("4G", 4 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)])

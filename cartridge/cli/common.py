@@ -72,6 +72,8 @@ def warnings_as_lines():
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
+        # transformers' notes about a model's config (e.g. `rope_scaling` renamed) are for its developers
+        warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
         warnings.showwarning = lambda message, *_a, **_k: click.echo(f"warning: {message}", err=True)
         yield
 

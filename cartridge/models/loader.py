@@ -81,7 +81,10 @@ def _load_raw(ref):
         try:
             model, tok = mlx_lm_load(str(path))
         except Exception as e:  # mlx-lm raises FileNotFoundError/ValueError/KeyError for bad dirs
-            raise ModelLoadError(f"mlx-lm could not load {path}: {e}") from e
+            raise ModelLoadError(f"mlx-lm could not load {path}: {' '.join(str(e).split())}") from e  # one line
+        if not tok.encode("hello world", add_special_tokens=False):  # mlx-lm loads an empty one without files
+            raise ModelLoadError(f"the tokenizer of {path} encodes no tokens: its folder needs the model's "
+                                 "tokenizer files (tokenizer.json, ...)")
         return model, tok, str(path.resolve())
     raise ModelLoadError(f"{path} is neither a GGUF file nor an mlx-lm model directory (config.json)")
 

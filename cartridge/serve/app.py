@@ -182,6 +182,14 @@ def make_app(engine, max_body=MAX_BODY):
     async def models(request):
         return JSONResponse({"object": "list", "data": engine.pool.models()})
 
+    async def model(request):  # the openai client's models.retrieve
+        name = request.path_params["name"]
+        row = next((m for m in engine.pool.models() if m["id"] == name), None)
+        if row is None:
+            return error_response(APIError(404, f"the model {name!r} does not exist; GET /v1/models lists them",
+                                           "model", "model_not_found"))
+        return JSONResponse(row)
+
     async def stats(request):
         return JSONResponse(engine.stats())
 
@@ -221,7 +229,8 @@ def make_app(engine, max_body=MAX_BODY):
     async def server_error(request, exc):
         return error_response(APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
 
-    routes = [Route("/v1/models", models, methods=["GET"]), Route("/stats", stats, methods=["GET"]),
+    routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
+              Route("/stats", stats, methods=["GET"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
 

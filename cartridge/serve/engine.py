@@ -97,7 +97,10 @@ def base_prompt(tokenizer, request):
     """Prompt tokens for the base model without a cartridge: the chat template over all messages (plain
     text joined by blank lines when the tokenizer has none), or the completion prompt."""
     if request.kind == "completion":
-        return encode(tokenizer, request.prompt, True)
+        prompt = encode(tokenizer, request.prompt, True)
+        if not prompt:
+            raise bad("'prompt' is empty; the base model needs at least one prompt token", "prompt")
+        return prompt
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
     else:
@@ -115,12 +118,13 @@ def cartridge_prompt(cart, request):
     return encode(cart.tokenizer, request.prompt, False)
 
 
-def fit_max_tokens(limit, cached, prompt, asked, default):
+def fit_max_tokens(limit, cached, prompt, asked, default, prompt_field="messages"):
     """The tokens to generate: `asked`, or `default` clipped to the context left.
 
     Args:
         limit (int | None): the model's context in tokens. cached, prompt (int): tokens before the answer.
         asked (int | None): the request's max_tokens. default (int): used when `asked` is None.
+        prompt_field (str): the request field a prompt that does not fit is blamed on. Default: "messages".
 
     Raises:
         APIError: 400 if the prompt leaves no room, or `asked` exceeds the room left.
@@ -128,7 +132,7 @@ def fit_max_tokens(limit, cached, prompt, asked, default):
     room = None if limit is None else limit - cached - prompt
     if room is not None and room < 1:
         raise bad(f"the prompt ({prompt:,} tokens after {cached:,} cached) does not fit the model's context of "
-                  f"{limit:,} tokens", "messages")
+                  f"{limit:,} tokens", prompt_field)
     if asked is None:
         return default if room is None else min(default, room)
     if room is not None and asked > room:
@@ -210,7 +214,7 @@ class Engine:
             model, tokenizer, prompt = cart.model, cart.tokenizer, cartridge_prompt(cart, request)
             cache, cached = cart.prompt_cache(), len(cart.tokens)
         max_tokens = fit_max_tokens(context_length(model), cached, len(prompt), request.sampling.max_tokens,
-                                    self.default_max_tokens)
+                                    self.default_max_tokens, "prompt" if request.kind == "completion" else "messages")
         return Plan(model, tokenizer, prompt, cache, cached, max_tokens)
 
     def _generate(self, job, plan):

@@ -50,6 +50,7 @@ class Entry:
     info: object = None
     error: Refused = None
     refused_at: tuple = None
+    loaded_at: tuple = None  # the files' signature when the loaded cartridge was read
 
 
 def _is_cartridge(path):
@@ -74,11 +75,14 @@ def find_cartridges(paths):
         if _is_cartridge(path):
             items = [path]
         elif path.is_dir():
-            items = sorted(p for p in path.iterdir() if _is_cartridge(p))
+            # a damaged one is listed too (with its error), not left out unseen
+            items = sorted(p for p in path.iterdir() if _is_cartridge(p) or p.name.endswith(SUFFIXES))
         else:
             raise InputError(f"{raw} is neither a cartridge (directory or .cartz) nor a folder of cartridges")
         for item in items:
             name = next((item.name[: -len(s)] for s in SUFFIXES if item.name.endswith(s)), item.name)
+            if name in found and found[name].resolve() == item.resolve():
+                continue  # the same cartridge given twice
             if name in found:
                 raise InputError(f"two cartridges are named {name!r}: {found[name]} and {item}; rename one")
             found[name] = item
@@ -92,13 +96,13 @@ def base_model_id(ref):
 
 
 def _signature(path):
-    """What identifies the bytes of a cartridge on disk, to forget a refusal once they change."""
-    target = path / MANIFEST_NAME if path.is_dir() else path
+    """What identifies the bytes of a cartridge on disk (name, mtime, size, inode of each of its files): a
+    refusal is forgotten, and a loaded cartridge loaded and verified again, once they change."""
     try:
-        st = target.stat()
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        return tuple((f.name, st.st_mtime_ns, st.st_size, st.st_ino) for f in files for st in [f.stat()])
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size, st.st_ino
 
 
 def _refusal(e):
@@ -156,8 +160,10 @@ class Pool:
                           f"{len(self.entries)} cartridges and the base model {self.base_id!r}")
         if name in self._loaded:
             with self._lock:
-                self._loaded.move_to_end(name)
-            return self._loaded[name]
+                if entry.loaded_at == _signature(entry.path):
+                    self._loaded.move_to_end(name)
+                    return self._loaded[name]
+                del self._loaded[name]  # its files changed since it was verified: read and verify them again
         if entry.error is not None and entry.refused_at == _signature(entry.path):
             raise entry.error
         if entry.info is not None:
@@ -165,6 +171,7 @@ class Pool:
         return self._load(entry)
 
     def _load(self, entry):
+        signature = _signature(entry.path)
         try:
             if entry.info is not None:  # refuse another model's cartridge before reading its pages
                 check_fingerprint(entry.info, self.lm.fingerprint, entry.path, self.lm.ref)
@@ -175,7 +182,7 @@ class Pool:
                 entry.error, entry.refused_at = _refusal(e), _signature(entry.path)
             raise entry.error from None
         with self._lock:
-            entry.info, entry.error = cart.info, None
+            entry.info, entry.error, entry.loaded_at = cart.info, None, signature
             self._make_room(entry.name, cart.info.data_size)
             self._loaded[entry.name] = cart
         return cart

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 ROLES = ("system", "developer", "user", "assistant")
+UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "echo")  # refused when set, never ignored
 
 
 class APIError(Exception):
@@ -126,7 +127,8 @@ def parse_sampling(body):
     """The sampling fields of a chat or completion body (`max_completion_tokens` is `max_tokens`' new name).
 
     Raises:
-        APIError: 400 naming the field, for a wrong type or a value out of range; `n` other than 1.
+        APIError: 400 naming the field, for a wrong type or a value out of range (`seed` 0 .. 2^64 - 1); `n`
+        other than 1; tools, logprobs or echo asked for (not supported).
     """
     max_tokens = _typed(body, "max_tokens", (int,)) or _typed(body, "max_completion_tokens", (int,))
     for key in ("max_tokens", "max_completion_tokens"):
@@ -137,8 +139,14 @@ def parse_sampling(body):
     top_p = _number(body, "top_p", 0, 1, 1.0)
     if top_p == 0:
         raise bad("'top_p' is 0; it must be above 0 (1 keeps every token)", "top_p")
+    seed = _typed(body, "seed", (int,))
+    if seed is not None and not 0 <= seed < 2 ** 64:  # MLX's generator takes an unsigned 64-bit seed
+        raise bad(f"'seed' is {seed}; it must be between 0 and 2^64 - 1", "seed")
+    for key in UNSUPPORTED:
+        if body.get(key) not in (None, False, [], 0):
+            raise bad(f"'{key}' is not supported by this server", key)
     return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2, 0.0), top_p=top_p,
-                    seed=_typed(body, "seed", (int,)), stop=_stop(body))
+                    seed=seed, stop=_stop(body))
 
 
 def _content(message, i):
@@ -165,9 +173,11 @@ def parse_messages(body):
         raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
     turns = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
-            raise bad(f"messages[{i}].role is {role!r}; it must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}", f"messages[{i}]")
+        if m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role is {m.get('role')!r}; it must be one of {', '.join(ROLES)}",
+                      f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
         turns.append({"role": role, "content": _content(m, i)})
     if turns[-1]["role"] == "assistant":
