@@ -1,6 +1,7 @@
 """Grow a cartridge: extend its document with more text, or save a conversation held in its cache.
 
-    cartridge ──load──► prompt cache (stored prefix, read-only) ──feed only the new tokens──► dense tail
+    cartridge ──load──► stored prefix decoded once into mlx-lm KVCaches (`attention.prefill`; or read
+              as pages, `CartridgeCache`) ──feed only the new tokens──► their K/V after the prefix
     old pages (copied as stored) + tail encoded in the cartridge's own tiers ──► new cartridge (atomic,
     verified before it is published)
 
