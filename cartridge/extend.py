@@ -1,6 +1,7 @@
 """Grow a cartridge: extend its document with more text, or save a conversation held in its cache.
 
-    cartridge ──load──► prompt cache (stored prefix, read-only) ──feed only the new tokens──► dense tail
+    cartridge ──load──► stored prefix decoded once into mlx-lm KVCaches (`attention.prefill`; or read
+              as pages, `CartridgeCache`) ──feed only the new tokens──► their K/V after the prefix
     old pages (copied as stored) + tail encoded in the cartridge's own tiers ──► new cartridge (atomic,
     verified before it is published)
 
@@ -20,6 +21,7 @@ import numpy as np
 from .attention import route
 from .attention.cache import CartridgeCache
 from .attention.pages import encode_pages
+from .attention.prefill import PrefillCache
 from .build import DEFAULT_PREFILL_STEP, _to_numpy, context_length, prefill
 from .errors import InputError
 from .format import keys as K
@@ -29,7 +31,7 @@ from .format.layout import FORMAT_MINOR, MANIFEST_NAME
 from .format.pack import is_pack
 from .format.verify import verify_directory
 from .format.writer import CartridgeWriter, check_output_path
-from .load import load
+from .load import _model_dtype, load
 from .models.loader import load_model
 from .models.prompt import _pieces, check_text, prefix_tokens
 from .tiers import TIERS
@@ -111,9 +113,16 @@ def extended_tokens(cart, text, separator=EXTEND_SEPARATOR):
     return ids, reused
 
 
-def _caches(cart, keep):
-    """Prompt caches over the first `keep` stored tokens (all of them unless the seam moved)."""
+DENSE_PREFILL = ("auto", "dequantize-once")  # extend's policies that prefill over the decoded prefix
+
+
+def _caches(cart, keep, attention):
+    """Caches over the first `keep` stored tokens (all of them unless the seam moved): the decoded
+    prefix in `PrefillCache`s for a policy of `DENSE_PREFILL`, else the stored pages (`CartridgeCache`)."""
     route.install()
+    if attention in DENSE_PREFILL:
+        dtype = _model_dtype(cart.model)
+        return [PrefillCache(p, keep, dtype) for p in cart._prefixes]
     prefixes = cart._prefixes
     if keep < len(cart.tokens):  # the portable path masks page tokens at and beyond n_tokens
         prefixes = [replace(p, n_tokens=keep, kernel=None) for p in prefixes]
@@ -225,7 +234,10 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         separator (str): text between the stored document and `text`. Default: "\\n\\n".
         prefill_step (int): tokens per forward pass. Default: 512.
         force (bool): replace an existing cartridge at `output`. Default: False.
-        attention (str): attention policy of the prefill (`cartridge.load`). Default: "auto".
+        attention (str): how the new tokens attend over the stored prefix: "auto" (default) or
+            "dequantize-once" decode it once into mlx-lm KVCaches (`cartridge.attention.prefill`: a
+            normal chunked prefill over cached tokens; memory as a build of the whole document);
+            "portable" or "fused" read the stored pages (`cartridge.load`'s policies; less memory).
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
 
     Returns:
@@ -242,7 +254,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     dest, force = _destination(path, output, force)
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)
-    cart = load(path, model=model, attention=attention)
+    # the dense prefill decodes the stored pages itself: loaded as stored, nothing is decoded twice
+    cart = load(path, model=model, attention="portable" if attention in DENSE_PREFILL else attention)
     require_attention_layers(cart.info, "extend")
     _require_per_token_tiers(cart.info, "extend")
     ids, keep = extended_tokens(cart, text, separator)
@@ -250,7 +263,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     if limit and len(ids) >= limit:
         raise InputError(f"the extended document is {len(ids)} tokens; the model's context is {limit} tokens")
     t1 = time.perf_counter()
-    caches = prefill(cart.model, ids[keep:], prefill_step, progress, caches=_caches(cart, keep))
+    caches = prefill(cart.model, ids[keep:], prefill_step, progress, caches=_caches(cart, keep, attention))
     t2 = time.perf_counter()
     out = _write(cart, caches, ids, keep, dest, force, _header(cart, ids, keep, "extend", len(ids)))
     total = sum(f.stat().st_size for f in out.iterdir())

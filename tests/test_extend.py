@@ -107,6 +107,24 @@ def tiny64(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=0, head_dim=64)  # group-quantized tiers need head_dim % 32 == 0
 
 
+@pytest.mark.parametrize("tier", ["fp16", "mlx4g32"])
+def test_prefill_over_stored_pages_writes_what_the_decoded_prefill_writes(tiny64, tmp_path, tier):
+    """attention="portable" (stored pages, `CartridgeCache`) and the default (decoded prefix,
+    `PrefillCache`) attend over the same values: the same ids, new tokens' codes within rounding."""
+    cartridge.build(OLD, tmp_path / "old.cart", model=tiny64, tier=tier, page_size=PAGE)
+    a = cartridge.extend(tmp_path / "old.cart", NEW, output=tmp_path / "a.cart", model=tiny64)
+    b = cartridge.extend(tmp_path / "old.cart", NEW, output=tmp_path / "b.cart", model=tiny64, attention="portable")
+    (ia, da), (ib, db) = cartridge.open_cartridge(a.path), cartridge.open_cartridge(b.path)
+    assert ia.tokens.tolist() == ib.tokens.tolist() and a.new_tokens == b.new_tokens > 0
+    for key, extents in ia.extents.items():
+        for ea, eb in zip(extents, ib.extents[key]):
+            x, y = _tokens_major(da, ea), _tokens_major(db, eb)
+            if ea.dtype == "float16":
+                np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), atol=2e-3)
+            else:  # codes: float rounding may move a value across a code boundary, rarely
+                assert (x == y).mean() >= 0.999, (key, (x == y).mean())
+
+
 @pytest.mark.parametrize("tier", ["mlx4g32", "turbo3", "nvfp4", "bf16"])
 def test_quantized_extend_keeps_stored_codes(tiny64, tmp_path, tier):
     """A quantized cartridge: stored tokens' codes are copied, new tokens encoded in its tier."""

@@ -12,13 +12,15 @@ from contextlib import contextmanager
 from mlx_lm.models import base
 
 from .cache import CartridgeCache
+from .prefill import PrefillCache
 
 _ORIGINAL = base.scaled_dot_product_attention
 _WATCHERS = []  # callables seen(queries, keys, values, cache, mask): `cartridge.models.families` probes
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's attention signature; a CartridgeCache attends over its prefix pages and tail.
+    """mlx-lm's attention signature; a CartridgeCache attends over its prefix pages and tail, a
+    PrefillCache (extend) through `PrefillCache.attention`.
 
     Args:
         queries (mx.array): (B, n_q_heads, L, head_dim).
@@ -33,6 +35,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         seen(queries, keys, values, cache, mask)
     if isinstance(cache, CartridgeCache):
         return cache.attention(queries, scale, mask, sinks)
+    if isinstance(cache, PrefillCache) and sinks is None:
+        return cache.attention(queries, keys, values, scale, mask, _ORIGINAL)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
