@@ -4,7 +4,8 @@ conversation, and one clear line for bad input."""
 import subprocess
 import sys
 
-import cartridge
+import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
+import mlx_lm
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 MORE = "Pets are allowed with a deposit of 200 euros.\n"
@@ -32,6 +33,12 @@ def test_extend_then_ask_save_as_then_resume(tiny_dir, tmp_path):
     chat = cartridge.open_cartridge(tmp_path / "chat.cart")[0]
     assert chat.document_tokens == len(info.tokens) and len(chat.tokens) > len(info.tokens)
     assert f"saved {tmp_path / 'chat.cart'}: {len(chat.tokens)} tokens" in r.stderr
+    # the saved tokens are the question's and the answer's, each once (mlx-lm feeds every generated token)
+    ext = cartridge.load(tmp_path / "ext.cart", model=str(tiny_dir))
+    prompt = ext.question_prompt("Are pets allowed?")
+    answer = [t.token for t in mlx_lm.stream_generate(ext.model, ext.tokenizer, prompt, max_tokens=5,
+                                                      prompt_cache=ext.prompt_cache())]
+    assert chat.tokens[len(info.tokens):].tolist() == prompt + answer
     r = run("ask", tmp_path / "chat.cart", "And the deposit?", "--max-tokens", 3)
     assert r.returncode == 0, r.stderr
     assert f"over {len(chat.tokens)} cached" in r.stderr

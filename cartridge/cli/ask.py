@@ -81,7 +81,6 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
         n = r.generation_tokens
         pieces.append(r.text)
         ids.append(r.token)
-        ids.append(r.token)
         if echo:
             click.echo(r.text, nl=False)
             sys.stdout.flush()
