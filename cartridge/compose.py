@@ -176,6 +176,7 @@ class ComposedCartridge:
             if start < len(cart.tokens):  # a part with no token left would have no key at all
                 self._layers[layer].append(Part(replace(cart._prefixes[layer], kernel=None), shift, start))
         self.tokens += fresh + cart.tokens[start:]
+        mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
 
     def question_prompt(self, question, cache=None):
         """Tokens to feed after the composed context (as `Cartridge.question_prompt`; `cache` unchecked)."""

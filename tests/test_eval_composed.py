@@ -47,6 +47,8 @@ def test_report_layout_classes_and_ttft(report, tiny):
         assert (v["all"]["n"], v["one"]["n"], v["both"]["n"]) == (3, 2, 1)
         assert len(row["answers"]) == len(row["single_ttft_s"]) == 3
         assert row["ttft"]["ratio"] == row["ttft"]["median_s"] / row["ttft"]["single_median_s"]
+        ratios = sorted(a["ttft_s"] / s for a, s in zip(row["answers"], row["single_ttft_s"]))
+        assert row["ttft"]["paired_ratio"] == ratios[1]  # the median of 3
         assert row["needles"]["n"] == 1
     assert report["reference"]["needles"]["n"] == 1
     assert report["settings"]["needles_in"] == "b"

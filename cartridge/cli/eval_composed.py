@@ -63,7 +63,8 @@ def row_cells(row):
         _pair(v, lambda c: f"{c['divergence']:.1f}"),
         _needles(row.get("needles")),
         f"{t['median_s']:.3f} s",
-        f"{t['ratio']:.2f}x ({t['single_median_s']:.3f} s)",
+        f"{t['ratio']:.2f}x ({t['single_median_s']:.3f} s)"
+        + (f", paired {t['paired_ratio']:.2f}x" if "paired_ratio" in t else ""),
     ]
 
 
@@ -88,8 +89,9 @@ def _caption(report):
         f"needles: {len(report['needles'])} facts planted in document {s['needles_in'] or '-'}, exact-match recall "
         "by depth",
         f"TTFT: median over the questions, from making the cache to the first token; vs one cartridge: against "
-        f"asking document {report['single']['letter']}'s cartridge alone ({report['single']['attention']}), "
-        f"question by question in the same loop; load average {_load(report)}",
+        f"asking document {report['single']['letter']}'s cartridge alone ({report['single']['attention']}, median "
+        "in brackets), each question asked of both back to back; paired: median of the per-question ratios; "
+        f"load average at the end {_load(report)}",
     ]
 
 
