@@ -116,6 +116,29 @@ def _ropes(model):
         raise InputError("this model's attention has no `rope` module; cartridges cannot be composed for it") from None
 
 
+def separator_tokens(tokenizer, before, separator, after, context=8):
+    """The separator's token ids as the tokenizer splits it between two documents' text.
+
+    A byte-level BPE may split whitespace by what follows it ("\n\n" alone is one token, before a
+    word two): the separator is encoded between the decoded last `context` tokens of `before` and
+    first `context` tokens of `after`, and kept when those come back unchanged around it.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer. before, after (list[int]): document tokens
+            on either side (without chat-template header). separator (str): text between them.
+        context (int): tokens of each side decoded. Default: 8.
+
+    Returns:
+        list[int]: the separator's tokens in context; its tokens alone where the sides do not
+        tokenize back unchanged.
+    """
+    left, right = list(before[-context:]), list(after[:context])
+    ids = _encode(tokenizer, tokenizer.decode(left) + separator + tokenizer.decode(right), False)
+    if ids[: len(left)] == left and ids[len(ids) - len(right):] == right and len(ids) > len(left) + len(right):
+        return ids[len(left): len(ids) - len(right)]
+    return _encode(tokenizer, separator, False)
+
+
 class ComposedCartridge:
     """Loaded cartridges laid out one after another; used like a `Cartridge`.
 
@@ -140,7 +163,7 @@ class ComposedCartridge:
                                                cart.info.system)[0], True)
         if cart.tokens[: len(head)] != head or len(cart.tokens) <= len(head):
             raise InputError(f"cartridge {cart.path} does not open with the chat template's header; cannot compose it")
-        sep = _encode(self.tokenizer, separator, False)
+        sep = separator_tokens(self.tokenizer, self.tokens[len(head):], separator, cart.tokens[len(head):])
         start = min(len(head) + self.recompute, len(cart.tokens))
         fresh = sep + cart.tokens[len(head):start]
         caches = self.prompt_cache()
@@ -153,6 +176,7 @@ class ComposedCartridge:
             if start < len(cart.tokens):  # a part with no token left would have no key at all
                 self._layers[layer].append(Part(replace(cart._prefixes[layer], kernel=None), shift, start))
         self.tokens += fresh + cart.tokens[start:]
+        mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
 
     def question_prompt(self, question, cache=None):
         """Tokens to feed after the composed context (as `Cartridge.question_prompt`; `cache` unchecked)."""

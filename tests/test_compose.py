@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from cartridge.compose import compose
+from cartridge.compose import compose, separator_tokens
 from cartridge.errors import InputError
-from cartridge.models.prompt import SEPARATOR, _encode, _pieces
+from cartridge.models.prompt import SEPARATOR, _encode, _pieces, prefix_tokens
 
 DOC_A = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3
 DOC_B = "Annex B. Rent is due on the first day of each month, payable by bank transfer to the lessor. " * 2
@@ -37,14 +37,28 @@ def _stored(prefix, side):
 
 
 def test_composed_tokens(pair, tiny):
+    """The layout is the token ids of the one-shot text a + separator + b: "\n\n" before a word is
+    two tokens ("\n", "\n") there, not the one token it is alone."""
     a, b = pair
-    head = _encode(tiny.tokenizer, _pieces(tiny.tokenizer, b.info.prompt_mode, b.info.separator)[0], True)
-    sep = _encode(tiny.tokenizer, SEPARATOR, False)
+    tok = tiny.tokenizer
+    head = _encode(tok, _pieces(tok, b.info.prompt_mode, b.info.separator)[0], True)
+    sep = separator_tokens(tok, a.tokens[len(head):], SEPARATOR, b.tokens[len(head):])
+    assert sep == _encode(tok, "\n", False) * 2 and _encode(tok, SEPARATOR, False) != sep
     for n in (0, 5):
         c = compose(pair, recompute=n)
         assert c.tokens == a.tokens + sep + b.tokens[len(head):]
+        assert c.tokens == prefix_tokens(tok, DOC_A.rstrip() + SEPARATOR + DOC_B)
         assert c._patches[0][0][0].shape[1] == len(sep) + n
         assert c._layers[0][1].start == len(head) + n and c._layers[0][1].shift == len(a.tokens) + len(sep) - len(head)
+
+
+def test_separator_tokens_in_context(tiny):
+    tok = tiny.tokenizer
+    four, word = _encode(tok, "4. Combined", False), _encode(tok, "Annex B.", False)
+    end = _encode(tok, "the end.", False)
+    assert separator_tokens(tok, end, SEPARATOR, four) == _encode(tok, SEPARATOR, False)  # one token before a digit
+    assert separator_tokens(tok, end, SEPARATOR, word) == _encode(tok, "\n", False) * 2
+    assert separator_tokens(tok, [], SEPARATOR, []) == _encode(tok, SEPARATOR, False)
 
 
 def test_rotated_query_equals_keys_moved_to_their_positions(pair, tiny):

@@ -26,6 +26,40 @@ def test_second_document_questions_load_and_short_answers_are_in_it():
     assert len(short) == 9 and all(a in text for a in short), short
 
 
+@pytest.mark.parametrize("name, docs, n_short", [
+    ("lgpl-3.0", ("lgpl-3.0.part1.txt", "lgpl-3.0.part2.txt"), 0),
+    ("uvicorn-starlette", ("uvicorn-readme.txt", "starlette-readme.txt"), 5),
+])
+def test_composed_question_files(name, docs, n_short):
+    """samples/*.compose.questions.jsonl: 12 questions about a pair of documents (`cartridge eval A B`),
+    4 answered by each document and 4 needing both; one-word answers are quoted from their document
+    (and, for one document's questions, absent from the other)."""
+    rows = load_questions(ROOT / "samples" / f"{name}.compose.questions.jsonl", ("a", "b", "both"))
+    assert [r["source"] for r in rows] == ["a"] * 4 + ["b"] * 4 + ["both"] * 4
+    assert [r["id"] for r in rows] == [f"{s}{i}" for s in ("a", "b", "ab") for i in range(1, 5)]
+    assert all(r["answer"] for r in rows)
+    texts = {s: (ROOT / "samples" / d).read_text() for s, d in zip("ab", docs)}
+    texts["both"] = texts["a"] + texts["b"]
+    short = [(r["source"], r["answer"]) for r in rows if " " not in r["answer"]]
+    assert len(short) == n_short and all(a in texts[s] for s, a in short), short
+    assert not any(a in texts["b" if s == "a" else "a"] for s, a in short if s != "both"), short
+
+
+def test_lgpl_halves_are_the_sample_split_before_section_4(smol_tokenizer):
+    """part1 + part2 is the sample byte for byte; part 2 opens with the heading of section 4."""
+    one, two = ((ROOT / "samples" / f"lgpl-3.0.part{i}.txt").read_text() for i in (1, 2))
+    assert one + two == (ROOT / "samples" / "lgpl-3.0.txt").read_text()
+    assert two.startswith("  4. Combined Works.\n") and one.endswith("document.\n\n")
+    sizes = [len(smol_tokenizer.encode(t.strip(), add_special_tokens=False)) for t in (one, two)]
+    assert sizes == [750, 855]
+
+
+def test_readme_pair_under_2000_tokens(smol_tokenizer):
+    sizes = [len(smol_tokenizer.encode((ROOT / "samples" / f).read_text().strip(), add_special_tokens=False))
+             for f in ("uvicorn-readme.txt", "starlette-readme.txt")]
+    assert sizes == [1195, 1183]
+
+
 def test_sample_needles_have_exact_digits_at_five_depths():
     rows = load_needles(NEEDLES)
     assert len(rows) == 10

@@ -1,5 +1,6 @@
-"""`cartridge eval`: fidelity of compressed cartridges against the fp16 one. Thin: parse, call
-`cartridge.eval.evaluate.evaluate`, print the table, write JSON and the plot."""
+"""`cartridge eval`: fidelity of compressed cartridges against the fp16 one; with several documents,
+of composed cartridges against a fresh prefill of the joined text (`eval_composed`). Thin: parse,
+call `cartridge.eval.evaluate.evaluate` (or `evaluate_composed`), print the table, write JSON and the plot."""
 
 import json
 import sys
@@ -12,6 +13,9 @@ from cartridge.format.atomic import write_file
 from cartridge.format.writer import check_utf8_path
 
 from .common import check_output_file, read_corpus
+from .eval_composed import check_options, run_composed
+from .eval_composed import markdown_table as composed_markdown
+from .eval_composed import text_table as composed_text
 from .eval_report import markdown_table, text_table, write_plot
 
 SAMPLE_NEEDLES = Path(__file__).resolve().parents[1] / "samples" / "needles.jsonl"  # shipped in the package
@@ -60,7 +64,7 @@ def _bar():
 
 
 @click.command("eval")
-@click.argument("corpus")
+@click.argument("corpus", nargs=-1, required=True)
 @click.option("--questions", "questions_path", required=True, help="JSONL: one {\"question\": ...} a line.")
 @click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
 @click.option("--tiers", default=None, help="Comma-separated entries: TIER, TIER:bpN, k=TIER:v=TIER[:bpN], "
@@ -78,35 +82,63 @@ def _bar():
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of fidelity against bytes/token here.")
 @click.option("--force", is_flag=True, help="Replace existing --json/--plot files (refused otherwise).")
 @click.option("--markdown", is_flag=True, help="Print the table as GitHub markdown.")
-def eval_command(corpus, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens,
-                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown):
+@click.option("--recompute", default="0,16,64", show_default=True,
+              help="Several documents: comma-separated settings, tokens of each later document recomputed.")
+@click.option("--needles-in", default=None, help="Several documents: letter of the document the needles are "
+              "planted in (a, b, ...). Default: the last.")
+@click.pass_context
+def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens,
+                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown, recompute, needles_in):
     """Build one cartridge per tier/schema of CORPUS and compare its answers with the fp16 cartridge's.
+
+    With two or more documents (CORPUS A B ...): build one fp16 cartridge per document, compose them
+    with each --recompute setting and compare the answers with a fresh prefill of the joined text;
+    every question line names the document that answers it ("source": "a", "b", ... or "both").
 
     The --json and --plot files are checked before any work (their folder must exist; an existing file
     is replaced only with --force) and written atomically, mode 0666 minus the umask.
     """
-    from cartridge.eval.dataset import load_questions
-    from cartridge.eval.evaluate import EvalConfig, evaluate
+    from click.core import ParameterSource
 
-
+    given = {k for k in ctx.params if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
+    check_options(len(corpus), given)
     json_path = check_output_file(json_path, "--json", force)
     plot_path = check_output_file(plot_path, "--plot", force)
     if work_dir is not None:
         check_utf8_path(work_dir, "--work-dir")  # cartridges are built there
-    text = read_corpus(corpus)
-    questions = load_questions(questions_path)
-    specs = _specs(tiers, schemas)
-    config = EvalConfig(max_tokens=max_tokens, fresh=not no_fresh, heldout=read_corpus(heldout, "held-out file") if heldout else None,
-                        heldout_fraction=heldout_fraction, work_dir=work_dir, rebuild=rebuild, page_size=page_size)
+    texts = [read_corpus(c) for c in corpus]
     progress, close = _bar()
     try:
-        report = evaluate(text, questions, model=model, specs=specs, needles=_needles(needles), config=config,
-                          progress=progress)
+        if len(texts) > 1:
+            common = dict(max_tokens=max_tokens, work_dir=work_dir, rebuild=rebuild, page_size=page_size)
+            report = run_composed(list(corpus), texts, questions_path, model, _needles(needles), recompute,
+                                  needles_in, common, progress)
+        else:
+            report = _single(texts[0], questions_path, model, tiers, schemas, needles, heldout, heldout_fraction,
+                             max_tokens, no_fresh, work_dir, rebuild, page_size, progress)
+            report["corpus"] = corpus[0]
     finally:
         close()
-    report["corpus"] = corpus
-    click.echo(markdown_table(report) if markdown else text_table(report))
+    if len(texts) > 1:
+        click.echo(composed_markdown(report) if markdown else composed_text(report))
+    else:
+        click.echo(markdown_table(report) if markdown else text_table(report))
     if json_path:
         write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report, indent=1)))
     if plot_path:
         write_file(plot_path, lambda tmp: write_plot(report, tmp))
+
+
+def _single(text, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens, no_fresh,
+            work_dir, rebuild, page_size, progress):
+    """One document: every tier/schema against the fp16 cartridge (`cartridge.eval.evaluate`)."""
+    from cartridge.eval.dataset import load_questions
+    from cartridge.eval.evaluate import EvalConfig, evaluate
+
+    questions = load_questions(questions_path)
+    specs = _specs(tiers, schemas)
+    config = EvalConfig(max_tokens=max_tokens, fresh=not no_fresh,
+                        heldout=read_corpus(heldout, "held-out file") if heldout else None,
+                        heldout_fraction=heldout_fraction, work_dir=work_dir, rebuild=rebuild, page_size=page_size)
+    return evaluate(text, questions, model=model, specs=specs, needles=_needles(needles), config=config,
+                    progress=progress)

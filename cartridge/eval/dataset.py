@@ -1,7 +1,9 @@
 """What `cartridge eval` asks: question and needle files, needle planting, and the held-out split.
 
 Questions (JSONL, one object a line): {"question": str, "id": any (default: line number),
-"answer": str (optional reference answer; kept in the report, not scored)}.
+"answer": str (optional reference answer; kept in the report, not scored)}. Questions about several
+documents (`cartridge.eval.composed`) also say which document answers them: "source": the
+document's letter ("a", "b", ...) or "both" (it takes more than one).
 
 Needles (JSONL): {"id": any, "depth": float in [0, 1], "fact": str, "question": str,
 "answer": str}. `plant_needles` inserts each fact as its own paragraph at the paragraph break
@@ -55,22 +57,31 @@ def _text_field(obj, key, where):
     return value
 
 
-def load_questions(path):
+def load_questions(path, sources=None):
     """Read a questions file.
 
     Args:
         path (str | Path): JSONL, see the module docstring.
+        sources (Sequence[str] | None): if given, every row must have a "source" among these
+            (e.g. ("a", "b", "both")), kept in the row. Default: None (no "source" read).
 
     Returns:
-        list[dict]: {"id", "question", "answer" (str | None)} in file order.
+        list[dict]: {"id", "question", "answer" (str | None)} (+ "source") in file order.
 
     Raises:
-        InputError: unreadable file, bad JSON, or a row without a non-empty "question".
+        InputError: unreadable file, bad JSON, a row without a non-empty "question", or (with
+            `sources`) a missing or unknown "source".
     """
     out = []
     for n, obj in _read_jsonl(path, "questions"):
-        q = _text_field(obj, "question", f"questions file {path} line {n}")
-        out.append({"id": obj.get("id", n), "question": q, "answer": obj.get("answer")})
+        where = f"questions file {path} line {n}"
+        row = {"id": obj.get("id", n), "question": _text_field(obj, "question", where), "answer": obj.get("answer")}
+        if sources is not None:
+            if obj.get("source") not in sources:
+                raise InputError(f"{where}: field 'source' must be one of {', '.join(map(repr, sources))}, "
+                                 f"found {obj.get('source')!r}")
+            row["source"] = obj["source"]
+        out.append(row)
     return out
 
 

@@ -92,6 +92,18 @@ def teacher_forced_logprobs(model, cache, tokens, step=SCORE_STEP):
     return out
 
 
+def needle_result(answers, needles):
+    """Needle recall of greedy answers (`metrics.recall_by_depth`) plus each answer and whether it was found.
+
+    Args:
+        answers (list[dict]): {"text", ...} per needle, in the order of `needles` (from `load_needles`).
+    """
+    found = [needle_found(a["text"], n["answer"]) for a, n in zip(answers, needles)]
+    result = recall_by_depth(found, [n["depth"] for n in needles])
+    result["answers"] = [{"id": n["id"], "text": a["text"], "found": f} for n, a, f in zip(needles, answers, found)]
+    return result
+
+
 class _Run:
     """State of one evaluation: model, documents, config, progress."""
 
@@ -133,11 +145,7 @@ class _Run:
         return out
 
     def needle_result(self, answers):
-        found = [needle_found(a["text"], n["answer"]) for a, n in zip(answers, self.needles)]
-        result = recall_by_depth(found, [n["depth"] for n in self.needles])
-        result["answers"] = [{"id": n["id"], "text": a["text"], "found": f}
-                             for n, a, f in zip(self.needles, answers, found)]
-        return result
+        return needle_result(answers, self.needles)
 
     def cartridge_row(self, spec):
         """Build or reuse the qa and probe cartridges of `spec` and measure them."""
