@@ -1,6 +1,7 @@
 """Affine pages with their codes unpacked to bytes (cartridge/attention/unpacked.py): the same values as the
 stored tier, and attention over them equals float64 attention over the decoded pages (the portable path's
-bound, tests/test_tier_attention.py), on odd lengths, page boundaries, GQA 1/3/4 and 1 or 5 query tokens."""
+bound, tests/test_tier_attention.py), on odd lengths, page boundaries, GQA 1/3/4 and 1, 5 or 11 query tokens
+(up to 32 query rows take block-diagonal queries, more the decoded values)."""
 
 import itertools
 
@@ -37,7 +38,7 @@ def test_unpacked_pages_decode_to_the_stored_values_exactly(name):
     prefix = layer(name, 75, 32, seed=3)
     parts = unpacked.unpack(prefix.k_codec, prefix.k_parts)
     assert parts["codes"].dtype == mx.uint8 and parts["codes"].shape == (3, N_KV, 32, HEAD_DIM)
-    assert parts["scales"].shape == parts["biases"].shape == (3, N_KV, HEAD_DIM // 32, 32)
+    assert parts["scales"].shape == parts["biases"].shape == (3, N_KV, 32, HEAD_DIM // 32)
     want = np.array(prefix.k_codec.decode(prefix.k_parts, prefix.k_params))
     got = np.array(unpacked.UnpackedCodec(prefix.k_codec).decode(parts, prefix.k_params))
     np.testing.assert_array_equal(got, want)
@@ -45,7 +46,7 @@ def test_unpacked_pages_decode_to_the_stored_values_exactly(name):
 
 
 @pytest.mark.parametrize("name, shape, gqa, L, sides",
-                         list(itertools.product(UNPACKABLE, SHAPES, [1, 3, 4], [1, 5], ["k", "kv"])))
+                         list(itertools.product(UNPACKABLE, SHAPES, [1, 3, 4], [1, 5, 11], ["k", "kv"])))
 def test_attention_over_unpacked_pages_matches_float64(name, shape, gqa, L, sides):
     n_tokens, page_size = shape
     prefix = _unpacked(layer(name, n_tokens, page_size, seed=n_tokens * 10 + gqa), sides)

@@ -52,7 +52,7 @@ class UnpackedCodec(TierCodec):
     """Pages of an affine tier as uint8 codes with float32 scales and biases (`unpack` makes them).
 
     Parts: "codes" uint8 (n_pages, n_kv_heads, P, head_dim); "scales", "biases" float32
-    (n_pages, n_kv_heads, groups, P), groups = head_dim / group_size.
+    (n_pages, n_kv_heads, P, groups), groups = head_dim / group_size.
 
     Args:
         codec (TierCodec): the stored tier (its parameters, e.g. a rotation, still apply).
@@ -65,32 +65,43 @@ class UnpackedCodec(TierCodec):
         self.group_size = _affine(codec).group_size
         self.rotated = isinstance(codec, RotatedCodec)
 
-    def decode(self, parts, params):
-        """float32 (n_pages, n_kv_heads, P, head_dim), the stored tier's values."""
+    def _values(self, parts):
+        """float32 (n_pages, n_kv_heads, P, head_dim): scale * code + bias (in the rotated basis of a +rot tier)."""
         c = parts["codes"]
         n, h, page, d = c.shape
-        # (n, h, P, D) -> (n, h, P, groups, group_size); scales (n, h, groups, P) -> (n, h, P, groups, 1)
+        # (n, h, P, D) -> (n, h, P, groups, group_size)
         g = c.reshape(n, h, page, d // self.group_size, self.group_size).astype(mx.float32)
-        x = g * parts["scales"].swapaxes(-1, -2)[..., None] + parts["biases"].swapaxes(-1, -2)[..., None]
-        x = x.reshape(n, h, page, d)
+        return (g * parts["scales"][..., None] + parts["biases"][..., None]).reshape(n, h, page, d)
+
+    def decode(self, parts, params):
+        """float32 (n_pages, n_kv_heads, P, head_dim), the stored tier's values."""
+        x = self._values(parts)
         return unrotate(x, params["rotation"]) if self.rotated else x
 
     def scores(self, q, parts, params):
-        """q . K^T: (n_kv_heads, R, head_dim) float32 -> (n_pages, n_kv_heads, R, P) float32."""
+        """q . K^T: (n_kv_heads, R, head_dim) float32 -> (n_pages, n_kv_heads, R, P) float32 (a transposed view).
+
+        Up to `group_size` query rows (a decode step), by block-diagonal queries; more (a prefill), over
+        values decoded for this call, whose float32 K is smaller than the per-group dot products.
+        """
         if self.rotated:
             q = rotate(q, params["rotation"])  # (R q) . (R k) = q . k
         n_kv, r, d = q.shape
         gs = self.group_size
+        if r > gs:
+            return (self._values(parts) @ q.swapaxes(-1, -2)[None]).swapaxes(-1, -2)
         groups = d // gs
         block = (mx.arange(d)[None, :] // gs == mx.arange(groups)[:, None]).astype(q.dtype)  # (groups, D)
         # (n_kv, groups, R, D) -> (n_kv, groups * R, D): row g * R + i holds query i on group g only
         qb = (block[None, :, None, :] * q[:, None, :, :]).reshape(n_kv, groups * r, d)
-        dots = qb[None] @ parts["codes"].astype(mx.float32).swapaxes(-1, -2)  # (n_pages, n_kv, groups * R, P)
-        n, _, _, page = dots.shape
-        dots = dots.reshape(n, n_kv, groups, r, page)
+        # codes @ qb^T, the orientation OpenBLAS takes fastest: (n_pages, n_kv, P, D) @ (1, n_kv, D, groups * R)
+        dots = parts["codes"].astype(mx.float32) @ qb.swapaxes(-1, -2)[None]
+        n, _, page, _ = dots.shape
+        dots = dots.reshape(n, n_kv, page, groups, r)
         q_sums = q.reshape(n_kv, r, groups, gs).sum(-1).swapaxes(-1, -2)  # (n_kv, groups, R)
-        s = dots * parts["scales"][:, :, :, None, :] + q_sums[None, :, :, :, None] * parts["biases"][:, :, :, None, :]
-        return s.sum(axis=2)
+        # sum_g scale * dots + (bias_g . q_sums_g): (n_pages, n_kv, P, R)
+        s = (dots * parts["scales"][..., None]).sum(axis=3) + parts["biases"] @ q_sums[None]
+        return s.swapaxes(-1, -2)
 
 
 def unpack(codec, parts):
@@ -99,8 +110,7 @@ def unpack(codec, parts):
     Args:
         codec (TierCodec): a tier `can_unpack` accepts.
         parts (dict[str, mx.array]): "codes" uint32 (n_pages, n_kv_heads, P, head_dim * bits / 32), packed
-            least significant bits first (spec/FORMAT.md 6.1); "scales", "biases" float16
-            (n_pages, n_kv_heads, P, groups).
+            least significant bits first; "scales", "biases" float16 (n_pages, n_kv_heads, P, groups).
 
     Returns:
         dict[str, mx.array]: the parts `UnpackedCodec` reads (lazy: the caller evaluates them).
@@ -109,6 +119,4 @@ def unpack(codec, parts):
     if _affine(codec).bits == 4:
         # (n, h, P, D/2) -> (n, h, P, D/2, 2) -> (n, h, P, D): the low nibble is the earlier code
         b = mx.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
-    return {"codes": b,
-            "scales": mx.contiguous(parts["scales"].astype(mx.float32).swapaxes(-1, -2)),
-            "biases": mx.contiguous(parts["biases"].astype(mx.float32).swapaxes(-1, -2))}
+    return {"codes": b, "scales": parts["scales"].astype(mx.float32), "biases": parts["biases"].astype(mx.float32)}
