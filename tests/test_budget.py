@@ -180,9 +180,9 @@ def test_plan_unpacked_unpacks_every_k_side_or_none():
     assert budget.plan_unpacked(sides, 600, 1150) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
     # one byte less: nothing unpacked; the dense plan decodes K0 (peak 1000) as `plan` does
     assert budget.plan_unpacked(sides, 600, 1149) == ([(0, "k")], [], 900, 1000)
-    # K0 dense within 1550 - 400 (the step cast): 750 + 250 held after, 150 more while it decodes
-    assert budget.plan_unpacked(sides, 600, 1550) == ([(0, "k")], [(1, "k"), (2, "k")], 1000, 1400)
-    assert budget.plan_unpacked(sides, 600, 1549) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
+    # K0 dense: 750 + 250 held after, and the larger of 150 more while it decodes and the 400-byte step cast
+    assert budget.plan_unpacked(sides, 600, 1400) == ([(0, "k")], [(1, "k"), (2, "k")], 1000, 1400)
+    assert budget.plan_unpacked(sides, 600, 1399) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
     assert budget.plan_unpacked(sides, 600, None) == budget.plan(sides, 600, None)[:1] + ([],) + \
         budget.plan(sides, 600, None)[1:]
 
@@ -190,8 +190,10 @@ def test_plan_unpacked_unpacks_every_k_side_or_none():
 @pytest.mark.parametrize("max_memory, decoded, packed", [
     (76_800 + 3 * (UNPACKED - SIDE) + STEP - 1, {(0, "k")}, set()),  # not every K side fits unpacked
     (76_800 + 3 * (UNPACKED - SIDE) + STEP, set(), {(0, "k"), (1, "k"), (2, "k")}),
-    # then K0 dense from its stored pages: 56,320 more held, 25,600 more while decoding, within max - STEP
-    (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + UNPACKED + STEP, {(0, "k")}, {(1, "k"), (2, "k")}),
+    # then K0 dense: 56,320 more held, and the larger of the step cast and its decode's 2 x 25,600 more
+    # (it is decoded from unpacked codes, beside its stored pages)
+    (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + STEP, {(0, "k")}, {(1, "k"), (2, "k")}),
+    (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + STEP - 1, set(), {(0, "k"), (1, "k"), (2, "k")}),
 ])
 def test_place_unpacks_the_k_sides_a_max_memory_allows(max_memory, decoded, packed):
     prefixes = _prefixes()

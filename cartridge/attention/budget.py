@@ -27,7 +27,8 @@ class Side:
         layer (int), side (str "k"|"v"): where. stored (int): bytes of its stored pages.
         dense (int): bytes of its dense pages in the dequantize dtype.
         transient (int): bytes its decode holds besides the stored pages (the float32 decode, plus the
-            cast to a 16-bit dtype when that is the target).
+            cast to a 16-bit dtype when that is the target, plus the unpacked codes it is decoded from
+            where it can be unpacked).
         unpacked (int): bytes it holds with its codes unpacked; 0 where it cannot be unpacked.
         unpack_transient (int): bytes the unpacking holds besides the stored and the unpacked arrays.
         step (int): bytes a decode step holds while it reads this side unpacked (its float32 cast).
@@ -52,8 +53,9 @@ def side_sizes(layer, side, stored, shape, dtype, unpacking=None):
     """
     elements = shape[0] * shape[1] * shape[2] * shape[3]
     dense = elements * dtype.size
-    return Side(layer, side, stored, dense, elements * 4 + (dense if dtype != mx.float32 else 0),
-                *(unpacking or (0, 0, 0)))
+    unpacking = unpacking or (0, 0, 0)
+    return Side(layer, side, stored, dense, elements * 4 + (dense if dtype != mx.float32 else 0) + unpacking[0],
+                *unpacking)
 
 
 def default_budget(stored, sides):
@@ -69,7 +71,7 @@ def default_budget(stored, sides):
     return int(stored * STORED_FACTOR) + max(per_layer.values(), default=0)
 
 
-def plan(sides, held, budget):
+def plan(sides, held, budget, reserve=0):
     """Which sides to decode within `budget` bytes.
 
     Sides are decoded at load layer by layer, so the peak is bounded whatever the order: while a side
@@ -80,6 +82,8 @@ def plan(sides, held, budget):
         sides (list[Side]): the candidates (layers whose policy is dequantize-once).
         held (int): bytes held before any decode: every stored page and every other held array.
         budget (int | None): the most bytes held at any moment; None decodes every side.
+        reserve (int): bytes held beside the resident ones after loading (a decode step's buffers), which
+            the budget must also leave room for. Default: 0.
 
     Returns:
         tuple: (decoded, resident, peak): the (layer, side) to decode, K sides then V sides, each in layer
@@ -87,7 +91,7 @@ def plan(sides, held, budget):
         temporaries are not in it).
     """
     order = sorted(sides, key=lambda s: (s.side != "k", s.layer))
-    decoded, resident, worst = [], held, 0
+    decoded, resident, worst = [], held, reserve
     for s in order:
         grown, extra = s.dense - s.stored, s.transient - (s.dense - s.stored)  # bytes after; more while decoding
         if budget is not None and resident + grown + max(worst, extra) > budget:
@@ -127,7 +131,7 @@ def plan_unpacked(sides, held, budget):
         return decoded, [], resident, peak
     keys = {(s.layer, s.side) for s in candidates}
     rest = [replace(s, stored=s.unpacked) if (s.layer, s.side) in keys else s for s in sides]
-    decoded, resident, dense_peak = plan(rest, resident, budget - reserve)
+    decoded, resident, dense_peak = plan(rest, resident, budget, reserve)
     left = [(s.layer, s.side) for s in candidates if (s.layer, s.side) not in set(decoded)]
     step = max((s.step for s in candidates if (s.layer, s.side) in set(left)), default=0)
     return decoded, left, resident, max(peak, dense_peak, resident + step)

@@ -123,14 +123,18 @@ def _sides(prefixes, choices, head_dims, dtype, unpack):
     return sides
 
 
-def _decoded(p, sides, dtype, unpack=()):
+def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
     """`p` with the sides in `sides` decoded to dense pages of `dtype` and those in `unpack` unpacked
-    (`unpacked.unpack`), each side evaluated before the next (one side's buffers at a time)."""
+    (`unpacked.unpack`), each side evaluated before the next (one side's buffers at a time). With
+    `via_unpacked`, an affine side is decoded from its unpacked codes: the same values, and on the CPU
+    half the temporaries of `mx.dequantize` (int8, 6,450 tokens: 29 MB against 56 MB for 27 MB of values)."""
     out = {"k": (p.k_codec, p.k_parts), "v": (p.v_codec, p.v_parts)}
     for side in sorted(set(sides) | set(unpack)):
         codec, parts = out[side]
         params = p.k_params if side == "k" else p.v_params
         if side in sides:  # a dense side takes the protected tokens' fp16 copies in place
+            if via_unpacked and unpacked.can_unpack(codec):
+                codec, parts = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
             x = codec.decode(parts, params).astype(dtype)
             if p.protected is not None:
                 x = protect.overwrite(x, p.protected, side, p.n_tokens)
@@ -222,7 +226,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             continue
         q = p
         if c[0] == "dequantize-once":
-            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()))
+            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
