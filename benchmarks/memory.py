@@ -5,12 +5,18 @@ The case of the issue: a tiny random-weight llama (8 layers, 8 KV heads x head_d
 hidden 256) and a prefix of about 7,000 tokens (samples/lgpl-3.0.txt repeated), built once in fp16 and
 converted to the other tiers. For each (tier, policy) a fresh process loads the cartridge, reads MLX's
 peak and active memory after the load (`mx.get_peak_memory`, `mx.get_active_memory`: what MLX
-allocated, the model's weights included), then decodes greedily from a question and reports tokens/s
-and the peak over load + decode. The model alone is measured the same way, so the prefix's own share
-is the difference.
+allocated, the model's weights included), then decodes greedily from a question and reports tokens/s,
+the process's CPU time per token (all threads: on a shared machine the wall time mostly measures the
+other jobs) and the peak over load + decode. The model alone is measured the same way, so the prefix's
+own share is the difference; `decode_peak_bytes` is the peak over the decode steps alone (after the
+question's prefill). `--compare DIR` runs every row a second time right after, with the `cartridge`
+package of another checkout (e.g. the code before a change), into `--compare-json`. `--one-thread`
+runs each child on one thread (OPENBLAS_NUM_THREADS=1, no split of the portable path over CPU
+streams): its CPU time per token is the work of a step, which a shared machine disturbs least.
 
     python benchmarks/memory.py [--tiers fp16,mlx4g32,...] [--policies auto,dequantize-once,portable]
                                 [--work /tmp/cart-mem] [--json benchmarks/results/cpu-memory.json]
+                                [--compare DIR --compare-json FILE] [--one-thread]
 """
 
 import argparse
@@ -68,6 +74,10 @@ def measure(cart_path, model_dir, policy, max_memory):
     import mlx.core as mx
     import mlx_lm
 
+    if os.environ.get("CARTRIDGE_BENCH_ONE_THREAD"):
+        from cartridge.attention.kernels import portable
+
+        portable.CPU_SPLIT_PAGES = 1 << 30
     lm = cartridge.load_model(str(model_dir))
     mx.eval(lm.model.parameters())
     model_bytes = mx.get_active_memory()
@@ -86,17 +96,24 @@ def measure(cart_path, model_dir, policy, max_memory):
         row["plan"] = {k: plan[k] for k in ("policy", "reason", "memory")}
         row["stored_bytes"] = plan["memory"]["stored_bytes"]
     prompt = cart.question_prompt(QUESTION)
-    times = []
-    last = time.perf_counter()
+    times, cpu = [], []
+    last, last_cpu = time.perf_counter(), time.process_time()
     for i, _ in enumerate(mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, prompt_cache=cart.prompt_cache(),
                                                  max_tokens=DECODE_TOKENS)):
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         if i:
             times.append(now - last)
-        last = now
+            cpu.append(now_cpu - last_cpu)
+        else:  # the question's prefill is done: what follows are decode steps
+            row["prefill_peak_bytes"] = mx.get_peak_memory() - model_bytes
+            mx.reset_peak_memory()
+        last, last_cpu = now, now_cpu
     times.sort()
+    cpu.sort()
     row["decode_tokens_per_s"] = 1.0 / times[len(times) // 2]
-    row["peak_bytes"] = mx.get_peak_memory() - model_bytes
+    row["decode_cpu_ms_per_token"] = 1e3 * cpu[len(cpu) // 2]
+    row["decode_peak_bytes"] = mx.get_peak_memory() - model_bytes
+    row["peak_bytes"] = max(row["prefill_peak_bytes"], row["decode_peak_bytes"])
     return row
 
 
@@ -107,6 +124,9 @@ def main():
     ap.add_argument("--work", default="/tmp/cart-mem")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu-memory.json"))
     ap.add_argument("--label", default="", help="recorded with the results (e.g. before/after)")
+    ap.add_argument("--compare", help="another checkout whose cartridge package runs every row again")
+    ap.add_argument("--compare-json", help="where the --compare rows go")
+    ap.add_argument("--one-thread", action="store_true", help="OPENBLAS_NUM_THREADS=1, no CPU stream split")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # cart, model dir, policy, max_memory
     args = ap.parse_args()
     if args.child:
@@ -116,29 +136,50 @@ def main():
     work = Path(args.work)
     tiers = args.tiers.split(",")
     model_dir = setup(work, tiers)
-    rows = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rows, other = [], []
+    roots = [(ROOT, rows)] + ([(Path(args.compare).resolve(), other)] if args.compare else [])
     for tier in tiers:
         for policy in args.policies.split(","):
-            out = subprocess.run([sys.executable, __file__, "--child", str(work / f"{tier}.cart"), str(model_dir),
-                                  policy, "-"], capture_output=True, text=True, env=env)
-            if out.returncode:
-                print(f"{tier} {policy}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
-                continue
-            row = {"tier": tier, "asked": policy, **json.loads(out.stdout.strip().splitlines()[-1])}
-            rows.append(row)
-            print(f"{tier:<8} {policy:<16} -> {row['policy']:<16} stored {(row['stored_bytes'] or 0) / 1e6:7.1f} MB  "
-                  f"resident {row['resident_bytes'] / 1e6:7.1f} MB  load peak {row['load_peak_bytes'] / 1e6:7.1f} MB  "
-                  f"peak {row['peak_bytes'] / 1e6:7.1f} MB  decode {row['decode_tokens_per_s']:6.1f} tok/s  "
-                  f"load {row['load_s']:.2f} s", flush=True)
+            for root, out in roots:
+                row = _row(root, work, model_dir, tier, policy, args.one_thread)
+                if row:
+                    out.append(row)
+    _write(args.json, args.label + (" (one thread)" if args.one_thread else ""), rows)
+    if args.compare:
+        _write(args.compare_json, f"{args.label} (compare: {args.compare})", other)
+
+
+def _row(root, work, model_dir, tier, policy, one_thread=False):
+    """One (tier, policy) in a child process with `root`'s cartridge package; None if it failed."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if one_thread:
+        env.update(OPENBLAS_NUM_THREADS="1", CARTRIDGE_BENCH_ONE_THREAD="1")
+    load = os.getloadavg()[0]
+    out = subprocess.run([sys.executable, __file__, "--child", str(work / f"{tier}.cart"), str(model_dir), policy, "-"],
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        print(f"{tier} {policy}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    row = {"tier": tier, "asked": policy, **json.loads(out.stdout.strip().splitlines()[-1]),
+           "load_average": [load, os.getloadavg()[0]]}
+    print(f"{tier:<8} {policy:<16} -> {row['policy']:<22} stored {(row['stored_bytes'] or 0) / 1e6:7.1f} MB  "
+          f"resident {row['resident_bytes'] / 1e6:7.1f} MB  load peak {row['load_peak_bytes'] / 1e6:7.1f} MB  "
+          f"peak {row['prefill_peak_bytes'] / 1e6:6.1f} / {row['decode_peak_bytes'] / 1e6:6.1f} MB (prefill / decode)  "
+          f"decode {row['decode_tokens_per_s']:5.1f} tok/s "
+          f"{row['decode_cpu_ms_per_token']:6.1f} CPU ms/token  load {row['load_s']:.2f} s  "
+          f"(load average {load:.1f}){'' if root == ROOT else '  [compare]'}", flush=True)
+    return row
+
+
+def _write(path, label, rows):
     import platform
 
     import mlx.core as mx
 
-    result = {"label": args.label, "config": CONFIG, "question": QUESTION, "decode_tokens": DECODE_TOKENS,
+    result = {"label": label, "config": CONFIG, "question": QUESTION, "decode_tokens": DECODE_TOKENS,
               "machine": f"{platform.machine()} {platform.processor()} ({os.cpu_count()} cores, shared)",
               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    Path(path).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

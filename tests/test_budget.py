@@ -70,7 +70,7 @@ def test_default_budget_is_stored_times_1_25_plus_one_layer():
 def test_place_decodes_the_sides_a_max_memory_allows(max_memory, decoded):
     prefixes = _prefixes()
     assert sum(p.nbytes for p in prefixes) == 76_800
-    out, report = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory)
+    out, report = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory, unpack=False)
     want = {key: ("dequantized" if key in decoded else "mlx4g32") for key in _sides(prefixes)}
     assert _sides(out) == want
     m = report["memory"]
@@ -90,7 +90,7 @@ def test_auto_uses_the_default_budget_and_a_named_policy_does_not():
     if mx.default_device() != mx.cpu:
         pytest.skip("the table entry is for the CPU")
     prefixes = _prefixes()
-    out, report = place(list(prefixes), "auto", mx.float32, [(D, D)] * 3, entries=entries)
+    out, report = place(list(prefixes), "auto", mx.float32, [(D, D)] * 3, entries=entries, unpack=False)
     limit = int(76_800 * 1.25) + 2 * DENSE
     assert report["memory"]["budget_bytes"] == limit
     assert report["memory"]["planned_peak_bytes"] <= limit
@@ -100,7 +100,7 @@ def test_auto_uses_the_default_budget_and_a_named_policy_does_not():
     assert report["layers"][2]["policy"] == "portable"
     assert "2 of 6 layer-sides decoded" in report["reason"]
     entries[0]["policy"], entries[0]["us"] = "portable", {"portable": 1.0, "dequantize-once": 2.0}
-    out, report = place(list(prefixes), "auto", mx.float32, [(D, D)] * 3, entries=entries)
+    out, report = place(list(prefixes), "auto", mx.float32, [(D, D)] * 3, entries=entries, unpack=False)
     assert set(_sides(out).values()) == {"mlx4g32"} and report["policy"] == "portable"
     assert report["reason"].startswith("portable: 0.50x dequantize-once, 0.67x dense at 256 tokens")
 
@@ -160,3 +160,68 @@ def test_load_reports_the_plan(tiny, tmp_path):
     assert cart.plan["memory"]["resident_bytes"] == stored == cart.plan["memory"]["stored_bytes"]
     cart = cartridge.load(r.path, model=tiny, attention="dequantize-once")
     assert cart.attention == "dequantize-once" and cart.plan["memory"]["budget_bytes"] is None
+
+
+UNPACKED = 5 * N_KV * PAGE * (D + 2 * 4)  # mlx4g32 side unpacked: uint8 codes, float32 scales and biases
+STEP = DENSE  # a decode step's float32 cast of one unpacked side
+
+
+def test_sizes_of_an_unpacked_side():
+    from cartridge.attention import unpacked
+
+    assert unpacked.sizes(TIERS["mlx4g32"], (5, N_KV, PAGE, D)) == (UNPACKED, 5 * N_KV * PAGE * D, STEP)
+    assert unpacked.sizes(TIERS["int8"], (5, N_KV, PAGE, D)) == (UNPACKED, 0, STEP)  # its codes are viewed
+
+
+def test_plan_unpacked_unpacks_every_k_side_or_none():
+    sides = [budget.Side(i, s, 100, 400, 400, *((150, 80, 400) if s == "k" else (0, 0, 0)))
+             for i in range(3) for s in "kv"]
+    # all three K sides: 600 + 3 x 50 held after, + the 400-byte step cast; the third's unpacking peaks at 930
+    assert budget.plan_unpacked(sides, 600, 1150) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
+    # one byte less: nothing unpacked; the dense plan decodes K0 (peak 1000) as `plan` does
+    assert budget.plan_unpacked(sides, 600, 1149) == ([(0, "k")], [], 900, 1000)
+    # K0 dense: 750 + 250 held after, and the larger of 150 more while it decodes and the 400-byte step cast
+    assert budget.plan_unpacked(sides, 600, 1400) == ([(0, "k")], [(1, "k"), (2, "k")], 1000, 1400)
+    assert budget.plan_unpacked(sides, 600, 1399) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
+    assert budget.plan_unpacked(sides, 600, None) == budget.plan(sides, 600, None)[:1] + ([],) + \
+        budget.plan(sides, 600, None)[1:]
+
+
+@pytest.mark.parametrize("max_memory, decoded, packed", [
+    (76_800 + 3 * (UNPACKED - SIDE) + STEP - 1, {(0, "k")}, set()),  # not every K side fits unpacked
+    (76_800 + 3 * (UNPACKED - SIDE) + STEP, set(), {(0, "k"), (1, "k"), (2, "k")}),
+    # then K0 dense: 56,320 more held, and the larger of the step cast and its decode's 2 x 25,600 more
+    # (it is decoded from unpacked codes, beside its stored pages)
+    (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + STEP, {(0, "k")}, {(1, "k"), (2, "k")}),
+    (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + STEP - 1, set(), {(0, "k"), (1, "k"), (2, "k")}),
+])
+def test_place_unpacks_the_k_sides_a_max_memory_allows(max_memory, decoded, packed):
+    prefixes = _prefixes()
+    out, report = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory, unpack=True)
+    want = {key: "dequantized" if key in decoded else "unpacked" if key in packed else "mlx4g32"
+            for key in _sides(prefixes)}
+    assert _sides(out) == want
+    m = report["memory"]
+    assert m["resident_bytes"] == sum(p.nbytes for p in out)  # the accounting is the arrays held
+    assert m["planned_peak_bytes"] <= max_memory
+    if packed:
+        assert m["planned_peak_bytes"] >= m["resident_bytes"] + STEP
+        assert f"{len(packed)} of them with their codes unpacked" in report["reason"]
+    assert {x["policy"] for x in report["layers"]} <= {"portable (K unpacked)", "dequantize-once (K only)",
+                                                      "portable"}
+
+
+@pytest.mark.parametrize("tier", ["int8", "mlx4g32"])
+def test_every_placement_attends_the_same_unpacked_or_not(tier):
+    prefixes = _prefixes(tier=tier)
+    q = mx.random.normal((1, 4, 3, D), key=mx.random.key(9))
+    k_new = mx.random.normal((1, N_KV, 3, D), key=mx.random.key(10))
+    outs = []
+    for max_memory, unpack in ((None, False), (1 << 30, True), (None, True), (sum(p.nbytes for p in prefixes), True)):
+        placed, _ = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory, unpack=unpack)
+        cache = CartridgeCache(placed[1])
+        cache.update_and_fetch(k_new, k_new)
+        outs.append(np.array(cache.attention(q, D ** -0.5, mask="causal")))
+    assert _sides(placed) == _sides(prefixes)  # the last: at the stored bytes, nothing unpacked or decoded
+    for got in outs[1:]:
+        np.testing.assert_allclose(got, outs[0], rtol=1e-5, atol=1e-6)

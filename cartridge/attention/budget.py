@@ -1,14 +1,18 @@
-"""Memory budget of a loaded prefix: which (layer, side) pages are decoded to dense, and which stay as stored.
+"""Memory budget of a loaded prefix: which (layer, side) pages are decoded to dense, which are unpacked,
+and which stay as stored.
 
 Decoding a side into dense pages ("dequantize-once") makes its attention faster where compute is scarce
 (the CPU) and costs its dense bytes instead of its stored bytes. `plan` decides side by side, K sides
 first (scores over compressed K are the slower half on CPU: docs/performance.md "Memory on CPU"), in layer
 order, and decodes a side only if the bytes held while it is decoded (all stored pages, the sides decoded
 so far and this side's decode buffers) stay within the budget; the rest keep their stored pages and take
-the portable path. The default budget is the stored bytes x 1.25 + one layer decoded (`default_budget`).
+the portable path. `plan_unpacked` first gives the K sides that can be unpacked (affine codes, one byte
+each: `cartridge.attention.unpacked`, the CPU) their unpacked codes, which cost far fewer bytes than dense
+pages for most of their speed, keeping room for the float32 cast a decode step makes of one such side.
+The default budget is the stored bytes x 1.25 + one layer decoded (`default_budget`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -23,7 +27,11 @@ class Side:
         layer (int), side (str "k"|"v"): where. stored (int): bytes of its stored pages.
         dense (int): bytes of its dense pages in the dequantize dtype.
         transient (int): bytes its decode holds besides the stored pages (the float32 decode, plus the
-            cast to a 16-bit dtype when that is the target).
+            cast to a 16-bit dtype when that is the target, plus the unpacked codes it is decoded from
+            where it can be unpacked).
+        unpacked (int): bytes it holds with its codes unpacked; 0 where it cannot be unpacked.
+        unpack_transient (int): bytes the unpacking holds besides the stored and the unpacked arrays.
+        step (int): bytes a decode step holds while it reads this side unpacked (its float32 cast).
     """
 
     layer: int
@@ -31,13 +39,23 @@ class Side:
     stored: int
     dense: int
     transient: int
+    unpacked: int = 0
+    unpack_transient: int = 0
+    step: int = 0
 
 
-def side_sizes(layer, side, stored, shape, dtype):
-    """A `Side` from its stored bytes and (n_pages, n_kv_heads, page_size, head_dim) dense shape."""
+def side_sizes(layer, side, stored, shape, dtype, unpacking=None):
+    """A `Side` from its stored bytes and (n_pages, n_kv_heads, page_size, head_dim) dense shape.
+
+    Args:
+        unpacking (tuple | None): (unpacked, unpack_transient, step) bytes (`unpacked.sizes`) of a side
+            that may be unpacked; None for one that may not. Default: None.
+    """
     elements = shape[0] * shape[1] * shape[2] * shape[3]
     dense = elements * dtype.size
-    return Side(layer, side, stored, dense, elements * 4 + (dense if dtype != mx.float32 else 0))
+    unpacking = unpacking or (0, 0, 0)
+    return Side(layer, side, stored, dense, elements * 4 + (dense if dtype != mx.float32 else 0) + unpacking[0],
+                *unpacking)
 
 
 def default_budget(stored, sides):
@@ -53,25 +71,67 @@ def default_budget(stored, sides):
     return int(stored * STORED_FACTOR) + max(per_layer.values(), default=0)
 
 
-def plan(sides, held, budget):
+def plan(sides, held, budget, reserve=0):
     """Which sides to decode within `budget` bytes.
+
+    Sides are decoded at load layer by layer, so the peak is bounded whatever the order: while a side
+    is decoded, every other side is at most as it is after, and this one holds its stored pages and its
+    decode buffers. A side is decoded if that bound stays within the budget for every side decoded.
 
     Args:
         sides (list[Side]): the candidates (layers whose policy is dequantize-once).
         held (int): bytes held before any decode: every stored page and every other held array.
         budget (int | None): the most bytes held at any moment; None decodes every side.
+        reserve (int): bytes held beside the resident ones after loading (a decode step's buffers), which
+            the budget must also leave room for. Default: 0.
 
     Returns:
-        tuple: (decoded, resident, peak): the set of (layer, side) to decode, in the order they are
-        decoded (K sides, then V sides, each in layer order), the bytes held after, the most held while
-        decoding (this accounting: MLX's own temporaries are not in it).
+        tuple: (decoded, resident, peak): the (layer, side) to decode, K sides then V sides, each in layer
+        order; the bytes held after; the most held while decoding (this accounting: MLX's own
+        temporaries are not in it).
     """
     order = sorted(sides, key=lambda s: (s.side != "k", s.layer))
-    decoded, resident, peak = [], held, held
+    decoded, resident, worst = [], held, reserve
     for s in order:
-        if budget is not None and resident + s.transient > budget:
+        grown, extra = s.dense - s.stored, s.transient - (s.dense - s.stored)  # bytes after; more while decoding
+        if budget is not None and resident + grown + max(worst, extra) > budget:
             continue
         decoded.append((s.layer, s.side))
-        peak = max(peak, resident + s.transient)
-        resident += s.dense - s.stored
-    return decoded, resident, peak
+        resident, worst = resident + grown, max(worst, extra)
+    return decoded, resident, resident + worst if decoded else held
+
+
+def plan_unpacked(sides, held, budget):
+    """`plan` after unpacking every K side that can be unpacked, if all of them fit `budget`.
+
+    The K sides are unpacked in layer order; they fit if, for each, the bytes held while it is unpacked
+    (the sides before it as after, its stored pages, its unpacked arrays and temporaries) and the bytes
+    held after it plus the float32 cast a decode step makes of the largest unpacked side stay within the
+    budget. Then `plan` decodes sides to dense (an unpacked one from its stored pages instead of unpacking
+    it) within the budget less that cast. If not all of them fit, nothing is unpacked (`plan` alone):
+    a few unpacked sides gain less than the dense ones their cast's room would hold.
+
+    Args:
+        sides (list[Side]): the candidates. held (int): bytes held before. budget (int | None): None
+            unpacks nothing and decodes every side (as `plan`).
+
+    Returns:
+        tuple: (decoded, unpacked, resident, peak): `plan`'s decoded sides; the (layer, side) that are
+        unpacked and not decoded, in layer order; the bytes held after; the most held while loading or
+        while a decode step reads an unpacked side (this accounting).
+    """
+    candidates = sorted((s for s in sides if s.unpacked and s.side == "k"), key=lambda s: s.layer)
+    resident, peak, reserve = held, held, 0
+    for s in candidates:
+        during = resident + s.unpacked + s.unpack_transient
+        resident, reserve = resident + s.unpacked - s.stored, max(reserve, s.step)
+        peak = max(peak, during)
+    if budget is None or not candidates or max(peak, resident + reserve) > budget:
+        decoded, resident, peak = plan(sides, held, budget)
+        return decoded, [], resident, peak
+    keys = {(s.layer, s.side) for s in candidates}
+    rest = [replace(s, stored=s.unpacked) if (s.layer, s.side) in keys else s for s in sides]
+    decoded, resident, dense_peak = plan(rest, resident, budget, reserve)
+    left = [(s.layer, s.side) for s in candidates if (s.layer, s.side) not in set(decoded)]
+    step = max((s.step for s in candidates if (s.layer, s.side) in set(left)), default=0)
+    return decoded, left, resident, max(peak, dense_peak, resident + step)

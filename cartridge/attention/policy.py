@@ -6,15 +6,16 @@
   no per-step decode work), then attend with the backend's dense path.
 - "auto": per layer, the policy measured fastest for its tiers, head_dim and context on this backend
   (`calibration`: tables from `cartridge bench` runs), within a memory budget (`budget`): a layer whose
-  choice is "dequantize-once" decodes only the sides that fit; the others read their stored pages.
+  choice is "dequantize-once" decodes only the sides that fit; the others read their stored pages (on
+  the CPU, affine K sides with their codes unpacked to bytes where that fits: `unpacked`).
 """
 
 import mlx.core as mx
 
 from ..errors import InputError
-from ..tiers import protect
+from ..tiers import get_tier, protect
 from ..tiers.float16 import Float16Codec
-from . import budget, calibration
+from . import budget, calibration, unpacked
 from .cache import LayerPrefix
 from .layers import ListLayer
 
@@ -34,6 +35,13 @@ class DequantizedCodec(Float16Codec):
     """Dense pages in the model's dtype, made once at load by the "dequantize-once" policy."""
 
     name = "dequantized"
+
+    def scores(self, q, parts, params):
+        if mx.default_device() != mx.cpu:
+            return super().scores(q, parts, params)
+        # (n_pages, n_kv, P, D) @ (1, n_kv, D, R) -> (n_pages, n_kv, P, R), read as (n_pages, n_kv, R, P):
+        # OpenBLAS takes this orientation a quarter faster on x86 (docs/performance.md "Memory on CPU")
+        return (parts["values"] @ q.swapaxes(-1, -2)[None]).swapaxes(-1, -2)
 
 
 DEQUANTIZED = DequantizedCodec()
@@ -109,35 +117,42 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
     return out
 
 
-def _sides(prefixes, choices, head_dims, dtype):
-    """The budget's candidate sides: both sides of every layer whose policy is dequantize-once."""
+def _sides(prefixes, choices, head_dims, dtype, unpack):
+    """The budget's candidate sides: both sides of every layer whose policy is dequantize-once; with
+    `unpack`, the sizes of unpacked codes for the sides whose tier has them."""
     sides = []
     for i, (p, c, dims) in enumerate(zip(prefixes, choices, head_dims)):
         if c is None or c[0] != "dequantize-once":
             continue
-        for side, dim, parts in (("k", dims[0], p.k_parts), ("v", dims[1], p.v_parts)):
+        for side, dim, codec, parts in (("k", dims[0], p.k_codec, p.k_parts), ("v", dims[1], p.v_codec, p.v_parts)):
             shape = (*next(iter(parts.values())).shape[:3], dim)
-            sides.append(budget.side_sizes(i, side, sum(a.nbytes for a in parts.values()), shape, dtype))
+            sizes = unpacked.sizes(codec, shape) if unpack and unpacked.can_unpack(codec) else None
+            sides.append(budget.side_sizes(i, side, sum(a.nbytes for a in parts.values()), shape, dtype, sizes))
     return sides
 
 
-def _decoded(p, sides, dtype):
-    """`p` with the sides in `sides` decoded to dense pages of `dtype`, each evaluated before the next."""
-    if sides == {"k", "v"}:
-        return dequantize(p, dtype)
-    k_codec, k_parts, v_codec, v_parts = p.k_codec, p.k_parts, p.v_codec, p.v_parts
-    for side in sorted(sides):  # one side: it takes the protected tokens' fp16 copies in place
-        x = (p.k_codec if side == "k" else p.v_codec).decode(p.k_parts if side == "k" else p.v_parts,
-                                                             p.k_params if side == "k" else p.v_params).astype(dtype)
-        if p.protected is not None:
-            x = protect.overwrite(x, p.protected, side, p.n_tokens)
-        mx.eval(x)
-        if side == "k":
-            k_codec, k_parts = DEQUANTIZED, {"values": x}
+def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
+    """`p` with the sides in `sides` decoded to dense pages of `dtype` and those in `unpack` unpacked
+    (`unpacked.unpack`), each side evaluated before the next (one side's buffers at a time). With
+    `via_unpacked`, an affine side is decoded from its unpacked codes: the same values, and on the CPU
+    half the temporaries of `mx.dequantize` (int8, 6,450 tokens: 29 MB against 56 MB for 27 MB of values)."""
+    out = {"k": (p.k_codec, p.k_parts), "v": (p.v_codec, p.v_parts)}
+    for side in sorted(set(sides) | set(unpack)):
+        codec, parts = out[side]
+        params = p.k_params if side == "k" else p.v_params
+        if side in sides:  # a dense side takes the protected tokens' fp16 copies in place
+            if via_unpacked and unpacked.can_unpack(codec):
+                codec, parts = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
+            x = codec.decode(parts, params).astype(dtype)
+            if p.protected is not None:
+                x = protect.overwrite(x, p.protected, side, p.n_tokens)
+            out[side] = DEQUANTIZED, {"values": x}
         else:
-            v_codec, v_parts = DEQUANTIZED, {"values": x}
-    # the stored side still reads the protected copies on the portable path
-    return LayerPrefix(k_codec, k_parts, v_codec, v_parts, p.n_tokens, p.k_params, p.v_params, None, p.protected)
+            out[side] = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
+        mx.eval(list(out[side][1].values()))
+    # a side still compressed reads the protected copies on the portable path; two dense sides do not
+    protected = None if set(sides) == {"k", "v"} else p.protected
+    return LayerPrefix(*out["k"], *out["v"], p.n_tokens, p.k_params, p.v_params, None, protected)
 
 
 def _compressed(tiers):
@@ -145,15 +160,32 @@ def _compressed(tiers):
     return any(t not in UNCOMPRESSED for t in tiers)
 
 
-def _name(choice, sides):
+def _name(choice, sides, unpack=()):
     if choice is None:
         return None
-    if choice[0] != "dequantize-once" or sides == {"k", "v"}:
+    if choice[0] != "dequantize-once" or set(sides) == {"k", "v"}:
         return choice[0]
-    return "portable" if not sides else f"dequantize-once ({'K' if 'k' in sides else 'V'} only)"
+    packed = f"{'K' if 'k' in unpack else 'V'} unpacked" if unpack else ""
+    if not sides:
+        return f"portable ({packed})" if packed else "portable"
+    return f"dequantize-once ({'K' if 'k' in sides else 'V'} only{', ' + packed if packed else ''})"
 
 
-def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None):
+def _layers(choices, decoded, unpack):
+    """The report's per-layer rows: {"layer", "policy", "reason"} (None for layers not page-attended)."""
+    dense, packed = _by_layer(decoded), _by_layer(unpack)
+    return [None if c is None else {"layer": i, "policy": _name(c, dense.get(i, set()), packed.get(i, set())),
+                                    "reason": c[1]} for i, c in enumerate(choices)]
+
+
+def _by_layer(keys):
+    out = {}
+    for layer, side in keys:
+        out.setdefault(layer, set()).add(side)
+    return out
+
+
+def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unpack=None):
     """Choose each layer's policy, decode what the memory budget allows, and attach the kernels.
 
     Args:
@@ -170,9 +202,11 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None):
             pages + dense pages + one decode's buffers). None: with "auto", stored x 1.25 + one decoded
             layer (`budget.default_budget`) when any page-attended layer is stored compressed (an fp16/bf16
             cartridge decodes as before: its pages are already the size of dense ones); with a concrete
-            policy, no limit. Sides that do not fit keep
-            their stored pages and take the portable path.
+            policy, no limit. Sides that do not fit keep their stored pages and take the portable path.
         entries (list | None): the table for "auto" (default: shipped + user, `calibration.merged_entries`).
+        unpack (bool | None): under a limit, first unpack the K sides of affine tiers to one byte per code
+            (`cartridge.attention.unpacked`; `budget.plan_unpacked`). None: on the CPU only, where MLX's
+            quantized scores are scalar code. Default: None.
 
     Returns:
         tuple: (prefixes, report); report is {"policy": one name, or "mixed"; "reason": why (the first
@@ -180,36 +214,36 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None):
         "policy", "reason"} (None for layers that are not page-attended); "memory": {"budget_bytes",
         "stored_bytes", "resident_bytes", "planned_peak_bytes"}}.
     """
+    unpack = backend() == "cpu" if unpack is None else unpack
     for i, p in enumerate(prefixes):  # a CacheList layer: its parts as layers of their own
         if isinstance(p, ListLayer):
-            prefixes[i] = ListLayer(place(list(p.parts), policy, dtype, head_dims[i], max_memory, entries)[0])
+            parts = place(list(p.parts), policy, dtype, head_dims[i], max_memory, entries, unpack)[0]
+            prefixes[i] = ListLayer(parts)
     choices = _choices(prefixes, policy, head_dims, entries=entries)
-    sides = _sides(prefixes, choices, head_dims, dtype)
+    sides = _sides(prefixes, choices, head_dims, dtype, unpack)
     held = sum(_held(p) for p in prefixes)
     limit = max_memory
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
         limit = budget.default_budget(held, sides)
-    decoded, resident, peak = budget.plan(sides, held, limit)
-    by_layer = {}
-    for layer, side in decoded:
-        by_layer.setdefault(layer, set()).add(side)
+    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    dense, unpacking = _by_layer(decoded), _by_layer(packed)
     out = prefixes
     for i, (p, c) in enumerate(zip(prefixes, choices)):
         if c is None:
             continue
-        q = _decoded(p, by_layer.get(i, set()), dtype) if c[0] == "dequantize-once" else p
+        q = p
+        if c[0] == "dequantize-once":
+            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
                              q.protected)
         mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
-    layers = [None if c is None else {"layer": i, "policy": _name(c, by_layer.get(i, set())), "reason": c[1]}
-              for i, c in enumerate(choices)]
-    return out, _report(layers, sides, decoded, limit, held, resident, peak)
+    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
 
 
-def _report(layers, sides, decoded, limit, held, resident, peak):
+def _report(layers, sides, decoded, packed, limit, held, resident, peak):
     names = {x["policy"] for x in layers if x}
     first = next((x for x in layers if x), None)
     reason = first["reason"] if first else "no page-attended layers"
@@ -219,6 +253,8 @@ def _report(layers, sides, decoded, limit, held, resident, peak):
     if len(decoded) < len(sides):
         reason += (f"; memory budget {limit:,} bytes: {len(decoded)} of {len(sides)} layer-sides decoded, "
                    f"the others read their stored pages (portable)")
+        if packed:
+            reason += f", {len(packed)} of them with their codes unpacked to bytes"
     return {"policy": names.pop() if len(names) == 1 else ("mixed" if names else "none"), "reason": reason,
             "layers": layers,
             "memory": {"budget_bytes": limit, "stored_bytes": held, "resident_bytes": resident,
@@ -254,15 +290,12 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         choices.append(c)
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):
-                pages = extents[side][0].shape
-                sides.append(budget.side_sizes(i, side, stored[side], (*pages[:3], shape[1]), dtype))
+                dims = (*extents[side][0].shape[:3], shape[1])
+                codec = get_tier(info.tiers[i][side])
+                sizes = unpacked.sizes(codec, dims) if backend() == "cpu" and unpacked.can_unpack(codec) else None
+                sides.append(budget.side_sizes(i, side, stored[side], dims, dtype, sizes))
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, resident, peak = budget.plan(sides, held, limit)
-    by_layer = {}
-    for layer, side in decoded:
-        by_layer.setdefault(layer, set()).add(side)
-    layers = [None if c is None else {"layer": i, "policy": _name(c, by_layer.get(i, set())), "reason": c[1]}
-              for i, c in enumerate(choices)]
-    return _report(layers, sides, decoded, limit, held, resident, peak)
+    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)

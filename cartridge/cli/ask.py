@@ -46,8 +46,9 @@ def memory_lines(cart):
     lines = [f"attention {cart.attention} ({plan.get('reason', '-')})"]
     if m:
         lines.append(f"memory: prefix resident {m['resident_bytes'] / mb:,.1f} MB (stored {m['stored_bytes'] / mb:,.1f} "
-                     f"MB, budget {budget}, planned peak while loading {m['planned_peak_bytes'] / mb:,.1f} MB); MLX peak "
-                     f"{mx.get_peak_memory() / mb:,.1f} MB, active {mx.get_active_memory() / mb:,.1f} MB (model included)")
+                     f"MB, budget {budget}, planned peak while loading or decoding {m['planned_peak_bytes'] / mb:,.1f} "
+                     f"MB); MLX peak {mx.get_peak_memory() / mb:,.1f} MB, active {mx.get_active_memory() / mb:,.1f} MB "
+                     f"(model included)")
     return lines
 
 

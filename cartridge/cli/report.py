@@ -113,8 +113,8 @@ def _memory_line(m):
     limit = ("no budget: fp16/bf16 pages are decoded whole" if m["budget_bytes"] is None else
              f"budget {m['budget_bytes'] / mb:,.1f} MB = stored x 1.25 + one layer decoded")
     return (f"memory        auto holds {m['resident_bytes'] / mb:,.1f} MB after load (stored {m['stored_bytes'] / mb:,.1f} MB, "
-            f"{limit}), peak while loading {m['planned_peak_bytes'] / mb:,.1f} MB (planned; the model's weights "
-            f"not included)")
+            f"{limit}), peak while loading or decoding {m['planned_peak_bytes'] / mb:,.1f} MB (planned; the model's "
+            f"weights not included)")
 
 
 def source_lines(source):
