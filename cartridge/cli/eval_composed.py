@@ -3,6 +3,8 @@
 
 from cartridge.errors import InputError
 
+from .eval_report import render_markdown, render_text
+
 COLUMNS = ("setting", "first token (one doc / both)", "exact answer (one / both)", "mean BLEU (one / both)",
            "tokens to divergence (one / both)", "needles", "median TTFT", "vs one cartridge")
 SINGLE_ONLY = ("tiers", "schemas", "heldout", "heldout_fraction", "no_fresh", "plot_path")
@@ -102,18 +104,12 @@ def _load(report):
 
 def text_table(report):
     """Fixed-width table with a caption, for the terminal."""
-    rows = [list(COLUMNS)] + _rows(report)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [""] + _caption(report))
+    return render_text(COLUMNS, _rows(report), _caption(report))
 
 
 def markdown_table(report):
     """GitHub markdown table with the caption as a list below it."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in _rows(report)]
-    return "\n".join(lines + [""] + [f"- {c}" for c in _caption(report)])
+    return render_markdown(COLUMNS, _rows(report), _caption(report))
 
 
 def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, needles_in, common, progress):

@@ -54,20 +54,30 @@ def _caption(report):
     ]
 
 
-def text_table(report):
-    """Fixed-width table with a caption, for the terminal."""
-    rows = [list(COLUMNS)] + [row_cells(r) for r in report["rows"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+def render_text(columns, rows, caption):
+    """Fixed-width table (columns, then rows of cell strings) with caption lines below, for the terminal."""
+    rows = [list(columns)] + rows
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [""] + _caption(report))
+    return "\n".join(lines + [""] + caption)
+
+
+def render_markdown(columns, rows, caption):
+    """GitHub markdown table with the caption as a list below it (for the README)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines + [""] + [f"- {c}" for c in caption])
+
+
+def text_table(report):
+    """Fixed-width table with a caption, for the terminal."""
+    return render_text(COLUMNS, [row_cells(r) for r in report["rows"]], _caption(report))
 
 
 def markdown_table(report):
     """GitHub markdown table with the caption as a list below it (for the README)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in report["rows"]]
-    return "\n".join(lines + [""] + [f"- {c}" for c in _caption(report)])
+    return render_markdown(COLUMNS, [row_cells(r) for r in report["rows"]], _caption(report))
 
 
 def _series(report):

@@ -16,14 +16,12 @@ the time from making a question's cache to its first token; the composed ask is 
 the first document's cartridge alone, measured question by question in the same loop.
 """
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import mlx_lm
 
-from .. import __version__
 from ..build import context_length
 from ..compose import compose
 from ..errors import InputError
@@ -31,8 +29,8 @@ from ..load import load
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import SEPARATOR, check_text, full_prompt_tokens, prefix_tokens, prompt_mode, question_tokens
 from .dataset import plant_needles
-from .evaluate import machine, needle_result
-from .metrics import BLEU_NAME, compare_answers
+from .evaluate import needle_result, report_head
+from .metrics import compare_answers
 from .spec import REFERENCE, build_or_reuse, cache_key, cartridge_path, default_work_dir
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -284,12 +282,7 @@ def _report(run, built, reference, rows, seconds):
     comp_tokens = compose([c for c, _ in built], recompute=0).tokens
     return {
         "mode": "composed",
-        "cartridge_version": __version__,
-        "model": {"ref": run.lm.ref, "fingerprint": run.lm.fingerprint["id"]},
-        "machine": machine(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "seconds": seconds,
-        "bleu": BLEU_NAME,
+        **report_head(run.lm, seconds),
         "settings": {"max_tokens": cfg.max_tokens, "decoding": "greedy (argmax), mlx_lm.stream_generate",
                      "page_size": cfg.page_size, "tier": "fp16", "recompute": list(cfg.recompute),
                      "separator": SEPARATOR, "needles_in": run.letters[run.needle_index] if run.needles else None},

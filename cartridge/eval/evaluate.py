@@ -277,15 +277,17 @@ def evaluate(corpus, questions, model=None, specs=(), needles=(), config=None, p
     return _report(run, rows, time.perf_counter() - t0)
 
 
+def report_head(lm, seconds):
+    """The fields every eval report starts with: version, model, machine, load average, seconds, BLEU's name."""
+    return {"cartridge_version": __version__, "model": {"ref": lm.ref, "fingerprint": lm.fingerprint["id"]},
+            "machine": machine(), "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "seconds": seconds, "bleu": BLEU_NAME}
+
+
 def _report(run, rows, seconds):
     tok, cfg = run.lm.tokenizer, run.config
     return {
-        "cartridge_version": __version__,
-        "model": {"ref": run.lm.ref, "fingerprint": run.lm.fingerprint["id"]},
-        "machine": machine(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "seconds": seconds,
-        "bleu": BLEU_NAME,
+        **report_head(run.lm, seconds),
         "settings": {"max_tokens": cfg.max_tokens, "decoding": "greedy (argmax), mlx_lm.stream_generate",
                      "page_size": cfg.page_size, "fresh": cfg.fresh, "heldout_source": run.heldout_source},
         "documents": {"qa_tokens": len(prefix_tokens(tok, run.qa_doc)), "probe_tokens": len(run.probe_prefix),
