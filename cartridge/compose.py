@@ -162,7 +162,9 @@ class ComposedCartridge:
         head = _encode(self.tokenizer, _pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator,
                                                cart.info.system)[0], True)
         if cart.tokens[: len(head)] != head or len(cart.tokens) <= len(head):
-            raise InputError(f"cartridge {cart.path} does not open with the chat template's header; cannot compose it")
+            raise InputError(f"cartridge {cart.path} does not open with the chat template's header as its own token "
+                             "ids (a document that starts with whitespace merges into the header's last token); "
+                             "cannot compose it")
         sep = separator_tokens(self.tokenizer, self.tokens[len(head):], separator, cart.tokens[len(head):])
         start = min(len(head) + self.recompute, len(cart.tokens))
         fresh = sep + cart.tokens[len(head):start]
@@ -202,7 +204,8 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
         ComposedCartridge
 
     Raises:
-        InputError: fewer than two cartridges, different models, a negative `recompute`.
+        InputError: fewer than two cartridges, different models, a negative `recompute`, a conversation
+            cartridge (`Cartridge.save`).
     """
     if len(carts) < 2:
         raise InputError("compose needs at least two cartridges")
@@ -210,6 +213,9 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
         raise InputError(f"recompute is {recompute!r}; it must be a whole number of tokens >= 0")
     for c in carts:
         require_attention_layers(c.info, "compose")
+        if c.info.document_tokens != len(c.info.tokens):  # its turns would be laid in as document text
+            raise InputError(f"cartridge {c.path} holds a conversation after its document (tokens "
+                             f"{c.info.document_tokens}..{len(c.info.tokens)}); compose the document's cartridge")
     ids = {c.info.fingerprint["id"] for c in carts}
     if len(ids) != 1:
         raise InputError(f"the cartridges were built with {len(ids)} different models; compose needs one")

@@ -99,6 +99,8 @@ def extended_tokens(cart, text, separator=EXTEND_SEPARATOR):
         InputError: empty text, a conversation cartridge, or no stored token kept.
     """
     check_text(text, "the new text")
+    if not isinstance(separator, str):
+        raise InputError(f"separator must be text, got {type(separator).__name__}")
     info = cart.info
     if info.document_tokens != len(info.tokens):
         raise InputError(f"the cartridge holds a conversation after its document (tokens {info.document_tokens}.."
@@ -251,6 +253,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         >>> cartridge.extend("log.cart", open("today.txt").read())  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    if isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1:
+        raise InputError(f"prefill step {prefill_step!r} must be a whole number of tokens >= 1")
     dest, force = _destination(path, output, force)
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)

@@ -102,3 +102,16 @@ def test_bad_compose_refused(pair):
         compose(pair[:1])
     with pytest.raises(InputError, match="recompute is -1"):
         compose(pair, recompute=-1)
+
+
+def test_conversation_cartridge_is_not_composed(pair, tiny, tmp_path):
+    """A saved conversation's turns would be laid in as document text: refused in one line."""
+    a = pair[0]
+    cache = a.prompt_cache()
+    prompt = a.question_prompt(Q)
+    a.model(mx.array(prompt)[None], cache=cache)
+    chat = cartridge.load(a.save(tmp_path / "chat.cart", cache, tokens=prompt).path, model=tiny)
+    for carts in ([pair[0], chat], [chat, pair[1]]):
+        with pytest.raises(InputError, match="holds a conversation after its document") as e:
+            compose(carts)
+        assert "\n" not in str(e.value)

@@ -185,11 +185,16 @@ def test_seam_that_retokenizes_reprefills_the_changed_tokens(tiny, tmp_path):
     np.testing.assert_allclose(_last_logits(ce, "Who?"), _last_logits(co, "Who?"), atol=2e-3)
 
 
-@pytest.mark.parametrize("text, match", [("", "the new text is empty"), ("  \n", "the new text is empty")])
-def test_bad_text_refused_and_nothing_written(tiny, tmp_path, text, match):
+@pytest.mark.parametrize("text, match, options", [
+    ("", "the new text is empty", {}), ("  \n", "the new text is empty", {}),
+    ("More.", "prefill step 0 must be a whole number of tokens >= 1", {"prefill_step": 0}),
+    ("More.", "prefill step -5 must be", {"prefill_step": -5}),
+    ("More.", "separator must be text, got NoneType", {"separator": None}),
+])
+def test_bad_text_refused_and_nothing_written(tiny, tmp_path, text, match, options):
     cartridge.build(OLD, tmp_path / "a.cart", model=tiny)
     with pytest.raises(InputError, match=match):
-        cartridge.extend(tmp_path / "a.cart", text, output=tmp_path / "b.cart", model=tiny)
+        cartridge.extend(tmp_path / "a.cart", text, output=tmp_path / "b.cart", model=tiny, **options)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cart"]
 
 

@@ -212,7 +212,8 @@ def chat(path, max_tokens, model, attention, max_memory):
         raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
     _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     tty = sys.stdin.isatty()
-    click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /quit", err=True)
+    click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /save FILE, /quit",
+               err=True)
     for line in memory_lines(cart):
         click.echo(line, err=True)
     cache, messages, saved = cart.prompt_cache(), [], []  # saved: the tokens after the document so far
