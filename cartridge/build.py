@@ -193,14 +193,23 @@ def _check_context(lm, tokens, reserve):
     return left
 
 
-def _check_options(page_size, prefill_step, reserve=0):
-    for name, value in (("page size", page_size), ("prefill step", prefill_step)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(f"{name} must be an integer number of tokens, got {value!r}")
-    if not 1 <= page_size <= 1 << 16:
-        raise InputError(f"page size {page_size} tokens is out of range 1..65536")
+def _whole_tokens(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be an integer number of tokens, got {value!r}")
+
+
+def check_prefill_step(prefill_step):
+    """Raise InputError unless `prefill_step` is a whole number of tokens >= 1 (build and extend)."""
+    _whole_tokens("prefill step", prefill_step)
     if prefill_step < 1:
         raise InputError(f"prefill step {prefill_step} must be at least 1 token")
+
+
+def _check_options(page_size, prefill_step, reserve=0):
+    _whole_tokens("page size", page_size)
+    if not 1 <= page_size <= 1 << 16:
+        raise InputError(f"page size {page_size} tokens is out of range 1..65536")
+    check_prefill_step(prefill_step)
     if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
         raise InputError(f"reserve is {reserve!r}; it must be an integer number of tokens >= 0")
 

@@ -22,7 +22,7 @@ from .attention import route
 from .attention.cache import CartridgeCache
 from .attention.pages import encode_pages
 from .attention.prefill import PrefillCache
-from .build import DEFAULT_PREFILL_STEP, _to_numpy, context_length, prefill
+from .build import DEFAULT_PREFILL_STEP, _to_numpy, check_prefill_step, context_length, prefill
 from .errors import InputError
 from .format import keys as K
 from .format.container import check_index, open_snapshot
@@ -253,8 +253,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         >>> cartridge.extend("log.cart", open("today.txt").read())  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    if isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1:
-        raise InputError(f"prefill step {prefill_step!r} must be a whole number of tokens >= 1")
+    check_prefill_step(prefill_step)
     dest, force = _destination(path, output, force)
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)
