@@ -62,7 +62,8 @@ def bench_calls(monkeypatch):
     """Replace the measuring and the model loading by fakes; returns the list of B.run calls."""
     calls = []
 
-    def fake_run(contexts, tiers, shape, e2e_model, e2e_contexts, repeats, progress=None, e2e_tiers=None):
+    def fake_run(contexts, tiers, shape, e2e_model, e2e_contexts, repeats, progress=None, e2e_tiers=None,
+                 query_tokens=()):
         calls.append({"contexts": contexts, "e2e_contexts": e2e_contexts, "repeats": repeats,
                       "policies": B.POLICIES})
         return FAKE_RESULT

@@ -115,6 +115,22 @@ def test_dequantize_once_matches_float64():
     _check(prefix, q, tk, tv, _run(dense, q, tk, tv), "dequantize-once")
 
 
+@pytest.mark.parametrize("tier", ["fp16", "int8+rot", "mlx4g32", "turbo4", "nvfp4"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_dense_prefill_attention_matches_float64(tier, with_sinks):
+    """The many-query-rows path (a question's prefill: pages decoded for the call, MLX's SDPA) on any
+    backend: multi-token queries, tail over two chunks, odd prefix length, GQA 4, with and without sinks."""
+    from cartridge.attention.kernels import dense
+
+    shape = (8, 2, 64, 1001, 64, 300, 37)
+    prefix, q, tk, tv = _case(tier, shape, seed=5)
+    sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3 if with_sinks else None
+    cache = _cache(prefix, tk, tv, mx.float32)
+    out = dense.prefill_attention(prefix, cache, mx.array(q), shape[2] ** -0.5,
+                                  None if sinks is None else mx.array(sinks))
+    _check(prefix, q, tk, tv, np.array(out)[0], f"dense prefill {tier}", sinks)
+
+
 def _fused_cases():
     """(tier, shape, tensor cores, single launch): every tier and shape; mlx4g32, int8, fp16 and turbo4 also
     without tensor cores (the plain pass 1), mlx4g32 and int8 also with the finish as a second kernel."""

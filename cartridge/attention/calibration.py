@@ -61,18 +61,25 @@ def table_from_bench(result, date=None):
     except (KeyError, TypeError):
         raise InputError("not a `cartridge bench --json` result: it needs environment, shape.head_dim and "
                          "attention rows") from None
-    dense = {r["context"]: r["us"] for r in rows if r.get("policy") == "mlx-sdpa" and r.get("us")}
+    rows = rows + result.get("multi_token", [])  # question prefills: their own mode, at their longest question
+
+    def mode(r):
+        return "multi-token" if r.get("query_rows", 1) >= MULTI_TOKEN_ROWS else "decode"
+    longest = {}
+    for r in rows:
+        longest[(r["context"], mode(r))] = max(longest.get((r["context"], mode(r)), 0), r.get("query_rows", 1))
+    rows = [r for r in rows if r.get("query_rows", 1) == longest[(r["context"], mode(r))]]
+    dense = {(r["context"], mode(r)): r["us"] for r in rows if r.get("policy") == "mlx-sdpa" and r.get("us")}
     cases = {}
     for r in rows:
         if r.get("kind") != "cartridge" or not r.get("us"):
             continue
-        mode = "multi-token" if r.get("query_rows", 1) >= MULTI_TOKEN_ROWS else "decode"
-        cases.setdefault((r["tier"], r["context"], mode), {})[r["policy"]] = r["us"]
+        cases.setdefault((r["tier"], r["context"], mode(r)), {})[r["policy"]] = r["us"]
     entries = []
-    for (tier, context, mode), us in sorted(cases.items()):
-        entries.append({"backend": env["backend"], "tier": tier, "head_dim": head_dim, "mode": mode,
+    for (tier, context, m), us in sorted(cases.items()):
+        entries.append({"backend": env["backend"], "tier": tier, "head_dim": head_dim, "mode": m,
                         "context": context, "policy": min(us, key=us.get), "us": us,
-                        "dense_us": dense.get(context), "machine": _machine(env),
+                        "dense_us": dense.get((context, m)), "machine": _machine(env),
                         "measured": env.get("date") or date or "undated"})
     return {"version": TABLE_VERSION, "entries": entries}
 

@@ -103,6 +103,16 @@ def _table(result):
         nb = f"{r['prefix_bytes']:,}" if r["prefix_bytes"] else "-"
         lines.append(f"{r['context']:>8} {r['tier']:<14} {str(r['policy']):<17} {us:>13} {rel:>9} {nb:>14}"
                      + (f"  ({r['error'][:60]})" if r["error"] else ""))
+    multi = result.get("multi_token") or []
+    if multi:
+        lines.append(f"\n{'context':>8} {'question':>8} {'tier':<14} {'policy':<17} {'attention µs':>13} {'vs dense':>9}")
+        base = {(r["context"], r["query_tokens"]): r["us"] for r in multi if r["policy"] == "mlx-sdpa"}
+        for r in multi:
+            b = base.get((r["context"], r["query_tokens"]))
+            us = f"{r['us']:.1f}" if r["us"] else "-"
+            rel = f"{r['us'] / b:.2f}x" if r["us"] and b else "-"
+            lines.append(f"{r['context']:>8} {r['query_tokens']:>8} {r['tier']:<14} {str(r['policy']):<17} {us:>13} "
+                         f"{rel:>9}" + (f"  ({r['error'][:60]})" if r["error"] else ""))
     if result["end_to_end"]:
         lines.append(f"\n{'context':>8} {'tier':<14} {'policy':<17} {'decode tok/s':>13} {'peak GB':>9}")
         for r in result["end_to_end"]:
@@ -156,8 +166,12 @@ def _calibrate(result, table_path):
               "(default: --contexts).")
 @click.option("--no-e2e", is_flag=True, help="Skip end-to-end decode.")
 @click.option("--e2e-tiers", default=None, help="Tiers for end-to-end decode (default: --tiers).")
+@click.option("--e2e-shape", default="llama3.2-1b", show_default=True, help="CUDA: the random-weight model decoded "
+              "end to end, llama3.2-1b or llama3-8b (elsewhere the default model).")
 @click.option("--policies", default=None, help="Comma-separated attention policies to measure: fused (CUDA "
               "only), portable, dequantize-once (default: all on this backend).")
+@click.option("--query-tokens", default=None, help="Comma-separated question lengths in tokens, each timed as one "
+              "prefill over every context (TTFT's attention); none to skip (default: 32,256 on CUDA, none elsewhere).")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1, max=MAX_REPEATS),
               help=f"Timed rounds per measurement (median), 1 to {MAX_REPEATS}. Attention steps are chained, each "
               "output the next query; on a GPU a round is the cost of one more step in a long chain.")
@@ -170,8 +184,8 @@ def _calibrate(result, table_path):
 @click.option("--table", "table_path", default=None, help="Where --calibrate writes the table.")
 @click.option("--from-json", "from_json", default=None, help="Measure nothing: print the results, gate and (with "
               "--calibrate) the table of an earlier `cartridge bench --json` file, from any machine.")
-def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, repeats, json_path, plot_path, force,
-          calibrate, table_path, from_json):
+def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, policies, query_tokens, repeats,
+          json_path, plot_path, force, calibrate, table_path, from_json):
     """Measure decode-step attention and end-to-end decode for each context, tier and policy.
 
     End to end uses a model: on CUDA a random-weight Llama-3.2-1B-shaped model in float16, elsewhere
@@ -208,6 +222,9 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
     e2e_ctx = _contexts(e2e_contexts, "--e2e-contexts") if e2e_contexts is not None else None
     names = _tiers(tiers, TIERS, "--tiers") if tiers is not None else sorted(TIERS)
     e2e_names = _tiers(e2e_tiers, TIERS, "--e2e-tiers") if e2e_tiers is not None else None
+    if query_tokens is None:
+        query_tokens = "32,256" if cuda else "none"
+    questions = [] if query_tokens == "none" else _contexts(query_tokens, "--query-tokens")
     B.POLICIES = None  # every policy of this backend, unless --policies names some
     if policies is not None:
         B.POLICIES = _policies(policies, B._policies(), B.backend())
@@ -217,14 +234,17 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, policies, rep
     e2e = None
     if not no_e2e:
         if cuda:
-            e2e = (B.random_model("llama3.2-1b"), mx.float16)
+            if e2e_shape not in ("llama3.2-1b", "llama3-8b"):
+                raise InputError(f"--e2e-shape {e2e_shape!r}: known shapes are llama3.2-1b and llama3-8b")
+            e2e = (B.random_model(e2e_shape), mx.float16)
         else:
             import cartridge
 
             e2e = (cartridge.load_model().model, mx.float32)
         _check_memory(B, *e2e, e2e_ctx or ctx)
     result = B.run(ctx, names, shape, e2e, e2e_ctx, repeats,
-                   progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names)
+                   progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names,
+                   query_tokens=questions)
     click.echo(_table(result))
     # the plot first: it can fail (matplotlib, a folder removed meanwhile) where the JSON text cannot
     if plot_path:

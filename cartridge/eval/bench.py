@@ -154,6 +154,53 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
     return rows
 
 
+def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5):
+    """A question's prefill over the prefix (one layer, `query_tokens` new tokens, causal among themselves),
+    in microseconds, per tier and policy, beside MLX's dense attention over the same prefix + question.
+
+    Returns:
+        list[dict]: rows {"kind" ("baseline" | "cartridge"), "tier", "policy", "context", "query_tokens",
+        "query_rows" (GQA group x query tokens), "us", "error"}.
+    """
+    n_q, n_kv, D = shape
+    L, dtype = query_tokens, dtype or (mx.float32 if backend() == "cpu" else mx.float16)
+    k, v = _kv(n_kv, n_tokens, D, seed=n_tokens)
+    q = mx.random.normal((1, n_q, L, D)).astype(dtype)
+    new_k = mx.random.normal((1, n_kv, L, D)).astype(dtype)
+    dk = mx.concatenate([k[None].astype(dtype), new_k], axis=2)
+    dv = mx.concatenate([v[None].astype(dtype), new_k], axis=2)
+    mx.eval(q, new_k, dk, dv)
+    base = {"context": n_tokens, "query_tokens": L, "query_rows": n_q // n_kv * L, "error": None}
+    us = timeit(lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=D ** -0.5, mask="causal"),
+                repeats, chain=q) * 1e6
+    rows = [{"kind": "baseline", "tier": f"dense {str(dtype)[9:]}", "policy": "mlx-sdpa", "us": us, **base}]
+    del dk, dv
+    for tier in tiers:
+        codec = TIERS[tier]
+        try:
+            codec.check(n_kv, D)
+            prefix = make_prefix(codec, k, codec, v, PAGE_SIZE)
+        except Exception as e:
+            rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": str(e)})
+            continue
+        for policy in _policies():
+            row = {"kind": "cartridge", "tier": tier, "policy": policy, "us": None, **base}
+            try:
+                cache = _layer_cache(prefix, policy, dtype, D)
+                if cache is None:
+                    row["error"] = "no fused kernel for this tier"
+                else:
+                    cache.update_and_fetch(new_k, new_k)
+                    mx.eval(cache.state)
+                    row["us"] = timeit(lambda x: cache.attention(x, D ** -0.5, "causal"), repeats, chain=q) * 1e6
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+            mx.clear_cache()
+        del prefix
+    return rows
+
+
 def read_floor(prefix, tier, n_tokens, repeats=20):
     """The time of a bare streaming read of a prefix's stored bytes: one plain reduction (`mx.sum`) over
     each stored array viewed as 32-bit words, all in one evaluation. A policy cannot read its pages
@@ -218,13 +265,17 @@ def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
 
 
 def random_model(shape_name, dtype=mx.float16, seed=0):
-    """A random-weight mlx-lm llama of a real model's shape (weights do not change decode speed)."""
+    """A random-weight mlx-lm llama of a real model's shape (weights do not change decode speed):
+    "llama3.2-1b" (head_dim 64) or "llama3-8b" (head_dim 128)."""
     from mlx_lm.models import llama
 
     configs = {
         "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                             rope_theta=500000.0, tie_word_embeddings=True),
+        "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                          rope_theta=500000.0, tie_word_embeddings=False),
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict({"model_type": "llama", "rms_norm_eps": 1e-5,
@@ -398,7 +449,7 @@ def plot(result, path):
 
 
 def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, repeats=20, progress=None,
-        e2e_tiers=None):
+        e2e_tiers=None, query_tokens=()):
     """Everything `cartridge bench` measures, in one run.
 
     Args:
@@ -409,21 +460,26 @@ def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, r
         e2e_contexts (list[int] | None): prefix lengths for end-to-end decode (default: `contexts`).
         e2e_tiers (list[str] | None): tiers for end-to-end decode (default: `tiers`).
         progress (callable | None): called with a short description before each step.
+        query_tokens (tuple[int]): question lengths for `multi_token_step` at every context (TTFT's attention).
 
     Returns:
-        dict: {"environment", "shape", "copy_bytes_per_s", "attention": [...], "speedups": [...],
-        "end_to_end": [...]}.
+        dict: {"environment", "shape", "copy_bytes_per_s", "attention": [...], "multi_token": [...],
+        "speedups": [...], "end_to_end": [...]}.
     """
     say = progress or (lambda *_: None)
     say("copy bandwidth")
     result = {"environment": environment(), "shape": {"name": shape, "n_q_heads": SHAPES[shape][0],
               "n_kv_heads": SHAPES[shape][1], "head_dim": SHAPES[shape][2]},
               "copy_bytes_per_s": copy_bandwidth(1 << 30 if backend() == "cuda" else 1 << 27),
-              "attention": [], "end_to_end": []}
+              "attention": [], "multi_token": [], "end_to_end": []}
     for n in contexts:
         say(f"attention at {n} tokens")
         result["attention"] += attention_step(SHAPES[shape], n, tiers, repeats=repeats)
         mx.clear_cache()
+        for L in query_tokens:
+            say(f"a {L}-token question over {n} tokens")
+            result["multi_token"] += multi_token_step(SHAPES[shape], n, tiers, L, repeats=max(3, repeats // 4))
+            mx.clear_cache()
     result["speedups"] = speedups(result["attention"])
     result["gate"] = gate(result)
     if e2e_model is not None:

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...tiers.rotation import sign_bits
+from . import dense
 
 FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4 = range(9)
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
@@ -58,11 +59,17 @@ SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 p
 SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
 TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
 # The rotated tiers' fused path (flash_pass1_tc with RK, the finish's VROT) and sinks in the two-kernel finish
-# (SINKS) compile with nvcc for sm_90 but have not run on a GPU yet (no GPU was lent to the session that wrote
-# them): off until tests/test_kernels.py's fused rot/sinks cases pass on one. Off: rotated layers are not
-# `supported` (auto takes dequantize-once), and a call with sinks returns None (the portable path).
-ROTATED_FUSED = False
-SINKS_FUSED = False
+# (SINKS); tests/test_kernels.py's fused rot and sinks cases passed on an H200 on 2026-12-02. Switched off,
+# rotated layers are not `supported` (auto takes dequantize-once) and a call with sinks returns None (portable).
+ROTATED_FUSED = True
+SINKS_FUSED = True
+# query rows per KV head (GQA group x question tokens) from which a call decodes the prefix for MLX's SDPA
+# (`dense.prefill_attention`) instead of the kernel, whose time grows with the rows; by the K side's kernel
+# tier, measured on an H200 (32 q / 8 kv heads, head_dim 128, 32K and 128K tokens; 64-1,024 rows:
+# benchmarks/results/h200-prefill-*.json): fp16 pages cross over below 256 rows, int8 and mlx4g32 between
+# 256 and 512, turbo4 between 512 and 1,024
+DENSE_MIN_ROWS = {FP16: 256, BF16: 256, TURBO: 1024}
+DENSE_MIN_ROWS_OTHER = 512
 # pass-1 blocks of the tensor-core variant, measured on an H200 (benchmarks/results/h200-blocks-sweep.json):
 # head_dim 128: 264 (2 per SM) was fastest of 132-594 at 32K-128K tokens; head_dim 64: 528 (45.1-45.8 us
 # against 49.2-49.4 for 264 at 128K, equal at 64K)
@@ -287,6 +294,7 @@ class FusedAttention:
     """
 
     def __init__(self, prefix):
+        self.prefix = prefix
         self.k_spec = tier_spec(prefix.k_codec, prefix.k_parts)
         self.v_spec = tier_spec(prefix.v_codec, prefix.v_parts)
         k_rot, v_rot = rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)
@@ -393,6 +401,8 @@ class FusedAttention:
                 as one more logit per head. Default: None.
         """
         _, n_q, L, D = queries.shape
+        if n_q // self.n_kv * L >= DENSE_MIN_ROWS.get(self.k_spec[0], DENSE_MIN_ROWS_OTHER):
+            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks)
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         n_chunks = -(-tail_len // chunk_size)
         if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
