@@ -43,7 +43,27 @@ CONFIGS = {
     "mxfp4+rot": {"tier": "mxfp4+rot"},
     "nvfp4+rot": {"tier": "nvfp4+rot"},
     "k=mlx4g32+rot v=mlx4g32": {"k_tier": "mlx4g32+rot", "v_tier": "mlx4g32"},
+    "int8+rot": {"tier": "int8+rot"},
+    "fp8": {"tier": "fp8"},
 }
+N_LAYERS = 30  # the default model's
+
+
+def v4_on(layers, k="int8+rot", v="int8+rot", v4="mlx4g32+rot"):
+    """A per-layer schema: K `k` everywhere, V `v4` on `layers`, `v` elsewhere."""
+    return {"schema": [{"layer": i, "k": k, "v": v4 if i in layers else v} for i in range(N_LAYERS)]}
+
+
+CONFIGS.update({
+    "k=int8+rot v=int6+rot": {"k_tier": "int8+rot", "v_tier": "int6+rot"},
+    "int6+rot": {"tier": "int6+rot"},
+    "k=int6+rot v=mlx4g32+rot": {"k_tier": "int6+rot", "v_tier": "mlx4g32+rot"},
+    "safe? V4 middle third": v4_on(range(10, 20)),
+    "safe? V4 last third": v4_on(range(20, 30)),
+    "safe? V4 every third": v4_on(range(1, 30, 3)),
+    "safe? V4 first third": v4_on(range(0, 10)),
+    "safe? V4 middle 12": v4_on(range(9, 21)),
+})
 
 
 def fp16_caches(path):
@@ -118,9 +138,10 @@ def main():
     ap.add_argument("--questions", type=int, default=20, help="the first N questions")
     ap.add_argument("--kv-from", default=None, help="folder of fp16 cartridges of the same documents")
     ap.add_argument("--work", default="/tmp/quick_fidelity")
+    ap.add_argument("--doc", default="lgpl-3.0", help="a document of samples/ with its NAME.questions.jsonl")
     args = ap.parse_args()
-    corpus = (ROOT / "samples/lgpl-3.0.txt").read_text()
-    questions = load_questions(ROOT / "samples/lgpl-3.0.questions.jsonl")[: args.questions]
+    corpus = (ROOT / f"samples/{args.doc}.txt").read_text()
+    questions = load_questions(ROOT / f"samples/{args.doc}.questions.jsonl")[: args.questions]
     needles = load_needles(ROOT / "samples/needles.jsonl")
     lm = load_model(None)
     head, tail = split_heldout(corpus, 0.15)

@@ -130,3 +130,14 @@ def test_bench_from_json_prints_the_gate_and_calibrates(tmp_path):
     assert json.loads(table.read_text()) == C.table_from_bench(res)
     out = CliRunner().invoke(cli, ["bench", "--from-json", str(tmp_path / "none.json")])
     assert isinstance(out.exception, InputError) and "cannot read it" in str(out.exception)
+
+
+def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(monkeypatch):
+    """inspect's policy line (plan_header) knows the layer by its tier names: a tier with no fused kernel
+    (int6, kivi4) must not be planned as fused, or inspect would name a path load does not take."""
+    from cartridge.attention import policy
+
+    monkeypatch.setattr(policy, "backend", lambda: "cuda")
+    assert policy._allowed_by_name(("int6", "int6+rot")) == ("portable", "dequantize-once")
+    assert policy._allowed_by_name(("kivi4", "mlx4g32")) == ("portable", "dequantize-once")
+    assert "fused" in policy._allowed_by_name(("mlx4g32+rot", "int8"))

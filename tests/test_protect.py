@@ -36,8 +36,9 @@ def dense_reference(cart):
                                            ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
             x = np.array(codec.decode(parts, params))  # (n_pages, n_kv, P, D)
             x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[:, :n].copy()  # (n_kv, T, D)
-            kept = info.protected[(layer, side)].astype(np.float32)
-            x[:, :first], x[:, n - last:] = kept[:, :first], kept[:, first:]
+            if first or last:  # (a preset may protect nothing)
+                kept = info.protected[(layer, side)].astype(np.float32)
+                x[:, :first], x[:, n - last:] = kept[:, :first], kept[:, first:]
             setattr(c, "keys" if side == "k" else "values", mx.array(x)[None])
         c.offset = n
         caches.append(c)
@@ -48,7 +49,7 @@ def test_protected_copies_are_the_models_kv_in_fp16(tiny64, tmp_path):
     r = cartridge.build(DOC, tmp_path / "p.cart", model=tiny64, reserve=0, tier="mlx4g32+rot", protect_first=3,
                         protect_last=5, page_size=64)
     info, _ = cartridge.open_cartridge(r.path)
-    assert (info.format_version, info.protect_first, info.protect_last) == ("1.5", 3, 5)
+    assert (info.format_version, info.protect_first, info.protect_last) == ("1.6", 3, 5)
     caches = prefill(tiny64.model, info.tokens.tolist())
     for layer, c in enumerate(caches):
         for side, x in (("k", c.keys), ("v", c.values)):

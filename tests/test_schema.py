@@ -39,7 +39,7 @@ def test_boundary_protect_keeps_k_fp16_and_v_fp16_at_both_ends():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"tier": "int4"}, "unknown tier 'int4'; known tiers: fp16, bf16, int8, mlx4g32"),
+    ({"tier": "int4"}, "unknown tier 'int4'; known tiers: fp16, bf16, int8, int6, mlx4g32"),
     ({"v_tier": "q8"}, "unknown tier 'q8'"),
     ({"boundary_protect": -1}, "boundary_protect is -1; it must be an integer >= 0"),
     ({"boundary_protect": 2.5}, "boundary_protect is 2.5"),

@@ -21,6 +21,7 @@ FORMULAS = {
     "fp16": lambda H, D: 2 * H * D,
     "bf16": lambda H, D: 2 * H * D,
     "int8": lambda H, D: H * D + H * D // 8,
+    "int6": lambda H, D: 3 * H * D // 4 + H * D // 8,
     "mlx4g32": lambda H, D: H * D // 2 + H * D // 8,
     "fp8": lambda H, D: H * D + H * D // 32,
     "mxfp4": lambda H, D: H * D // 2 + H * D // 32,
@@ -30,15 +31,15 @@ FORMULAS = {
     "turbo2": lambda H, D: 2 * H * D // 8 + 2 * H,
     "kivi4": lambda H, D: H * D // 2 + H * D // 8,
 }
-FORMULAS.update({f"{name}+rot": FORMULAS[name] for name in ("int8", "mlx4g32", "mxfp4", "nvfp4")})
+FORMULAS.update({f"{name}+rot": FORMULAS[name] for name in ("int8", "int6", "mlx4g32", "mxfp4", "nvfp4")})
 # default model (3 x 64, kv_dim 192) and a kv_dim 1024 config (8 x 128): exact numbers
 BYTES = {
     (3, 64): {"fp16": 384, "bf16": 384, "int8": 216, "mlx4g32": 120, "fp8": 198, "mxfp4": 102, "nvfp4": 108,
               "turbo4": 102, "turbo3": 78, "turbo2": 54, "kivi4": 120, "int8+rot": 216, "mlx4g32+rot": 120,
-              "mxfp4+rot": 102, "nvfp4+rot": 108},
+              "mxfp4+rot": 102, "nvfp4+rot": 108, "int6": 168, "int6+rot": 168},
     (8, 128): {"fp16": 2048, "bf16": 2048, "int8": 1152, "mlx4g32": 640, "fp8": 1056, "mxfp4": 544, "nvfp4": 576,
                "turbo4": 528, "turbo3": 400, "turbo2": 272, "kivi4": 640, "int8+rot": 1152, "mlx4g32+rot": 640,
-               "mxfp4+rot": 544, "nvfp4+rot": 576},
+               "mxfp4+rot": 544, "nvfp4+rot": 576, "int6": 896, "int6+rot": 896},
 }
 # tier -> (relative RMSE bound, max |error| bound) on N(0, 1) data
 GAUSSIAN_BOUNDS = {
@@ -46,7 +47,7 @@ GAUSSIAN_BOUNDS = {
     "fp8": (0.03, 0.3), "mxfp4": (0.13, 0.8), "nvfp4": (0.11, 0.7),
     "turbo4": (0.10, 0.6), "turbo3": (0.19, 1.1), "turbo2": (0.35, 2.0),
     "int8+rot": (6e-3, None), "mlx4g32+rot": (0.09, None), "mxfp4+rot": (0.13, 0.8), "nvfp4+rot": (0.11, 0.7),
-    "kivi4": (0.09, None),
+    "kivi4": (0.09, None), "int6": (0.025, None), "int6+rot": (0.025, None),
 }
 
 

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 REAL_BOUNDS = {"fp16": 3e-4, "bf16": 2.5e-3, "int8": 8e-3, "mlx4g32": 0.13, "fp8": 0.03, "mxfp4": 0.21,
                "nvfp4": 0.11, "turbo4": 0.10, "turbo3": 0.19, "turbo2": 0.36,
-               "kivi4": 0.10, "int8+rot": 6e-3, "mlx4g32+rot": 0.10, "mxfp4+rot": 0.15, "nvfp4+rot": 0.11}
+               "kivi4": 0.10, "int8+rot": 6e-3, "mlx4g32+rot": 0.10, "mxfp4+rot": 0.15, "nvfp4+rot": 0.11,
+               "int6": 0.033, "int6+rot": 0.025}
 N_TOKENS = 576
 
 

@@ -73,6 +73,16 @@ def allowed(prefix=None, head_dim=None):
     return ("fused", "portable", "dequantize-once")
 
 
+def _allowed_by_name(tiers):
+    """`allowed()` for a layer known by its tier names only (a header): "fused" where a kernel reads both."""
+    if backend() != "cuda":
+        return allowed()
+    from .kernels import cuda
+
+    fused = all(getattr(get_tier(t), "base", get_tier(t)).name in cuda.FUSED_TIERS for t in tiers)
+    return allowed() if fused else ("portable", "dequantize-once")
+
+
 def dequantize(prefix, dtype):
     """The same prefix with both sides decoded to dense (n_pages, n_kv_heads, P, head_dim) pages."""
     k = prefix.k_codec.decode(prefix.k_parts, prefix.k_params).astype(dtype)
@@ -286,7 +296,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
             choices.append(None)
             continue
         tiers = (info.tiers[i]["k"], info.tiers[i]["v"])
-        c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode", allowed())
+        c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode", _allowed_by_name(tiers))
         choices.append(c)
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):

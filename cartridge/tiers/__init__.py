@@ -1,7 +1,7 @@
 """Tier registry: tier name -> codec instance. Unknown names are refused (never looked up by reflection)."""
 
 from ..errors import InputError
-from .affine import Int8Codec, Mlx4G32Codec
+from .affine import Int6Codec, Int8Codec, Mlx4G32Codec
 from .base import DTYPES, Component, TierCodec
 from .float16 import BFloat16Codec, Float16Codec
 from .kivi import Kivi4Codec
@@ -12,9 +12,9 @@ from .turbo import Turbo2Codec, Turbo3Codec, Turbo4Codec
 TIERS = {
     codec.name: codec
     for codec in (
-        Float16Codec(), BFloat16Codec(), Int8Codec(), Mlx4G32Codec(), Fp8Codec(), Mxfp4Codec(), Nvfp4Codec(),
+        Float16Codec(), BFloat16Codec(), Int8Codec(), Int6Codec(), Mlx4G32Codec(), Fp8Codec(), Mxfp4Codec(), Nvfp4Codec(),
         Turbo4Codec(), Turbo3Codec(), Turbo2Codec(), Kivi4Codec(),
-        *(RotatedCodec(base()) for base in (Int8Codec, Mlx4G32Codec, Mxfp4Codec, Nvfp4Codec)),
+        *(RotatedCodec(base()) for base in (Int8Codec, Int6Codec, Mlx4G32Codec, Mxfp4Codec, Nvfp4Codec)),
     )
 }
 DEFAULT_TIER = "fp16"

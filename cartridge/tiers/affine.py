@@ -1,4 +1,4 @@
-"""Affine tiers: int8 and mlx4g32 (MLX's affine quantized layout, group 32 along head_dim).
+"""Affine tiers: int8, int6 and mlx4g32 (MLX's affine quantized layout, group 32 along head_dim).
 
 Decode is MLX's affine rule, `x = scale * q + bias` with q in 0 .. 2^bits - 1 and fp16 scale and bias
 per group of 32. The encoder is ours (spec/FORMAT.md 6.2): the scale and bias are rounded to fp16
@@ -34,7 +34,7 @@ def affine_encode(x, bits, group_size=32):
 
     Args:
         x (mx.array): (..., D) any float dtype; D a multiple of `group_size`.
-        bits (int): 4 or 8. group_size (int): elements per scale and bias. Default: 32.
+        bits (int): 4, 6 or 8. group_size (int): elements per scale and bias. Default: 32.
 
     Returns:
         dict: "codes" uint32 (..., D*bits/32), "scales" and "biases" float16 (..., D/group_size).
@@ -70,6 +70,14 @@ class Int8Codec(AffineCodec):
     name = "int8"
     bits = 8
     formula = "kv_dim + kv_dim/8"
+
+
+class Int6Codec(AffineCodec):
+    """int6: 6-bit affine, group 32: 3 * kv_dim/4 + kv_dim/8 bytes per token per layer-side."""
+
+    name = "int6"
+    bits = 6
+    formula = "3 * kv_dim/4 + kv_dim/8"
 
 
 class Mlx4G32Codec(AffineCodec):
