@@ -226,12 +226,13 @@ def test_extended_header_follows_the_schema(carts):
 
     from cartridge.format.container import read_index, read_manifest
     from cartridge.format.keys import TOKENS_IDS
+    from cartridge.format.layout import FORMAT_MINOR
 
     _, ext, _ = carts
     records = read_index(ext.path, read_manifest(ext.path))
     header = {k: json.loads(v) for k, v in records.items() if k != TOKENS_IDS and not k.endswith((".pages", ".head_sums"))}
     jsonschema.validate(header, json.loads((ROOT / "spec" / "header.schema.json").read_text()))
-    assert read_manifest(ext.path)["minor"] == header["cartridge.format_minor"] == 5
+    assert read_manifest(ext.path)["minor"] == header["cartridge.format_minor"] == FORMAT_MINOR
 
 
 def _forged(path, tmp_path, change):

@@ -161,3 +161,22 @@ def test_extend_refuses_a_protected_cartridge_in_one_line(tiny64, tmp_path):
     with pytest.raises(InputError, match="keeps 2 first and 3 last tokens in fp16 .format 1.5.; extend takes"):
         cartridge.extend(r.path, "More text.", tmp_path / "e.cart", model=tiny64)
     assert not (tmp_path / "e.cart").exists()
+
+
+def test_safe_preset_is_int8_rot_k_int6_rot_v_in_a_valid_1_6_header(tiny64, tmp_path):
+    import json
+
+    import jsonschema
+    from conftest import ROOT
+
+    from cartridge.format import keys as K
+    from cartridge.format.container import read_index, read_manifest
+
+    r = cartridge.build(DOC, tmp_path / "s.cart", model=tiny64, reserve=0, page_size=64, preset="safe")
+    info, _ = cartridge.open_cartridge(r.path)
+    assert info.format_version == "1.6" and {(t["k"], t["v"]) for t in info.tiers} == {("int8+rot", "int6+rot")}
+    assert r.bytes_per_token == info.bytes_per_token() == 2 * (128 + 16 + 96 + 16)  # 2 layers, kv_dim 128
+    records = read_index(r.path, read_manifest(r.path))
+    header = {k: json.loads(v) for k, v in records.items()
+              if k != K.TOKENS_IDS and not k.endswith((".pages", ".head_sums", ".protected"))}
+    jsonschema.validate(header, json.loads((ROOT / "spec" / "header.schema.json").read_text()))
