@@ -6,6 +6,8 @@ chunk used to give exp(-inf + inf) = NaN there, which the merge spread to every 
 """
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -28,17 +30,29 @@ def model(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=3, max_position_embeddings=4096, head_dim=64)  # a fused kernel's head_dim
 
 
-@pytest.fixture(scope="module", params=["portable", "dequantize-once", "fused"])
+@pytest.fixture(scope="module", params=["portable", "dequantize-once", "fused", "question-prefill"])
 def cart(request, model, tmp_path_factory):
     if request.param == "fused" and backend() != "cuda":
         pytest.skip("the fused kernels need the CUDA backend (run with DEVICE=gpu on an NVIDIA GPU)")
     path = tmp_path_factory.mktemp("tail") / "doc.cart"
     if not path.exists():
         cartridge.build(DOC, path, model=model, page_size=64)
-    cart = cartridge.load(path, model=model, attention=request.param)
-    if request.param != "dequantize-once":  # which runs the fused kernel over its dense pages on CUDA
-        assert (cart._prefixes[0].kernel is not None) == (request.param == "fused")
-    return cart
+    if request.param != "question-prefill":
+        cart = cartridge.load(path, model=model, attention=request.param)
+        if request.param != "dequantize-once":  # which runs the fused kernel over its dense pages on CUDA
+            assert (cart._prefixes[0].kernel is not None) == (request.param == "fused")
+        yield cart
+        return
+    # the fused layer's path for many query rows (pages decoded for the call, MLX's SDPA; kernels/dense.py),
+    # taken here for every call, so it runs on any backend
+    from cartridge.attention.kernels import cuda
+
+    cart = cartridge.load(path, model=model, attention="portable")
+    cart._prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart._prefixes]
+    saved = cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER
+    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER = {}, 1
+    yield cart
+    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER = saved
 
 
 def _dense_prefix_cache(cart):
