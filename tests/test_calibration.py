@@ -141,3 +141,21 @@ def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(m
     assert policy._allowed_by_name(("int6", "int6+rot")) == ("portable", "dequantize-once")
     assert policy._allowed_by_name(("kivi4", "mlx4g32")) == ("portable", "dequantize-once")
     assert "fused" in policy._allowed_by_name(("mlx4g32+rot", "int8"))
+
+
+def test_question_rows_never_replace_decode_rows_however_short_the_question():
+    """A 2-token question (6 query rows) is a question prefill, not a decode step: the table's decode entry
+    comes from the decode rows and the question's from its own longest question."""
+    env = {"backend": "cpu", "date": "2026-12-02", "machine": "x86_64"}
+    dec = [{"kind": "baseline", "tier": "dense float32", "policy": "mlx-sdpa", "context": 512, "us": 289.0},
+           {"kind": "cartridge", "tier": "fp16", "policy": "portable", "context": 512, "us": 539.0},
+           {"kind": "cartridge", "tier": "fp16", "policy": "dequantize-once", "context": 512, "us": 378.0}]
+    multi = [{"kind": "baseline", "tier": "dense float32", "policy": "mlx-sdpa", "context": 512, "query_tokens": L,
+              "query_rows": 3 * L, "us": 370.0 + L} for L in (1, 2)]
+    multi += [{"kind": "cartridge", "tier": "fp16", "policy": p, "context": 512, "query_tokens": L,
+               "query_rows": 3 * L, "us": us + L} for L in (1, 2) for p, us in (("portable", 596.0), ("dequantize-once", 900.0))]
+    result = {"environment": env, "shape": {"head_dim": 64}, "attention": dec, "multi_token": multi}
+    entries = {e["mode"]: e for e in C.table_from_bench(result)["entries"]}
+    assert entries["decode"]["us"] == {"portable": 539.0, "dequantize-once": 378.0} and entries["decode"]["dense_us"] == 289.0
+    assert entries["multi-token"]["us"] == {"portable": 598.0, "dequantize-once": 902.0}
+    assert entries["multi-token"]["policy"] == "portable" and entries["multi-token"]["dense_us"] == 372.0

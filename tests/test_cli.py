@@ -220,3 +220,24 @@ def test_interrupt_while_importing_exits_130(monkeypatch, capsys):
         entry.main()
     assert e.value.code == 130
     assert capsys.readouterr().err == "error: aborted\n"
+
+
+def test_inspect_folds_only_layers_of_the_same_size():
+    """A schema mixing tiers gives layers of different bytes: each run prints its own size."""
+    from cartridge.cli.report import fold_layers
+
+    rows = [{"layer": i, "kind": "attention", "bytes": b} for i, b in enumerate([10, 10, 20, 20, 10])]
+    assert [(r["layers"], r["bytes_each"]) for r in fold_layers(rows)] == [("0-1", 10), ("2-3", 20), ("4", 10)]
+
+
+@pytest.mark.parametrize("extra", [["--tier", "fp16"], ["--protect-first", "0"], ["--boundary-protect", "0"]])
+def test_preset_refuses_an_option_given_at_its_default_value(tmp_path, extra):
+    from click.testing import CliRunner
+
+    from cartridge.cli.main import cli
+
+    doc = tmp_path / "d.txt"
+    doc.write_text("A short document.")
+    r = CliRunner().invoke(cli, ["build", str(doc), "-o", str(tmp_path / "x.cart"), "--preset", "safe", *extra])
+    assert r.exit_code == 1 and f"cannot be combined with {extra[0]}" in r.output + str(r.exception)
+    assert not (tmp_path / "x.cart").exists()

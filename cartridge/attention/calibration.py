@@ -25,7 +25,6 @@ from ..errors import InputError
 SHIPPED = Path(__file__).with_name("auto_tables")
 TABLE_VERSION = 1
 FALLBACK = {"cpu": "dequantize-once", "cuda": "fused", "metal": "portable"}  # no measurement for a case
-MULTI_TOKEN_ROWS = 16  # query rows per KV head from which a case is "multi-token"
 
 
 def user_table_path():
@@ -61,20 +60,20 @@ def table_from_bench(result, date=None):
     except (KeyError, TypeError):
         raise InputError("not a `cartridge bench --json` result: it needs environment, shape.head_dim and "
                          "attention rows") from None
-    rows = rows + result.get("multi_token", [])  # question prefills: their own mode, at their longest question
-
-    def mode(r):
-        return "multi-token" if r.get("query_rows", 1) >= MULTI_TOKEN_ROWS else "decode"
+    # decode steps are "decode"; question prefills (`multi_token` rows) are "multi-token", each context at its
+    # longest question, however few rows it has
+    multi = [r for r in result.get("multi_token", []) if isinstance(r, dict)]
     longest = {}
-    for r in rows:
-        longest[(r["context"], mode(r))] = max(longest.get((r["context"], mode(r)), 0), r.get("query_rows", 1))
-    rows = [r for r in rows if r.get("query_rows", 1) == longest[(r["context"], mode(r))]]
-    dense = {(r["context"], mode(r)): r["us"] for r in rows if r.get("policy") == "mlx-sdpa" and r.get("us")}
+    for r in multi:
+        longest[r.get("context")] = max(longest.get(r.get("context"), 0), r.get("query_rows", 1))
+    tagged = [(r, "decode") for r in rows] + [(r, "multi-token") for r in multi
+                                             if r.get("query_rows", 1) == longest[r.get("context")]]
+    dense = {(r["context"], m): r["us"] for r, m in tagged if r.get("policy") == "mlx-sdpa" and r.get("us")}
     cases = {}
-    for r in rows:
+    for r, m in tagged:
         if r.get("kind") != "cartridge" or not r.get("us"):
             continue
-        cases.setdefault((r["tier"], r["context"], mode(r)), {})[r["policy"]] = r["us"]
+        cases.setdefault((r["tier"], r["context"], m), {})[r["policy"]] = r["us"]
     entries = []
     for (tier, context, m), us in sorted(cases.items()):
         entries.append({"backend": env["backend"], "tier": tier, "head_dim": head_dim, "mode": m,

@@ -33,9 +33,9 @@ def _once(values, option):
     return values
 
 
-def _contexts(text, option):
+def _contexts(text, option, what="context"):
     """Comma-separated token counts (ASCII digits, no thousands separators), each from 1 to MAX_CONTEXT,
-    none twice."""
+    none twice; `what` names one in the refusal ("context", "question")."""
     items = _split(text, option, "token count")
     if not all(re.fullmatch(r"[0-9]+", x) for x in items):
         raise InputError(f"{option} must be comma-separated token counts in plain digits (8192, not 8,192 "
@@ -43,7 +43,7 @@ def _contexts(text, option):
     counts = [int(x) for x in items]
     for n in counts:
         if not 1 <= n <= MAX_CONTEXT:
-            raise InputError(f"{option} {n}: a context must be from 1 to {MAX_CONTEXT} tokens")
+            raise InputError(f"{option} {n}: a {what} must be from 1 to {MAX_CONTEXT} tokens")
     return _once(counts, option)
 
 
@@ -166,8 +166,9 @@ def _calibrate(result, table_path):
               "(default: --contexts).")
 @click.option("--no-e2e", is_flag=True, help="Skip end-to-end decode.")
 @click.option("--e2e-tiers", default=None, help="Tiers for end-to-end decode (default: --tiers).")
-@click.option("--e2e-shape", default="llama3.2-1b", show_default=True, help="CUDA: the random-weight model decoded "
-              "end to end, llama3.2-1b or llama3-8b (elsewhere the default model).")
+@click.option("--e2e-shape", default="llama3.2-1b", show_default=True,
+              type=click.Choice(["llama3.2-1b", "llama3-8b"]), help="CUDA: the random-weight model decoded end to "
+              "end (elsewhere the default model, SmolLM2-135M-Instruct, and this option is ignored).")
 @click.option("--policies", default=None, help="Comma-separated attention policies to measure: fused (CUDA "
               "only), portable, dequantize-once (default: all on this backend).")
 @click.option("--query-tokens", default=None, help="Comma-separated question lengths in tokens, each timed as one "
@@ -200,10 +201,14 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
             raise InputError(f"--from-json {from_json}: cannot read it ({e})") from None
         if not isinstance(result, dict) or "attention" not in result:
             raise InputError(f"--from-json {from_json}: not a `cartridge bench --json` result")
-        result.setdefault("end_to_end", [])
-        click.echo(_table(result))
-        if calibrate:
-            _calibrate(result, table_path)
+        try:
+            result.setdefault("end_to_end", [])
+            click.echo(_table(result))
+            if calibrate:
+                _calibrate(result, table_path)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a JSON of another shape
+            raise InputError(f"--from-json {from_json}: not a `cartridge bench --json` result ({type(e).__name__}: "
+                             f"{e})") from None
         return
     json_path = check_output_file(json_path, "--json", force)
     plot_path = check_output_file(plot_path, "--plot", force)
@@ -224,7 +229,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
     e2e_names = _tiers(e2e_tiers, TIERS, "--e2e-tiers") if e2e_tiers is not None else None
     if query_tokens is None:
         query_tokens = "32,256" if cuda else "none"
-    questions = [] if query_tokens == "none" else _contexts(query_tokens, "--query-tokens")
+    questions = [] if query_tokens == "none" else _contexts(query_tokens, "--query-tokens", "question")
     B.POLICIES = None  # every policy of this backend, unless --policies names some
     if policies is not None:
         B.POLICIES = _policies(policies, B._policies(), B.backend())
@@ -234,8 +239,6 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
     e2e = None
     if not no_e2e:
         if cuda:
-            if e2e_shape not in ("llama3.2-1b", "llama3-8b"):
-                raise InputError(f"--e2e-shape {e2e_shape!r}: known shapes are llama3.2-1b and llama3-8b")
             e2e = (B.random_model(e2e_shape), mx.float16)
         else:
             import cartridge

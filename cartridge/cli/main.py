@@ -66,6 +66,14 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
 
     from .report import fold_tiers
 
+    if preset:  # an option given on the command line clashes even at its default value (--tier fp16)
+        ctx = click.get_current_context()
+        given = [f"--{n.replace('_', '-')}" for n in ("tier", "k_tier", "v_tier", "boundary_protect", "schema",
+                                                       "protect_first", "protect_last")
+                 if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise InputError(f"--preset {preset} sets the tiers and protection; it cannot be combined with "
+                             f"{', '.join(given)}")
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)

@@ -53,16 +53,16 @@ def layer_rows(info):
 
 
 def fold_layers(rows):
-    """Runs of layers with the same kind, shapes and tokens held: [{"layers": "0-3", ...}]."""
+    """Runs of layers with the same kind, shapes, tokens held and bytes: [{"layers": "0-3", ...}]."""
     runs = []
     for row in rows:
-        key = {k: v for k, v in row.items() if k not in ("layer", "bytes")}
+        key = {k: v for k, v in row.items() if k != "layer"}
         if runs and runs[-1]["key"] == key and runs[-1]["last"] == row["layer"] - 1:
             runs[-1]["last"] = row["layer"]
         else:
-            runs.append({"first": row["layer"], "last": row["layer"], "key": key, "bytes": row["bytes"]})
+            runs.append({"first": row["layer"], "last": row["layer"], "key": key})
     return [{"layers": f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
-             "bytes_each": r["bytes"], **r["key"]} for r in runs]
+             "bytes_each": r["key"]["bytes"], **{k: v for k, v in r["key"].items() if k != "bytes"}} for r in runs]
 
 
 def inspect_dict(info, path):

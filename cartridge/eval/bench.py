@@ -477,7 +477,7 @@ def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, r
         result["attention"] += attention_step(SHAPES[shape], n, tiers, repeats=repeats)
         mx.clear_cache()
         for L in query_tokens:
-            say(f"a {L}-token question over {n} tokens")
+            say(f"question of {L} tokens over {n} tokens")
             result["multi_token"] += multi_token_step(SHAPES[shape], n, tiers, L, repeats=max(3, repeats // 4))
             mx.clear_cache()
     result["speedups"] = speedups(result["attention"])
