@@ -39,7 +39,7 @@ from cartridge.tiers import TIERS, presets
 PAGE = 256
 CONFIGS = {  # label -> (k_tier, v_tier, protect_first, protect_last)
     "bf16": ("bf16", "bf16", 0, 0), "int8": ("int8", "int8", 0, 0), "int8+rot": ("int8+rot", "int8+rot", 0, 0),
-    "fp8": ("fp8", "fp8", 0, 0),
+    "fp8": ("fp8", "fp8", 0, 0), "int6": ("int6", "int6", 0, 0), "int6+rot": ("int6+rot", "int6+rot", 0, 0),
     "mlx4g32": ("mlx4g32", "mlx4g32", 0, 0), "mlx4g32+rot": ("mlx4g32+rot", "mlx4g32+rot", 0, 0),
     "mlx4g32:pf4:pl28": ("mlx4g32", "mlx4g32", 4, 28),
     "mlx4g32+rot:pf4:pl28": ("mlx4g32+rot", "mlx4g32+rot", 4, 28),
