@@ -31,7 +31,7 @@ def test_parse_entries():
 @pytest.mark.parametrize("text, expect", [
     ("int3", "--tiers entry 'int3': unknown tier 'int3'; known tiers: "),
     ("fp16:bpx", "field 'bpx' must be bp followed by a whole number of layers"),
-    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER or bpN"),
+    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN or preset=NAME \\(known tiers: fp16, "),
     ("fp16:bf16", "tier given twice"),
     ("k=fp16:k=bf16", "k_tier given twice"),
     ("k=:v=fp16", "empty tier name"),

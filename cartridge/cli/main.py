@@ -40,9 +40,9 @@ def cli():
               help="Keep K fp16 on every layer and V fp16 on the first N and last N layers.")
 @click.option("--schema", "schema", default=None, metavar="FILE.json",
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
-@click.option("--protect-first", default=0, show_default=True, metavar="N",
+@click.option("--protect-first", default=0, show_default=True, metavar="N", type=click.IntRange(0, 1 << 16),
               help="Also keep the first N prefix tokens of every layer (K and V) in fp16.")
-@click.option("--protect-last", default=0, show_default=True, metavar="M",
+@click.option("--protect-last", default=0, show_default=True, metavar="M", type=click.IntRange(0, 1 << 16),
               help="Also keep the last M prefix tokens of every layer (K and V) in fp16.")
 @click.option("--preset", default=None, type=click.Choice(["exact", "safe", "balanced", "compact"]),
               help="A named outcome (docs/tiers.md): sets the tiers and protection; excludes those options.")

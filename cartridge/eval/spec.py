@@ -79,7 +79,10 @@ def _field(options, part, entry):
     elif re.fullmatch(r"[A-Za-z0-9_]+(\+rot)?", part):
         key, value = "tier", _tier_name(part, where)
     else:
-        raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER or bpN")
+        from ..tiers import TIERS
+
+        raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN or preset=NAME "
+                         f"(known tiers: {', '.join(TIERS)})")
     if key in options:
         raise InputError(f"{where}: {key} given twice")
     options[key] = value
