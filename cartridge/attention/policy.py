@@ -118,10 +118,11 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
         return [(policy, f"{policy}: asked for") if isinstance(p, LayerPrefix) else None for p in prefixes]
     entries = calibration.merged_entries() if entries is None else entries
     out = []
-    for p, (k_dim, _) in zip(prefixes, head_dims):
-        if not isinstance(p, LayerPrefix):
+    for p, dims in zip(prefixes, head_dims):
+        if not isinstance(p, LayerPrefix):  # (a ListLayer's dims are a list of pairs: placed by itself)
             out.append(None)
             continue
+        k_dim = dims[0]
         tiers = (p.k_codec.name, p.v_codec.name)
         out.append(calibration.choose(entries, backend(), tiers, k_dim, p.n_tokens, "decode", allowed(p, k_dim)))
     return out
