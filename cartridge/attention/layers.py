@@ -24,18 +24,17 @@ from .cache import CartridgeCache, LayerPrefix
 
 def decode_prefix(prefix, dtype):
     """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`, with
-    protected tokens (if any) from their fp16 copies."""
+    protected tokens (if any) from their fp16 copies; lazy (the caller evaluates them when it needs to)."""
     out = []
     for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
                                        ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
         x = codec.decode(parts, params)  # (n_pages, n_kv, P, D) float32
         if prefix.protected is not None:  # protected tokens (format 1.5) take their fp16 copies
             x = protect.overwrite(x, prefix.protected, side, prefix.n_tokens)
+        x = x.astype(dtype)  # before the copy below: it then moves the smaller dtype's bytes
         n_pages, n_kv, page, d = x.shape
         # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
-        x = x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens]
-        out.append(x.astype(dtype))
-    mx.eval(out)
+        out.append(x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens])
     return out
 
 
@@ -51,6 +50,7 @@ class DenseLayer:
     def __init__(self, prefix, dtype):
         self.prefix = prefix
         self.keys, self.values = decode_prefix(prefix, dtype)
+        mx.eval(self.keys, self.values)  # at load, before the next layer is decoded
 
     def cache(self):
         """A fresh KVCache holding the prefix (its first update copies into new storage)."""

@@ -25,6 +25,7 @@ class PrefillCache(KVCache):
     def __init__(self, prefix, n_tokens, dtype):
         super().__init__()
         keys, values = decode_prefix(prefix, dtype)  # (1, n_kv_heads, prefix.n_tokens, head_dim)
+        mx.eval(keys, values)
         self.keys, self.values = keys[:, :, :n_tokens], values[:, :, :n_tokens]
         self.offset = self.prefix_tokens = n_tokens
 

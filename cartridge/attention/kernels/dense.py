@@ -10,19 +10,14 @@ The decoded copy is a temporary of this call (one layer's K/V at a time); decode
 
 import mlx.core as mx
 
-
-def _sequence(codec, parts, params, n_tokens, dtype):
-    """(1, n_kv_heads, n_tokens, D) of one side's pages (n_pages, n_kv_heads, P, D) decoded to `dtype`."""
-    x = codec.decode(parts, params).astype(dtype)
-    n_pages, n_kv, P, D = x.shape
-    return x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * P, D)[:, :, :n_tokens]
+from ..layers import decode_prefix
 
 
 def prefill_attention(prefix, cache, queries, scale, sinks=None):
     """Attention of the last L tail tokens over prefix + tail, causal among the tail, by MLX's SDPA.
 
     Args:
-        prefix (LayerPrefix): the layer's stored pages (no protected tokens: their fp16 copies are not read).
+        prefix (LayerPrefix): the layer's stored pages.
         cache (CartridgeCache): its tail (`tail_kv`) holds the L query tokens' K/V at its end.
         queries (mx.array): (1, n_q_heads, L, head_dim). scale (float): softmax scale.
         sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
@@ -31,8 +26,7 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None):
         mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
     """
     dt = queries.dtype
-    k = _sequence(prefix.k_codec, prefix.k_parts, prefix.k_params, prefix.n_tokens, dt)
-    v = _sequence(prefix.v_codec, prefix.v_parts, prefix.v_params, prefix.n_tokens, dt)
+    k, v = decode_prefix(prefix, dt)  # (1, n_kv_heads, n_tokens, head_dim), lazy
     tk, tv = cache.tail_kv()
     k = mx.concatenate([k, tk[None].astype(dt)], axis=2)
     v = mx.concatenate([v, tv[None].astype(dt)], axis=2)
