@@ -126,32 +126,48 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
                  "prefix_bytes": dense_k.nbytes * 2, "error": None})
     rows.append(_mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats))
     for tier in tiers:
-        codec = TIERS[tier]
-        try:
-            codec.check(n_kv, D)
-            prefix = make_prefix(codec, k, codec, v, PAGE_SIZE)
-        except Exception as e:  # a tier that cannot store this shape
+        prefix, error = _tier_prefix(tier, k, v)
+        if prefix is None:
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "context": n_tokens, "us": None,
-                         "prefix_bytes": None, "error": str(e)})
+                         "prefix_bytes": None, "error": error})
             continue
         rows.append(read_floor(prefix, tier, n_tokens, repeats))
         for policy in _policies():
-            row = {"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
-                   "prefix_bytes": prefix.nbytes, "us": None, "error": None}
-            try:
-                cache = _layer_cache(prefix, policy, dtype, D)
-                if cache is None:
-                    row["error"] = "no fused kernel for this tier"
-                else:
-                    row["prefix_bytes"] = cache.prefix.nbytes  # as held: dequantize-once holds dense pages
-                    cache.update_and_fetch(new_k, new_k)
-                    mx.eval(cache.state)
-                    row["us"] = timeit(lambda x: cache.attention(x, D ** -0.5), repeats, chain=q) * 1e6
-            except Exception as e:  # recorded, e.g. an out-of-memory or an unsupported shape
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+            us, held, error = _time_policy(prefix, policy, dtype, q, new_k, repeats)
+            rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
+                         "prefix_bytes": held, "us": us, "error": error})
         del prefix
     return rows
+
+
+def _tier_prefix(tier, k, v):
+    """(LayerPrefix of K/V (n_kv_heads, N, head_dim) in `tier`, None), or (None, why) for a tier that cannot
+    store this shape."""
+    codec = TIERS[tier]
+    try:
+        codec.check(k.shape[0], k.shape[-1])
+        return make_prefix(codec, k, codec, v, PAGE_SIZE), None
+    except Exception as e:
+        return None, str(e)
+
+
+def _time_policy(prefix, policy, dtype, q, new_k, repeats, mask=None):
+    """One layer's attention under `policy` with `new_k` as its tail, steps chained from `q` (µs).
+
+    Returns:
+        tuple: (µs or None, bytes the layer holds: for dequantize-once its dense pages, error or None).
+    """
+    D, held = q.shape[-1], prefix.nbytes
+    try:
+        cache = _layer_cache(prefix, policy, dtype, D)
+        if cache is None:
+            return None, held, "no fused kernel for this tier"
+        held = cache.prefix.nbytes
+        cache.update_and_fetch(new_k, new_k)
+        mx.eval(cache.state)
+        return timeit(lambda x: cache.attention(x, D ** -0.5, mask), repeats, chain=q) * 1e6, held, None
+    except Exception as e:  # recorded, e.g. an out-of-memory or an unsupported shape
+        return None, held, f"{type(e).__name__}: {e}"
 
 
 def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5):
@@ -176,26 +192,13 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
     rows = [{"kind": "baseline", "tier": f"dense {str(dtype)[9:]}", "policy": "mlx-sdpa", "us": us, **base}]
     del dk, dv
     for tier in tiers:
-        codec = TIERS[tier]
-        try:
-            codec.check(n_kv, D)
-            prefix = make_prefix(codec, k, codec, v, PAGE_SIZE)
-        except Exception as e:
-            rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": str(e)})
+        prefix, error = _tier_prefix(tier, k, v)
+        if prefix is None:
+            rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": error})
             continue
         for policy in _policies():
-            row = {"kind": "cartridge", "tier": tier, "policy": policy, "us": None, **base}
-            try:
-                cache = _layer_cache(prefix, policy, dtype, D)
-                if cache is None:
-                    row["error"] = "no fused kernel for this tier"
-                else:
-                    cache.update_and_fetch(new_k, new_k)
-                    mx.eval(cache.state)
-                    row["us"] = timeit(lambda x: cache.attention(x, D ** -0.5, "causal"), repeats, chain=q) * 1e6
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+            us, _, error = _time_policy(prefix, policy, dtype, q, new_k, repeats, "causal")
+            rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "us": us, **base, "error": error})
             mx.clear_cache()
         del prefix
     return rows
