@@ -3,6 +3,7 @@ fp16 copies are the model's K/V, attention over compressed pages + copies equals
 the decoded pages with those positions replaced, on the portable and dequantize-once paths."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -11,6 +12,7 @@ from conftest import make_tiny
 from mlx_lm.models.cache import KVCache
 
 import cartridge
+from cartridge.attention.policy import backend
 from cartridge.build import prefill
 from cartridge.errors import FieldError, InputError
 from cartridge.format.container import read_index, read_manifest
@@ -62,7 +64,21 @@ def test_protected_copies_are_the_models_kv_in_fp16(tiny64, tmp_path):
     assert r.bytes_per_token == 2 * 2 * 80 + round(8 * fp16 / r.tokens) == info.bytes_per_token()  # kv_dim 128
 
 
-@pytest.mark.parametrize("policy", ["portable", "dequantize-once"])
+def _load(path, model, policy, monkeypatch):
+    """The cartridge under `policy`; "question-prefill": every multi-token call takes the path that decodes the
+    layer's pages for the call (kernels/dense.py, the fused layer's path for many query rows), on any backend."""
+    if policy != "question-prefill":
+        return cartridge.load(path, model=model, attention=policy)
+    from cartridge.attention.kernels import cuda
+
+    cart = cartridge.load(path, model=model, attention="portable")
+    cart._prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart._prefixes]
+    monkeypatch.setattr(cuda, "DENSE_MIN_ROWS", {})
+    monkeypatch.setattr(cuda, "DENSE_MIN_ROWS_OTHER", 1)
+    return cart
+
+
+@pytest.mark.parametrize("policy", ["portable", "dequantize-once", "question-prefill", "fused"])
 @pytest.mark.parametrize("options", [
     {"tier": "mlx4g32", "protect_first": 4, "protect_last": 32},
     {"tier": "mlx4g32+rot", "protect_first": 0, "protect_last": 7},
@@ -70,15 +86,20 @@ def test_protected_copies_are_the_models_kv_in_fp16(tiny64, tmp_path):
     {"k_tier": "kivi4", "v_tier": "nvfp4+rot", "protect_first": 2, "protect_last": 2},
     {"preset": "balanced"}, {"preset": "compact"}, {"preset": "safe"},
 ])
-def test_attention_equals_dense_attention_over_decoded_and_protected(tiny64, tmp_path, options, policy):
+def test_attention_equals_dense_attention_over_decoded_and_protected(tiny64, tmp_path, options, policy, monkeypatch):
+    if policy == "fused" and backend() != "cuda":
+        pytest.skip("the fused kernels need the CUDA backend (run with DEVICE=gpu on an NVIDIA GPU)")
     r = cartridge.build(DOC, tmp_path / "a.cart", model=tiny64, reserve=0, page_size=64, **options)
-    cart = cartridge.load(r.path, model=tiny64, attention=policy)
+    cart = _load(r.path, tiny64, policy, monkeypatch)
     q = cart.question_prompt("How long does the warranty last?")
     cache = cart.prompt_cache()
     got = cart.model(mx.array(q)[None], cache=cache)[0]
     want = cart.model(mx.array(q)[None], cache=dense_reference(cartridge.load(r.path, model=tiny64,
                                                                               attention="portable")))[0]
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    # on a GPU both sides' float32 matmuls run at reduced precision (measured on an H200: 3.3e-3 between the
+    # portable path and its reference, benchmarks/results/h200-kernel-tests-protect.log)
+    tol = 1e-4 if backend() == "cpu" else 2e-2
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
     step = cart.model(mx.array([int(mx.argmax(got[-1]))])[None], cache=cache)  # one decode step after
     assert np.isfinite(np.array(step)).all()
 

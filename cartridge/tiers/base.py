@@ -99,6 +99,17 @@ class TierCodec:
         """Reference decode of `encode`'s output (leading axes free) to float32 (..., head_dim)."""
         raise NotImplementedError
 
+    def decode_stored(self, parts, params):
+        """The pages decoded in the basis they were stored in, and that basis: attention can run there with the
+        query rotated into it and the output rotated back (R orthogonal: (R q).(R k) = q.k), instead of rotating
+        every stored token back.
+
+        Returns:
+            tuple: (values (..., head_dim) float32 or the stored dtype, basis): basis None for the original one,
+            else an object whose `rotate(x)` / `unrotate(y)` map (n_kv_heads, T, head_dim) arrays into / out of it.
+        """
+        return self.decode(parts, params), None
+
     def bytes_per_token(self, n_kv_heads, head_dim):
         """Stored bytes per token for one (layer, side): the tier's formula in spec/FORMAT.md."""
         return n_kv_heads * sum(c.width * c.itemsize for c in self.components(head_dim))

@@ -21,6 +21,9 @@ class Float16Codec(TierCodec):
     def decode(self, parts, params):
         return parts["values"].astype(mx.float32)
 
+    def decode_stored(self, parts, params):
+        return parts["values"], None  # as stored: no float32 copy
+
     def scores(self, q, parts, params):
         return q @ parts["values"].swapaxes(-1, -2)  # (n_pages, n_kv, R, P), promoted to float32
 

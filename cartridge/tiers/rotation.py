@@ -74,6 +74,19 @@ def unrotate(y, rot):
     return (y.astype(mx.float32).reshape(*lead, d // rot["block"], rot["block"]) @ h).reshape(*lead, d) * s
 
 
+class Basis:
+    """The rotated basis of a +rot side (`TierCodec.decode_stored`): the same rotation for every KV head."""
+
+    def __init__(self, rot):
+        self.rot = rot
+
+    def rotate(self, x):
+        return rotate(x, self.rot)
+
+    def unrotate(self, y):
+        return unrotate(y, self.rot)
+
+
 def rotation_params(head_dim, layer, side, block=None):
     """The rotation record of one (layer, side): {"kind", "block", "seed"} (stored in the tier's params)."""
     return {"kind": KIND, "block": block or default_block(head_dim), "seed": SEED_BASE + 2 * layer + (side == "v")}
@@ -129,6 +142,9 @@ class RotatedCodec(TierCodec):
 
     def decode(self, parts, params):
         return unrotate(self.base.decode(parts, params), params["rotation"])
+
+    def decode_stored(self, parts, params):
+        return self.base.decode(parts, params), Basis(params["rotation"])
 
     def scores(self, q, parts, params):
         return self.base.scores(rotate(q, params["rotation"]), parts, params)  # (R q).(R k) = q.k

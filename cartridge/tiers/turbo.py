@@ -58,6 +58,19 @@ def unrotate(y, signs):
     return mx.hadamard_transform(y) * signs
 
 
+class Basis:
+    """TurboQuant's rotated basis (`TierCodec.decode_stored`): signs (n_kv, 1, D), one set per KV head."""
+
+    def __init__(self, signs):
+        self.signs = signs
+
+    def rotate(self, x):
+        return rotate(x.astype(mx.float32), self.signs)
+
+    def unrotate(self, y):
+        return unrotate(y.astype(mx.float32), self.signs)
+
+
 class TurboCodec(TierCodec):
     """TurboQuant-MSE with `bits` bits per rotated coordinate; subclasses set `name` and `bits`."""
 
@@ -119,6 +132,9 @@ class TurboCodec(TierCodec):
     def decode(self, parts, params):
         signs, _ = _prepared(params)
         return unrotate(self._codewords(parts["codes"], params) * parts["norms"].astype(mx.float32), signs)
+
+    def decode_stored(self, parts, params):
+        return self._codewords(parts["codes"], params) * parts["norms"].astype(mx.float32), Basis(_prepared(params)[0])
 
     def _blocks(self, parts):
         """Slices of pages whose decoded size stays under BLOCK_ELEMENTS floats."""
