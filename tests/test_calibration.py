@@ -133,14 +133,17 @@ def test_bench_from_json_prints_the_gate_and_calibrates(tmp_path):
 
 
 def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(monkeypatch):
-    """inspect's policy line (plan_header) knows the layer by its tier names: a tier with no fused kernel
-    (int6, kivi4) must not be planned as fused, or inspect would name a path load does not take."""
+    """inspect's policy line (plan_header) knows the layer by its tier names: a tier with no fused kernel must
+    not be planned as fused, or inspect would name a path load does not take."""
     from cartridge.attention import policy
+    from cartridge.attention.kernels import cuda
 
     monkeypatch.setattr(policy, "backend", lambda: "cuda")
-    assert policy._allowed_by_name(("int6", "int6+rot")) == ("portable", "dequantize-once")
-    assert policy._allowed_by_name(("kivi4", "mlx4g32")) == ("portable", "dequantize-once")
     assert "fused" in policy._allowed_by_name(("mlx4g32+rot", "int8"))
+    assert "fused" in policy._allowed_by_name(("kivi4", "int6+rot"))  # flash_pass1_tc reads both
+    monkeypatch.setattr(cuda, "FUSED_TIERS", {k: v for k, v in cuda.FUSED_TIERS.items() if k != "int6"})
+    assert policy._allowed_by_name(("int6", "int6+rot")) == ("portable", "dequantize-once")
+    assert policy._allowed_by_name(("kivi4", "int6")) == ("portable", "dequantize-once")
 
 
 def test_question_rows_never_replace_decode_rows_however_short_the_question():

@@ -96,9 +96,8 @@ def kernel_for(policy, prefix, head_dim):
     """The fused attention of one layer for a concrete policy, or None for the portable path.
 
     The fused kernel takes one head_dim for K and V; a layer whose widths differ takes the portable path.
-    No fused kernel reads protected tokens' fp16 copies either: such a layer takes the portable path.
     """
-    if policy == "portable" or backend() != "cuda" or prefix.protected is not None:
+    if policy == "portable" or backend() != "cuda":
         return None
     from .kernels import cuda
 

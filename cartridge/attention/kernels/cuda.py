@@ -30,13 +30,14 @@ import numpy as np
 from ...tiers.rotation import sign_bits
 from . import dense
 
-FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4 = range(9)
+FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4, AFF6, KIVI4 = range(11)
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
 # tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
 FUSED_TIERS = {
     "fp16": (FP16, 0, ("values",)),
     "bf16": (BF16, 0, ("values",)),
     "int8": (AFF8, 0, ("codes", "scales", "biases")),
+    "int6": (AFF6, 0, ("codes", "scales", "biases")),
     "mlx4g32": (AFF4, 0, ("codes", "scales", "biases")),
     "fp8": (MXFP8, 0, ("codes", "scales")),
     "turbo4": (TURBO, 4, ("codes", "norms")),
@@ -44,8 +45,9 @@ FUSED_TIERS = {
     "turbo2": (TURBO, 2, ("codes", "norms")),
     "mxfp4": (MXFP4, 0, ("codes", "scales")),
     "nvfp4": (NVFP4, 0, ("codes", "scales")),
+    "kivi4": (KIVI4, 0, ("codes", "scales", "biases")),
 }
-TC_ONLY = (MXFP4, NVFP4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
+TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
 DENSE_IDS = {mx.float16: FP16, mx.bfloat16: BF16, mx.float32: F32}
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
@@ -65,10 +67,11 @@ ROTATED_FUSED = True
 SINKS_FUSED = True
 # query rows per KV head (GQA group x question tokens) from which a call decodes the prefix for MLX's SDPA
 # (`dense.prefill_attention`) instead of the kernel, whose time grows with the rows; by the K side's kernel
-# tier, measured on an H200 (32 q / 8 kv heads, head_dim 128, 32K and 128K tokens; 64-1,024 rows:
-# benchmarks/results/h200-prefill-*.json): fp16 pages cross over below 256 rows, int8 and mlx4g32 between
-# 256 and 512, turbo4 between 512 and 1,024
-DENSE_MIN_ROWS = {FP16: 256, BF16: 256, TURBO: 1024}
+# tier, measured on an H200 (32 q / 8 kv heads, head_dim 128, 32K and 128K tokens, 128-1,024 rows:
+# benchmarks/results/h200-prefill-sweep.json): fp16 and mlx4g32 (+rot) pages cross over between 128 and 256
+# rows, int8 and turbo4 between 256 and 512; kivi4's decode (its per-channel groups: MLX ops, not
+# mx.dequantize) is slower than the kernel at every count measured (8.5x against 6.2x dense at 1,024 rows)
+DENSE_MIN_ROWS = {FP16: 256, BF16: 256, AFF4: 256, TURBO: 512, KIVI4: 1 << 30}
 DENSE_MIN_ROWS_OTHER = 512
 # pass-1 blocks of the tensor-core variant, measured on an H200 (benchmarks/results/h200-blocks-sweep.json):
 # head_dim 128: 264 (2 per SM) was fastest of 132-594 at 32K-128K tokens; head_dim 64: 528 (45.1-45.8 us
@@ -80,6 +83,12 @@ MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
 TC_STAGES = 3  # tiles of 16 tokens in flight per warp in flash_pass1_tc
 TC_WARPS = 4
+# tiers whose codes flash_pass1_tc looks up in registers (PRMT on a table of 8 magnitudes, `nib_lookup4`) rather
+# than in a shared-memory table of code pairs (`smem_lookup4`); TurboQuant only for codebooks symmetric in fp16.
+# Measured on an H200 (benchmarks/results/h200-lookup-decode.json, 131,072 tokens, head_dim 128): registers
+# 103.1 / 107.9 us against 109.1 / 111.6 for mxfp4 / nvfp4, 103.6 against 106.4 for turbo4, but 145.3 / 122.1
+# against 123.4 / 89.3 for turbo3 / turbo2 (spreading 3- and 2-bit codes into nibbles costs more than it saves)
+REGISTER_LOOKUP = frozenset((MXFP4, NVFP4))
 MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
 # 3 = no finish in the single launch (outputs are then garbage)
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
@@ -92,13 +101,13 @@ PASS1_CALL = """cart::flash_pass1<T, TK, TV, BK, BV, HD, EPL, ROWS, NKV, PAGE, W
     q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
-MMA_INPUTS = ["q", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
-TC_CALL = """cart::flash_pass1_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS, STAGES, RK>(
+MMA_INPUTS = ["q", "sgk", "k0", "k1", "k2", "v0", "v1", "v2", "prm"]
+TC_CALL = """cart::flash_pass1_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS, STAGES, RK, LREG>(
     q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
-MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG>(
-    q, SCALE, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
+MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG, RK>(
+    q, SCALE, sgk, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
     (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
     (const __half*)(const void*)v2, prm, O, M, L);
 """
@@ -151,10 +160,10 @@ def kernel_spec(kind, n_chunks=0, consts=()):
     if kind == "finish":
         tails = [name for i in range(n_chunks) for name in (f"tk{i}", f"tv{i}")]
         tks, tvs = ", ".join(tails[0::2]), ", ".join(tails[1::2])
-        inputs, outputs = ["O", "M", "L", "q", "prm", "sgv", "snk", *tails], ["out"]
+        inputs, outputs = ["O", "M", "L", "q", "prm", "sgv", "snk", "pk", "pv", *tails], ["out"]
         body = (f"const T* tks[{n_chunks}] = {{{tks}}};\nconst T* tvs[{n_chunks}] = {{{tvs}}};\n"
-                "cart::finish_row<T, HD, NKV, NCH, CH, VROT, SINKS>(O, M, L, q, SCALE, prm, sgv, snk, tks, tvs, "
-                "out, blockIdx.y, blockIdx.z);\n")
+                "cart::finish_row<T, HD, NKV, NCH, CH, VROT, SINKS, NP>(O, M, L, q, SCALE, prm, sgv, snk, pk, pv, tks, "
+                "tvs, out, blockIdx.y, blockIdx.z);\n")
     else:
         base = kind.split("+")[0]
         inputs = list(MMA_INPUTS if base == "mma" else PASS1_INPUTS)
@@ -178,25 +187,32 @@ def _kernel(kind, n_chunks, consts, shared_memory=0):
 
 
 def _tc_side_bytes(tid, bits, D):
-    """(tile bytes, code-pair table bytes) of one side in flash_pass1_tc (TcSide in flash_decode.cuh)."""
-    b0 = 2 * D if tid in (FP16, BF16) else D if tid in (AFF8, MXFP8) else D * bits // 8 if tid == TURBO else D // 2
-    b1 = {AFF8: D // 16, AFF4: D // 16, MXFP8: D // 32, MXFP4: D // 32, NVFP4: D // 16, TURBO: 2}.get(tid, 0)
-    b2 = D // 16 if tid in (AFF8, AFF4) else 0
+    """Bytes of one side's 16-token tile in flash_pass1_tc (TcSide in flash_decode.cuh)."""
+    affine = tid in (AFF8, AFF6, AFF4, KIVI4)
+    b0 = (2 * D if tid in (FP16, BF16) else D if tid in (AFF8, MXFP8) else 3 * D // 4 if tid == AFF6
+          else D * bits // 8 if tid == TURBO else D // 2)
+    b1 = D // 16 if affine else {MXFP8: D // 32, MXFP4: D // 32, NVFP4: D // 16, TURBO: 2}.get(tid, 0)
+    b2 = D // 16 if affine else 0
+    rows = 32 if tid == KIVI4 else 16  # arrays 1 and 2: kivi4 copies its token group's 32 rows
     rs = b0 + 16 if b0 % 16 == 0 else b0
-    tile = 16 * rs + (16 * b1 + 15) // 16 * 16 + (16 * b2 + 15) // 16 * 16
+    return 16 * rs + (rows * b1 + 15) // 16 * 16 + (rows * b2 + 15) // 16 * 16
+
+
+def _lut_bytes(tid, bits):
+    """Bytes of one side's shared-memory code-pair table (TcSide::LUT_BYTES): 0 for a tier without lookups."""
     if tid not in (MXFP4, NVFP4, TURBO):
-        return tile, 0
+        return 0
     entries = 1 << (2 * (bits if tid == TURBO else 4))
-    copies = 32 if entries * 128 <= 8192 else 8192 // (4 * entries)
-    return tile, entries * copies * 4
+    return entries * (32 if entries * 128 <= 8192 else 8192 // (4 * entries)) * 4
 
 
-def tc_smem_bytes(k_spec, v_spec, D, warps=None, stages=None):
-    """Dynamic shared memory of flash_pass1_tc (tc_smem_bytes in flash_decode.cuh): tables, then the stages or
-    the warps' outputs, whichever is larger."""
+def tc_smem_bytes(k_spec, v_spec, D, lreg=False, warps=None, stages=None):
+    """Dynamic shared memory of flash_pass1_tc (tc_smem_bytes in flash_decode.cuh): the code-pair tables (unless
+    `lreg`, lookups in registers), then the stages or the warps' outputs, whichever is larger."""
     warps, stages = warps or TC_WARPS, stages or TC_STAGES
-    (tk, lk), (tv, lv) = _tc_side_bytes(k_spec[0], k_spec[1], D), _tc_side_bytes(v_spec[0], v_spec[1], D)
-    return lk + lv + max(warps * stages * (tk + tv), warps * 8 * D * 4)
+    tk, tv = _tc_side_bytes(k_spec[0], k_spec[1], D), _tc_side_bytes(v_spec[0], v_spec[1], D)
+    tables = 0 if lreg else _lut_bytes(k_spec[0], k_spec[1]) + _lut_bytes(v_spec[0], v_spec[1])
+    return tables + max(warps * stages * (tk + tv), warps * 8 * D * 4)
 
 
 @functools.cache
@@ -237,6 +253,15 @@ def supported(prefix, head_dim):
     return True
 
 
+def _table_ok(spec, params):
+    """False for a TurboQuant codebook that is not symmetric in fp16: flash_pass1_tc looks up magnitudes and
+    takes the sign from the code (`tc_table`); the codebooks cartridge builds are symmetric by construction."""
+    if spec is None or spec[0] != TURBO:
+        return True
+    cb = np.asarray(params["codebook"], dtype=np.float16)
+    return bool(np.array_equal(cb, -cb[::-1]))
+
+
 def _side_inputs(spec, parts, params, rot=None):
     """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy: a
     TurboQuant side's, or a rotated side's (the rotation's signs, the same for every KV head)."""
@@ -247,9 +272,9 @@ def _side_inputs(spec, parts, params, rot=None):
         signs = mx.array(np.tile(sign_bits(rot["seed"], D), (n_kv, 1)))  # (n_kv, D)
         _, cb, _ = _side_inputs(spec, parts, params)
         return arrays, cb, signs
-    if tid == NVFP4:  # cb[0]: the global factor global_scale / (448 * 6)
+    if tid == NVFP4:  # cb[0]: the global factor global_scale / (448 * 6), times the 2^8 the kernel's fp16 scales lack
         cb = np.zeros(16, dtype=np.float32)
-        cb[0] = params["global_scale"] / (448.0 * 6.0)
+        cb[0] = params["global_scale"] / (448.0 * 6.0) * 256.0
         return arrays, mx.array(cb), mx.zeros((1,), dtype=mx.float32)
     if tid == TURBO:
         cb = np.zeros(16, dtype=np.float32)
@@ -302,29 +327,47 @@ class FusedAttention:
         self.v_in, self.cbv, self.sgv = _side_inputs(self.v_spec, prefix.v_parts, prefix.v_params, v_rot)
         self.k_rot, self.v_rot = k_rot is not None, v_rot is not None
         _, self.n_kv, self.page, _ = self.k_in[0].shape
-        self.n_tokens = prefix.n_tokens
+        # stored tokens first .. end - 1 are read from the pages; protected tokens (format 1.5) from their fp16
+        # copies, by the finish (so a protected layer takes two launches); pass 1 starts at a multiple of 16
+        self.first, self.end = (0, prefix.n_tokens) if prefix.protected is None else \
+            prefix.protected.page_range(prefix.n_tokens)
+        self.start = self.first // 16 * 16
+        self.kept = None if prefix.protected is None else (prefix.protected.k, prefix.protected.v)  # (n_kv, NP, D)
+        self._kept_as = {}  # dtype -> the protected copies in it
         rotated = self.k_rot or self.v_rot
-        self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0 and not rotated
+        self.mma = self.k_spec[0] == AFF4 and self.v_spec[0] == AFF4 and self.page % 16 == 0
         self.tc_only = self.k_spec[0] in TC_ONLY or self.v_spec[0] in TC_ONLY or rotated
+        self.table_ok = _table_ok(self.k_spec, prefix.k_params) and _table_ok(self.v_spec, prefix.v_params)
+        self.tc_reads = F32 not in (self.k_spec[0], self.v_spec[0])  # flash_pass1_tc reads no float32 pages
         self.v_back = self.v_spec[0] == TURBO or self.v_rot  # the finish rotates the prefix output back
         self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (6,) device row per tail length]
         self._plans = {}
 
     def _params(self, plan, L, tail_len, chunk_size):
-        """Kernel parameters [n_tokens, R, per split, splits, tail length, query tokens] (int32 (6,)) on the
-        device. Decode steps (L = 1) take a row made and evaluated once per tail length, so a step adds
-        no operation for them."""
+        """Kernel parameters [end of the stored tokens read, R, per split, splits, tail length, query tokens, first
+        split's start, first stored token read] (int32 (8,)) on the device. Decode steps (L = 1) take a row made
+        and evaluated once per tail length, so a step adds no operation for them."""
+        head = [self.end, plan.R, plan.per, plan.n_splits]
         if L > 1:
-            return mx.array([self.n_tokens, plan.R, plan.per, plan.n_splits, tail_len, L], dtype=mx.int32)
+            return mx.array([*head, tail_len, L, self.start, self.first], dtype=mx.int32)
         key = (plan.R, plan.per, plan.n_splits, chunk_size)
         rows = self._rows.get(key)
         if rows is None:
-            table = np.zeros((MAX_CHUNKS * chunk_size + 1, 6), dtype=np.int32)
-            table[:] = [self.n_tokens, plan.R, plan.per, plan.n_splits, 0, 1]
+            table = np.zeros((MAX_CHUNKS * chunk_size + 1, 8), dtype=np.int32)
+            table[:] = [*head, 0, 1, self.start, self.first]
             table[:, 4] = np.arange(len(table))
             rows = self._rows[key] = list(mx.array(table))
             mx.eval(rows)
         return rows[tail_len]
+
+    def _protected(self, dtype):
+        """The finish's pk, pv: the protected tokens' fp16 copies (n_kv, NP, D) in `dtype`, or one-element dummies."""
+        kept = self._kept_as.get(dtype)
+        if kept is None:
+            kept = [mx.zeros((1,), dtype=dtype)] * 2 if self.kept is None else [a.astype(dtype) for a in self.kept]
+            mx.eval(kept)
+            self._kept_as[dtype] = kept
+        return kept
 
     def uses_mma(self, R, D):
         """True if pass 1 runs `flash_pass1_mma` (mlx4g32 K and V) for R query rows per KV head and head_dim D."""
@@ -333,7 +376,8 @@ class FusedAttention:
     def uses_tensor_cores(self, R, D):
         """True if pass 1 runs on tensor cores (`flash_pass1_mma` or `flash_pass1_tc`) for R query rows per KV
         head and head_dim D; mxfp4 and nvfp4 always do (they have no other pass 1)."""
-        return (self.tc_only or TENSOR_CORES) and D in MMA_HEAD_DIMS and self.page % 16 == 0 and has_tensor_cores()
+        return ((self.tc_only or TENSOR_CORES) and self.tc_reads and D in MMA_HEAD_DIMS and self.page % 16 == 0
+                and has_tensor_cores())
 
     def _plan(self, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks):
         R = (n_q // self.n_kv) * L  # query rows per KV head: GQA group x query tokens
@@ -342,22 +386,23 @@ class FusedAttention:
             target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
             # splits of whole 16-token tiles, equal within a tile: at 131072 tokens, 32 x 3984 + 3584 tokens
             # rather than 32 x 4032 + 2048 (a block with half the work, and the others longer)
-            per, n_splits = split_plan(self.n_tokens, self.n_kv, 1, 16 * MMA_WARPS, target, granule=16)
-            kind, inputs, threads = "mma", [*self.k_in, *self.v_in], MMA_WARPS * 32
+            per, n_splits = split_plan(self.end - self.start, self.n_kv, 1, 16 * MMA_WARPS, target, granule=16)
+            kind, inputs, threads = "mma", [self.sgk, *self.k_in, *self.v_in], MMA_WARPS * 32
             consts = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("PAGE", self.page), ("WARPS", MMA_WARPS),
-                      ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG)]
+                      ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG), ("RK", self.k_rot)]
             grid = (n_splits * threads, self.n_kv, 1)
         elif self.uses_tensor_cores(R, D):
             target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
             row_blocks = -(-R // 8)
-            per, n_splits = split_plan(self.n_tokens, self.n_kv, row_blocks, 16 * TC_WARPS, target, granule=16)
+            per, n_splits = split_plan(self.end - self.start, self.n_kv, row_blocks, 16 * TC_WARPS, target, granule=16)
             (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
+            lreg = bool(REGISTER_LOOKUP & {tk, tv}) and self.table_ok
             kind, inputs, threads = "tc", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], TC_WARPS * 32
             consts = [("T", dtype), ("TK", tk), ("BK", bk), ("TV", tv), ("BV", bv), ("HD", D), ("NKV", self.n_kv),
                       ("PAGE", self.page), ("WARPS", TC_WARPS), ("STAGES", TC_STAGES), ("DIAG", 0),
-                      ("RK", self.k_rot)]
+                      ("RK", self.k_rot), ("LREG", lreg)]
             grid = (n_splits * threads, self.n_kv, row_blocks)
-            smem = tc_smem_bytes(self.k_spec, self.v_spec, D)
+            smem = tc_smem_bytes(self.k_spec, self.v_spec, D, lreg)
             # MLX raises a kernel's shared-memory limit only for more than 48000 dynamic bytes; with the static
             # arrays (about 6 KB) a smaller request could still pass the default 48 KiB
             smem = smem if smem <= 48 * 1024 - 8192 else max(smem, 48004)
@@ -365,7 +410,7 @@ class FusedAttention:
             rows, epl = (R, DECODE_EPL) if R <= 4 else (8, 8)
             slots = (32 // (D // epl)) * WARPS * UNROLL  # tokens a block consumes per round
             row_blocks = -(-R // rows)
-            per, n_splits = split_plan(self.n_tokens, self.n_kv, row_blocks, slots)
+            per, n_splits = split_plan(self.end - self.start, self.n_kv, row_blocks, slots)
             (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
             kind, inputs, threads = "pass1", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], WARPS * 32
             consts = [("T", dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D), ("EPL", epl),
@@ -379,7 +424,8 @@ class FusedAttention:
             return _Plan(_kernel(kind + "+finish", 1, consts, smem), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
         finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
-                  ("VROT", self.v_back), ("SINKS", sinks), ("SCALE", float(scale))]
+                  ("VROT", self.v_back), ("SINKS", sinks), ("NP", 0 if self.kept is None else self.kept[0].shape[1]),
+                  ("SCALE", float(scale))]
         consts = tuple(consts)
         return _Plan(_kernel(kind, 0, consts, smem), consts, inputs, grid, threads, False,
                      _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
@@ -408,9 +454,10 @@ class FusedAttention:
         if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
             return None
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
-                  and tail_len <= chunk_size and not self.v_back and sinks is None)
+                  and tail_len <= chunk_size and not self.v_back and sinks is None and self.kept is None)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
-               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES, sinks is None)
+               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES, sinks is None,
+               REGISTER_LOOKUP)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single,
@@ -432,6 +479,6 @@ class FusedAttention:
         tails = [c for pair in zip(cache._k_chunks[:n_chunks], cache._v_chunks[:n_chunks]) for c in pair]
         return plan.finish(
             inputs=[O, M, Lsum, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
-                    *tails], grid=(128, self.n_kv, plan.R),
+                    *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, plan.R),
             threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
             init_value=POISON)[0]

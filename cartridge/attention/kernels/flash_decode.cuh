@@ -291,7 +291,7 @@ __device__ void flash_pass1(const T* q, float scale, const float* sgk,
     ob[r] = 0.f;
   }
 
-  const int t0 = split * per_split;
+  const int t0 = prm[6] + split * per_split, first = prm[7];  // stored tokens first .. n_tokens - 1 (protection)
   const int t1 = min(t0 + per_split, n_tokens);
   auto token_index = [&](int t) { return ((size_t)(t / P) * NKV + h) * P + (t % P); };
   for (int tb = t0; tb < t1; tb += SLOTS * UNR) {
@@ -308,7 +308,7 @@ __device__ void flash_pass1(const T* q, float scale, const float* sgk,
     }
 #pragma unroll
     for (int u = 0; u < UNR; ++u) {
-      const bool valid = tb + u * SLOTS + slot < t1;
+      const bool valid = tb + u * SLOTS + slot < t1 && tb + u * SLOTS + slot >= first;
       float s[ROWS];
       k_scores<TK, EPL, BK, ROWS>(kr[u], qr, qs, cb_k, s);
 #pragma unroll
@@ -473,8 +473,9 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 
 // DIAG (benchmarks only; 0 otherwise): 1 = copies without the math, 2 = the math without the copies
 // (3, no finish, is handled by the caller).
-template <typename T, int D, int NKV, int P, int WARPS, int STAGES, int DIAG>
-__device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, const __half* ks,
+// RK: K (and V, which the finish rotates back) stored by mlx4g32+rot: q is rotated first, (R q).(R k) = q.k.
+template <typename T, int D, int NKV, int P, int WARPS, int STAGES, int DIAG, bool RK>
+__device__ void flash_pass1_mma(const T* q, float scale, const float* sgk, const uint32_t* kc, const __half* ks,
                                 const __half* kb, const uint32_t* vc, const __half* vs, const __half* vb,
                                 const int32_t* prm, float* O, float* M, float* L) {
   constexpr int NG = D / 32, WT = D / 8, WS = WT + 4;  // groups, code words per token, padded stride
@@ -492,7 +493,7 @@ __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, con
   __shared__ float sp[WARPS][16][4];
   __shared__ float sm_m[WARPS][4], sm_l[WARPS][4];
 
-  const int t0 = blockIdx.x * per_split;
+  const int t0 = prm[6] + blockIdx.x * per_split, first = prm[7];  // prm[6]: `first` rounded down to 16
   const int t1 = min(t0 + per_split, n_tokens);
   const int n_tiles = (t1 - t0 + 15) / 16;
 
@@ -536,9 +537,14 @@ __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, con
   // (qi + 128) >> 8 and the low byte qi - 256 hi both fit int8)
   for (int idx = threadIdx.x; idx < 4 * D; idx += blockDim.x) {
     const int r = idx / D, d = idx % D;
-    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * (scale * LOG2E) : 0.f;
+    sq[r][d] = r < R ? (float)q[((size_t)h * R + r) * D + d] * (scale * LOG2E) * (RK ? sgk[h * D + d] : 1.f) : 0.f;
   }
   __syncthreads();
+  if constexpr (RK) {  // q~ = H diag(s) q / sqrt(D), as flash_pass1_tc
+    fwht_rows<4, D>(&sq[0][0]);
+    for (int idx = threadIdx.x; idx < 4 * D; idx += blockDim.x) sq[idx / D][idx % D] *= rsqrtf((float)D);
+    __syncthreads();
+  }
   if (threadIdx.x < 4 * NG) {
     const int r = threadIdx.x / NG, G = threadIdx.x % NG;
     float acc = 0.f, mx = 0.f;
@@ -628,12 +634,13 @@ __device__ void flash_pass1_mma(const T* q, float scale, const uint32_t* kc, con
     float mt = NEG_INF;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      x[r] = tb + g + 8 * r < t1 ? fmaf(x[r], qinv, xb[r]) : NEG_INF;
+      const int t = tb + g + 8 * r;
+      x[r] = t < t1 && t >= first ? fmaf(x[r], qinv, xb[r]) : NEG_INF;
       mt = fmaxf(mt, x[r]);
     }
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
-    const float mn = fmaxf(m, mt);  // finite: token tb is in every tile
+    const float mn = fmaxf(m, mt);  // finite: every tile holds a stored token (the first one holds `first`)
     const float alpha = exp2_ftz(m - mn);
     const float p0 = exp2_ftz(x[0] - mn), p1 = exp2_ftz(x[1] - mn);
     l = fmaf(l, alpha, p0 + p1);
@@ -718,10 +725,10 @@ namespace cart {
 // VROT: the prefix's V was stored rotated (TurboQuant, or a +rot tier): the merged prefix output is rotated
 // back before the tail is added. SINKS: one more logit per query head with no value (gpt-oss `sinks`, natural
 // log units like the scores), snk[q head], q head = h * group + row / Lq.
-template <typename T, int D, int NKV, int NCH, int CH, bool VROT, bool SINKS>
+template <typename T, int D, int NKV, int NCH, int CH, bool VROT, bool SINKS, int NP>
 __device__ void finish_row(const float* O, const float* M, const float* L, const T* q, float scale,
-                           const int32_t* prm, const float* sgv, const float* snk, const T* const* tks,
-                           const T* const* tvs, T* out, int h, int row) {
+                           const int32_t* prm, const float* sgv, const float* snk, const T* pk, const T* pv,
+                           const T* const* tks, const T* const* tvs, T* out, int h, int row) {
   constexpr int WARPS = 4, EPT = D / 32;
   const int R = prm[1], S = prm[3], tail_len = prm[4], Lq = prm[5];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -775,10 +782,10 @@ __device__ void finish_row(const float* O, const float* M, const float* L, const
   }
   float mw = NEG_INF, lw = 0.f;
   const int qpos = tail_len - Lq + row % Lq;
-  for (int j = warp; j <= qpos; j += WARPS) {
-    const size_t off = ((size_t)h * CH + j % CH) * D;
-    const T* kp = tks[j / CH] + off;
-    const T* vp = tvs[j / CH] + off;
+  for (int j = warp - NP; j <= qpos; j += WARPS) {  // j < 0: protected token NP + j (visible to every row)
+    const size_t off = j < 0 ? ((size_t)h * NP + NP + j) * D : ((size_t)h * CH + j % CH) * D;
+    const T* kp = j < 0 ? pk + off : tks[j / CH] + off;
+    const T* vp = j < 0 ? pv + off : tvs[j / CH] + off;
     float sc = 0.f;
 #pragma unroll
     for (int i = 0; i < EPT; ++i) sc = fmaf(qv[i], (float)kp[lane + 32 * i], sc);
@@ -965,30 +972,36 @@ namespace cart {
 // consecutive head_dim elements of a token at a time to fp16 (`tile_deq4`). Output: mma.m16n8k16 with head_dim
 // as M (lane g owns D/8 consecutive elements; row g of M block b is element g D/8 + 2b, row g + 8 the next),
 // tokens as K, the rows' probabilities (fp16) as N; V is dequantized by the same function and token pairs are
-// interleaved with PRMT. Per tier: fp16 as stored; bf16 converted to fp16; int8 / mlx4g32 s c + b (exact codes,
-// one rounding); fp8 E4M3 by bit moves times its E8M0 scale; mxfp4 / nvfp4 and TurboQuant through a table of
-// code pairs -> half2 in shared memory (copies per lane class against bank conflicts), times the group scale
+// interleaved with PRMT. Per tier: fp16 as stored; bf16 converted to fp16; int8 / int6 / mlx4g32 s c + b (exact
+// codes, one rounding); kivi4 the same with per-channel s, b of the tile's 32-token group; fp8 E4M3 by bit moves
+// times its E8M0 scale; mxfp4 / nvfp4 and TurboQuant by looking 4 codes up at once in an 8-entry table of fp16
+// magnitudes held in registers (`nib_lookup4`, PRMT), the sign from the code's top bit, times the group scale
 // (mxfp4, nvfp4; nvfp4's global factor and TurboQuant's norms are applied per score / folded into the
 // probabilities). TurboQuant runs in the rotated basis: q is rotated once per block, the output is rotated
 // back by the finish.
-constexpr int MXFP4 = 7, NVFP4 = 8;
+constexpr int MXFP4 = 7, NVFP4 = 8, AFF6 = 9, KIVI4 = 10;
 
 template <int TIER, int BITS, int D>
 struct TcSide {
+  static_assert(TIER != F32, "flash_pass1_tc reads no float32 pages (cuda.FusedAttention.uses_tensor_cores)");
   static constexpr bool DENSE = TIER == FP16 || TIER == BF16;
-  static constexpr int B0 = DENSE ? 2 * D : (TIER == AFF8 || TIER == MXFP8) ? D : TIER == TURBO ? D * BITS / 8 : D / 2;
-  static constexpr int B1 = (TIER == AFF8 || TIER == AFF4) ? D / 16 : (TIER == MXFP8 || TIER == MXFP4) ? D / 32
-                          : TIER == NVFP4 ? D / 16 : TIER == TURBO ? 2 : 0;
-  static constexpr int B2 = (TIER == AFF8 || TIER == AFF4) ? D / 16 : 0;
+  static constexpr bool AFFINE = TIER == AFF8 || TIER == AFF6 || TIER == AFF4 || TIER == KIVI4;
+  static constexpr int B0 = DENSE ? 2 * D : (TIER == AFF8 || TIER == MXFP8) ? D : TIER == AFF6 ? 3 * D / 4
+                          : TIER == TURBO ? D * BITS / 8 : D / 2;
+  static constexpr int B1 = AFFINE ? D / 16 : (TIER == MXFP8 || TIER == MXFP4) ? D / 32 : TIER == NVFP4 ? D / 16
+                          : TIER == TURBO ? 2 : 0;
+  static constexpr int B2 = AFFINE ? D / 16 : 0;
+  static constexpr int SBR = TIER == KIVI4 ? 32 : 16;  // rows of arrays 1 and 2 in a tile (kivi4: its token group's)
   static constexpr int RS = B0 % 16 == 0 ? B0 + 16 : B0;  // row stride of array 0 (padded against bank conflicts)
   static constexpr int O1 = 16 * RS;
-  static constexpr int O2 = O1 + (16 * B1 + 15) / 16 * 16;
-  static constexpr int BYTES = O2 + (16 * B2 + 15) / 16 * 16;  // one 16-token tile
-  static constexpr bool LUT = TIER == MXFP4 || TIER == NVFP4 || TIER == TURBO;
+  static constexpr int O2 = O1 + (SBR * B1 + 15) / 16 * 16;
+  static constexpr int BYTES = O2 + (SBR * B2 + 15) / 16 * 16;  // one 16-token tile
+  // the shared-memory code-pair table (`LREG` false): pairs of codes -> half2, copies per lane class
+  static constexpr bool LOOKUP = TIER == MXFP4 || TIER == NVFP4 || TIER == TURBO;
   static constexpr int LB = TIER == TURBO ? BITS : 4;  // bits per code
-  static constexpr int ENTRIES = LUT ? 1 << (2 * LB) : 0;  // code pairs
-  static constexpr int COPIES = !LUT ? 1 : ENTRIES * 128 <= 8192 ? 32 : 8192 / (4 * ENTRIES);
-  static constexpr int LUT_BYTES = LUT ? ENTRIES * COPIES * 4 : 0;
+  static constexpr int ENTRIES = LOOKUP ? 1 << (2 * LB) : 0;  // code pairs
+  static constexpr int COPIES = !LOOKUP ? 1 : ENTRIES * 128 <= 8192 ? 32 : 8192 / (4 * ENTRIES);
+  static constexpr int LUT_BYTES = ENTRIES * COPIES * 4;
 };
 
 // 16-byte copies of a tile's rows of one array (B bytes per token, rows RS apart in shared memory), zero past
@@ -1005,83 +1018,86 @@ __device__ __forceinline__ void tc_copy(uint32_t dst, const char* src, unsigned 
   }
 }
 
+// One side's copies for the tile of tokens tb .. tb + 15 (page row `tok`): array 0 per token; arrays 1 and 2 per
+// token, or for kivi4 the 32 rows of the tile's token group (its per-channel scales / biases, spec/FORMAT.md 6.5).
+template <typename S>
+__device__ __forceinline__ void tc_copy_side(uint32_t st, const char* const (&c)[3], size_t tok, unsigned tb,
+                                             unsigned lim, int lane) {
+  tc_copy<S::B0, S::RS>(st, c[0] + tok * S::B0, lim, lane);
+  if constexpr (S::SBR == 32) {  // a page holds whole groups: all 32 rows are stored
+    const size_t g0 = tok - tb % 32;
+    tc_copy<2 * S::B1, 2 * S::B1>(st + S::O1, c[1] + g0 * S::B1, 16, lane);
+    tc_copy<2 * S::B2, 2 * S::B2>(st + S::O2, c[2] + g0 * S::B2, 16, lane);
+  } else {
+    if constexpr (S::B1 > 0) tc_copy<S::B1, S::B1>(st + S::O1, c[1] + tok * S::B1, lim, lane);
+    if constexpr (S::B2 > 0) tc_copy<S::B2, S::B2>(st + S::O2, c[2] + tok * S::B2, lim, lane);
+  }
+}
+
 __device__ __forceinline__ __half2 h2_splat(float x) { return __float2half2_rn(x); }
 
-// Elements d0 .. d0 + 3 (d0 % 4 == 0) of tile row r as two fp16 pairs (d0, d0 + 1) and (d0 + 2, d0 + 3):
-// the decoded value, except TurboQuant (codebook value, the norm comes later) and nvfp4 (without the global
-// factor). `lut` is this lane's column of the code-pair table.
-template <int TIER, int BITS, int D>
-__device__ __forceinline__ void tile_deq4(const char* tile, int r, int d0, const uint32_t* lut, uint32_t& x01,
-                                          uint32_t& x23) {
-  using S = TcSide<TIER, BITS, D>;
-  const char* row = tile + r * S::RS;
-  if constexpr (TIER == FP16) {
-    const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * d0);
-    x01 = u.x;
-    x23 = u.y;
-  } else if constexpr (TIER == BF16) {
-    const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * d0);
-    x01 = h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x))));
-    x23 = h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y))));
-  } else if constexpr (TIER == AFF8 || TIER == AFF4) {
-    const __half* sb = reinterpret_cast<const __half*>(tile + S::O1) + r * (D / 32) + d0 / 32;
-    const __half2 s = __half2half2(sb[0]);
-    const __half2 b = __half2half2(*reinterpret_cast<const __half*>(reinterpret_cast<const char*>(sb) + (S::O2 - S::O1)));
-    const __half2 k1024 = bits_h2(0x64006400u);
-    uint32_t c01, c23;
-    if constexpr (TIER == AFF8) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(row + d0);
-      c01 = __byte_perm(w, 0x64646464u, 0x4140);  // (1024 + c0, 1024 + c1), exact
-      c23 = __byte_perm(w, 0x64646464u, 0x4342);
-    } else {
-      const uint32_t w = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
-      c01 = (w & 0xFu) | ((w & 0xF0u) << 12) | 0x64006400u;
-      c23 = ((w >> 8) & 0xFu) | ((w & 0xF000u) << 4) | 0x64006400u;
+// Four codes, one per nibble of bits 0-15 (`neg`: bit 3 of a nibble set for a negative value, other bits clear;
+// `sel`: bits 0-2 of a nibble the index of its magnitude, bit 3 clear), looked up in 8 fp16 magnitudes held in
+// registers (`tab`: low bytes in x (0-3), y (4-7), high bytes in z, w), as two half2: codes (0, 1) and (2, 3).
+// PRMT picks 4 bytes by the 4 selector nibbles at once; each sign reaches bit 15 or 31 by one multiply (the
+// other products land on bits that are masked off, carries included).
+__device__ __forceinline__ void nib_lookup4(uint32_t sel, uint32_t neg, const uint4& tab, uint32_t& x01,
+                                            uint32_t& x23) {
+  const uint32_t hi = __byte_perm(tab.z, tab.w, sel), lo = __byte_perm(tab.x, tab.y, sel);
+  x01 = __byte_perm(lo, hi, 0x5140u) | ((neg * 0x01001000u) & 0x80008000u);  // signs of nibbles 0, 1
+  x23 = __byte_perm(lo, hi, 0x7362u) | ((neg * 0x00010010u) & 0x80008000u);  // nibbles 2, 3
+}
+
+// The 8 magnitudes `nib_lookup4` indexes: E2M1's 0, 0.5, 1, 1.5, 2, 3, 4, 6 (OCP MX v1.0 5.3.3; their fp16 low
+// bytes are zero) for mxfp4 and nvfp4; for a b-bit TurboQuant codebook its upper half cb[2^(b-1) + i] (the host
+// only fuses symmetric codebooks, cb[i] = -cb[2^b - 1 - i] in fp16: `cuda.supported`).
+template <int TIER, int BITS>
+__device__ __forceinline__ uint4 tc_table(const float* cb) {
+  if constexpr (TIER == MXFP4 || TIER == NVFP4) {
+    return uint4{0u, 0u, 0x3E3C3800u, 0x46444240u};
+  } else if constexpr (TIER == TURBO) {
+    constexpr int H = 1 << (BITS - 1);
+    uint32_t lo[2] = {0u, 0u}, hi[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const uint32_t h = __half_as_ushort(__float2half_rn(cb[H + i]));
+      lo[i / 4] |= (h & 0xFFu) << (8 * (i % 4));
+      hi[i / 4] |= (h >> 8) << (8 * (i % 4));
     }
-    x01 = h2_bits(__hfma2(__hsub2(bits_h2(c01), k1024), s, b));
-    x23 = h2_bits(__hfma2(__hsub2(bits_h2(c23), k1024), s, b));
-  } else if constexpr (TIER == MXFP8) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + d0);
-    const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 32) + d0 / 32];
-    const __half2 s = h2_splat(__uint_as_float(min(e + 8u, 254u) << 23));  // 2^(e - 127) * 2^8
-    const uint32_t t01 = __byte_perm(w, 0u, 0x1404), t23 = __byte_perm(w, 0u, 0x3424);  // bytes to the high halves
-    const uint32_t h01 = ((t01 >> 1) & 0x3F803F80u) | (t01 & 0x80008000u);  // E4M3 value * 2^-8 as fp16
-    const uint32_t h23 = ((t23 >> 1) & 0x3F803F80u) | (t23 & 0x80008000u);
-    x01 = h2_bits(__hmul2(bits_h2(h01), s));
-    x23 = h2_bits(__hmul2(bits_h2(h23), s));
-  } else {  // code-pair table: mxfp4, nvfp4, TurboQuant
-    constexpr int LB = S::LB, C = S::COPIES, MASK = (1 << (2 * LB)) - 1;
-    uint32_t bits;
-    if constexpr (LB == 3) {
-      const int bit = 3 * d0, wi = bit / 32, sh = bit % 32;
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
-      bits = sh <= 20 ? w[wi] >> sh : __funnelshift_r(w[wi], w[wi + 1], sh);
-    } else if constexpr (LB == 4) {
-      bits = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
-    } else {
-      bits = *reinterpret_cast<const uint8_t*>(row + d0 / 4);
-    }
-    x01 = lut[(bits & MASK) * C];
-    x23 = lut[((bits >> (2 * LB)) & MASK) * C];
-    if constexpr (TIER == MXFP4) {
-      const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 32) + d0 / 32];
-      const __half2 s = h2_splat(__uint_as_float(max(e, 1u) << 23));
-      x01 = h2_bits(__hmul2(bits_h2(x01), s));
-      x23 = h2_bits(__hmul2(bits_h2(x23), s));
-    } else if constexpr (TIER == NVFP4) {
-      const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 16) + d0 / 16];
-      const __half2 s = h2_splat(e4m3_to_float(e));
-      x01 = h2_bits(__hmul2(bits_h2(x01), s));
-      x23 = h2_bits(__hmul2(bits_h2(x23), s));
-    }
+    return uint4{lo[0], lo[1], hi[0], hi[1]};
+  } else {
+    return uint4{0u, 0u, 0u, 0u};
   }
+}
+
+// 4 consecutive b-bit TurboQuant codes (b = 2, 3: bits 0 .. 4b - 1 of `bits`; 4: bits 0-15) as nib_lookup4's
+// selector and signs. Code c is offset to a nibble c' = c + 8 - 2^(b-1): c' >= 8 is the magnitude c' - 8, c' < 8
+// minus the magnitude 7 - c' (= c' ^ 7).
+template <int BITS>
+__device__ __forceinline__ void turbo_nibbles(uint32_t bits, uint32_t& sel, uint32_t& neg) {
+  uint32_t n = bits;
+  if constexpr (BITS == 3) {
+    n = ((bits & 0x7u) | ((bits << 1) & 0x70u) | ((bits << 2) & 0x700u) | ((bits << 3) & 0x7000u)) + 0x4444u;
+  } else if constexpr (BITS == 2) {
+    n = ((bits & 0x3u) | ((bits << 2) & 0x30u) | ((bits << 4) & 0x300u) | ((bits << 6) & 0x3000u)) + 0x6666u;
+  }
+  neg = ~n & 0x8888u;
+  sel = (n ^ (neg - (neg >> 3))) & 0x7777u;  // 7 in each negative nibble: c' ^ 7
+}
+
+// Four codes (bits 0 .. 4 LB - 1) as two half2 from the shared-memory code-pair table: one load per pair.
+template <typename S>
+__device__ __forceinline__ void smem_lookup4(uint32_t bits, const uint32_t* lut, uint32_t& x01, uint32_t& x23) {
+  constexpr int MASK = (1 << (2 * S::LB)) - 1;
+  x01 = lut[(bits & MASK) * S::COPIES];
+  x23 = lut[((bits >> (2 * S::LB)) & MASK) * S::COPIES];
 }
 
 // Fill this side's code-pair table: entry e = (code e & mask, code e >> LB) as half2, COPIES copies interleaved.
 template <int TIER, int BITS, int D>
 __device__ void tc_fill_lut(uint32_t* lut, const float* cb) {
   using S = TcSide<TIER, BITS, D>;
-  if constexpr (S::LUT) {
+  if constexpr (S::LOOKUP) {
     constexpr int M = (1 << S::LB) - 1;
     for (int i = threadIdx.x; i < S::ENTRIES * S::COPIES; i += blockDim.x) {
       const int e = i / S::COPIES;
@@ -1102,6 +1118,103 @@ __device__ void tc_fill_lut(uint32_t* lut, const float* cb) {
   }
 }
 
+// The 32-bit little-endian word of a tile row starting at bit `bit` (4-byte aligned row; the bits read exist).
+__device__ __forceinline__ uint32_t row_bits(const char* row, int bit, int width) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
+  const int wi = bit / 32, sh = bit % 32;
+  return sh + width <= 32 ? w[wi] >> sh : __funnelshift_r(w[wi], w[wi + 1], sh);
+}
+
+// Elements d0 .. d0 + 3 (d0 % 4 == 0) of tile row r as two fp16 pairs (d0, d0 + 1) and (d0 + 2, d0 + 3):
+// the decoded value, except TurboQuant (codebook value, the norm comes later) and nvfp4 (without the global
+// factor). Codes of mxfp4, nvfp4 and TurboQuant are looked up in registers (LREG: `tab`, this side's magnitudes
+// from `tc_table`) or in shared memory (`lut`: this lane's column of the code-pair table, `tc_fill_lut`).
+template <int TIER, int BITS, int D, bool LREG>
+__device__ __forceinline__ void tile_deq4(const char* tile, int r, int d0, const uint4& tab, const uint32_t* lut,
+                                          uint32_t& x01, uint32_t& x23) {
+  using S = TcSide<TIER, BITS, D>;
+  const char* row = tile + r * S::RS;
+  if constexpr (TIER == FP16) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * d0);
+    x01 = u.x;
+    x23 = u.y;
+  } else if constexpr (TIER == BF16) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * d0);
+    x01 = h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x))));
+    x23 = h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y))));
+  } else if constexpr (S::AFFINE) {
+    __half2 s01, s23, b01, b23;
+    if constexpr (TIER == KIVI4) {  // the group's scales / biases of channels d0 .. d0 + 3 (any row of the tile)
+      const uint2 s = *reinterpret_cast<const uint2*>(tile + S::O1 + 2 * d0);
+      const uint2 b = *reinterpret_cast<const uint2*>(tile + S::O2 + 2 * d0);
+      s01 = bits_h2(s.x), s23 = bits_h2(s.y), b01 = bits_h2(b.x), b23 = bits_h2(b.y);
+    } else {  // one scale and bias per 32 elements of the token
+      const __half* sb = reinterpret_cast<const __half*>(tile + S::O1) + r * (D / 32) + d0 / 32;
+      s01 = s23 = __half2half2(sb[0]);
+      b01 = b23 = __half2half2(*reinterpret_cast<const __half*>(reinterpret_cast<const char*>(sb) + (S::O2 - S::O1)));
+    }
+    const __half2 k1024 = bits_h2(0x64006400u);
+    uint32_t c01, c23;  // (1024 + c, 1024 + c'), exact
+    if constexpr (TIER == AFF8) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(row + d0);
+      c01 = __byte_perm(w, 0x64646464u, 0x4140);
+      c23 = __byte_perm(w, 0x64646464u, 0x4342);
+    } else if constexpr (TIER == AFF6) {  // 24 bits of the LSB-first stream (MLX's 6-bit packing)
+      const uint32_t w = row_bits(row, 6 * d0, 24);
+      c01 = (w & 0x3Fu) | ((w << 10) & 0x3F0000u) | 0x64006400u;
+      c23 = ((w >> 12) & 0x3Fu) | ((w >> 2) & 0x3F0000u) | 0x64006400u;
+    } else {
+      const uint32_t w = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
+      c01 = (w & 0xFu) | ((w & 0xF0u) << 12) | 0x64006400u;
+      c23 = ((w >> 8) & 0xFu) | ((w & 0xF000u) << 4) | 0x64006400u;
+    }
+    x01 = h2_bits(__hfma2(__hsub2(bits_h2(c01), k1024), s01, b01));
+    x23 = h2_bits(__hfma2(__hsub2(bits_h2(c23), k1024), s23, b23));
+  } else if constexpr (TIER == MXFP8) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + d0);
+    const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 32) + d0 / 32];
+    const __half2 s = h2_splat(__uint_as_float(min(e + 8u, 254u) << 23));  // 2^(e - 127) * 2^8
+    const uint32_t t01 = __byte_perm(w, 0u, 0x1404), t23 = __byte_perm(w, 0u, 0x3424);  // bytes to the high halves
+    const uint32_t h01 = ((t01 >> 1) & 0x3F803F80u) | (t01 & 0x80008000u);  // E4M3 value * 2^-8 as fp16
+    const uint32_t h23 = ((t23 >> 1) & 0x3F803F80u) | (t23 & 0x80008000u);
+    x01 = h2_bits(__hmul2(bits_h2(h01), s));
+    x23 = h2_bits(__hmul2(bits_h2(h23), s));
+  } else if constexpr (TIER == TURBO) {
+    uint32_t bits, sel, neg;
+    if constexpr (BITS == 3) {
+      bits = row_bits(row, 3 * d0, 12);
+    } else if constexpr (BITS == 4) {
+      bits = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
+    } else {
+      bits = *reinterpret_cast<const uint8_t*>(row + d0 / 4);
+    }
+    if constexpr (LREG) {
+      turbo_nibbles<BITS>(bits, sel, neg);
+      nib_lookup4(sel, neg, tab, x01, x23);
+    } else {
+      smem_lookup4<S>(bits, lut, x01, x23);
+    }
+  } else {  // mxfp4, nvfp4: E2M1 nibbles, bit 3 the sign
+    const uint32_t w = *reinterpret_cast<const uint16_t*>(row + d0 / 2);
+    if constexpr (LREG) {
+      nib_lookup4(w & 0x7777u, w & 0x8888u, tab, x01, x23);
+    } else {
+      smem_lookup4<S>(w, lut, x01, x23);
+    }
+    __half2 s;
+    if constexpr (TIER == MXFP4) {
+      const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 32) + d0 / 32];
+      s = h2_splat(__uint_as_float(max(e, 1u) << 23));
+    } else {  // E4M3 moved into fp16's fields: exactly scale * 2^-8 (the 2^8 is in the global factor)
+      const uint32_t e = reinterpret_cast<const uint8_t*>(tile + S::O1)[r * (D / 16) + d0 / 16];
+      const uint32_t h = ((e << 7) & 0x3F80u) | ((e & 0x80u) << 8);
+      s = bits_h2(h | (h << 16));
+    }
+    x01 = h2_bits(__hmul2(bits_h2(x01), s));
+    x23 = h2_bits(__hmul2(bits_h2(x23), s));
+  }
+}
+
 // Per-token factor of a score (TurboQuant K: the token's norm; nvfp4 K: the global factor cb[0]) or of a
 // probability (TurboQuant V: the norm), 1 otherwise.
 template <int TIER, int BITS, int D>
@@ -1113,17 +1226,18 @@ __device__ __forceinline__ float tc_token_factor(const char* tile, int r, const 
   }
 }
 
-template <int TK, int BK, int TV, int BV, int D, int WARPS, int STAGES>
+template <int TK, int BK, int TV, int BV, int D, int WARPS, int STAGES, bool LREG>
 __host__ __device__ constexpr int tc_smem_bytes() {
   using SK = TcSide<TK, BK, D>;
   using SV = TcSide<TV, BV, D>;
   constexpr int stages = WARPS * STAGES * (SK::BYTES + SV::BYTES), outs = WARPS * 8 * D * 4;
-  return SK::LUT_BYTES + SV::LUT_BYTES + (stages > outs ? stages : outs);
+  return (LREG ? 0 : SK::LUT_BYTES + SV::LUT_BYTES) + (stages > outs ? stages : outs);
 }
 
 // RK: K was stored rotated by a +rot tier (R = H diag(s) / sqrt(D), the signs in sgk): q is rotated as for
 // TurboQuant K, so (R q).(R k) = q.k; the tile decode is the base tier's.
-template <typename T, int TK, int BK, int TV, int BV, int D, int NKV, int P, int WARPS, int STAGES, bool RK>
+template <typename T, int TK, int BK, int TV, int BV, int D, int NKV, int P, int WARPS, int STAGES, bool RK,
+          bool LREG>
 __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const void* k0, const void* k1,
                                const void* k2, const void* v0, const void* v1, const void* v2, const float* cbk,
                                const float* cbv, const int32_t* prm, float* O, float* M, float* L) {
@@ -1140,32 +1254,29 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
   {
     uint32_t have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    if (have < (uint32_t)tc_smem_bytes<TK, BK, TV, BV, D, WARPS, STAGES>()) __trap();
+    if (have < (uint32_t)tc_smem_bytes<TK, BK, TV, BV, D, WARPS, STAGES, LREG>()) __trap();
   }
+  constexpr int LK = LREG ? 0 : SK::LUT_BYTES, LV = LREG ? 0 : SV::LUT_BYTES;
   uint32_t* lut_k = reinterpret_cast<uint32_t*>(dsm);
-  uint32_t* lut_v = reinterpret_cast<uint32_t*>(dsm + SK::LUT_BYTES);
-  unsigned char* stages = dsm + SK::LUT_BYTES + SV::LUT_BYTES;
+  uint32_t* lut_v = reinterpret_cast<uint32_t*>(dsm + LK);
+  unsigned char* stages = dsm + LK + LV;
   __shared__ float sq[8][D], sqs[8];
   __shared__ __align__(16) __half sp[WARPS][8][16];
   __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
 
-  const int t0 = blockIdx.x * per_split;
+  const int t0 = prm[6] + blockIdx.x * per_split, first = prm[7];  // prm[6]: `first` rounded down to 16
   const int t1 = min(t0 + per_split, n_tokens);
   const int n_tiles = (t1 - t0 + 15) / 16;
-  const char* kc[3] = {static_cast<const char*>(k0), static_cast<const char*>(k1), static_cast<const char*>(k2)};
-  const char* vc[3] = {static_cast<const char*>(v0), static_cast<const char*>(v1), static_cast<const char*>(v2)};
+  const char* const kc[3] = {static_cast<const char*>(k0), static_cast<const char*>(k1), static_cast<const char*>(k2)};
+  const char* const vc[3] = {static_cast<const char*>(v0), static_cast<const char*>(v1), static_cast<const char*>(v2)};
   const uint32_t stage0 = (uint32_t)__cvta_generic_to_shared(stages + warp * STAGES * STAGE);
 
   auto load_tile = [&](int tile, int buf) {
     const unsigned tb = t0 + 16 * tile, lim = t1 - tb;
     const size_t tok = ((size_t)(tb / P) * NKV + h) * P + tb % P;
     const uint32_t st = stage0 + buf * STAGE;
-    tc_copy<SK::B0, SK::RS>(st, kc[0] + tok * SK::B0, lim, lane);
-    if constexpr (SK::B1 > 0) tc_copy<SK::B1, SK::B1>(st + SK::O1, kc[1] + tok * SK::B1, lim, lane);
-    if constexpr (SK::B2 > 0) tc_copy<SK::B2, SK::B2>(st + SK::O2, kc[2] + tok * SK::B2, lim, lane);
-    tc_copy<SV::B0, SV::RS>(st + SK::BYTES, vc[0] + tok * SV::B0, lim, lane);
-    if constexpr (SV::B1 > 0) tc_copy<SV::B1, SV::B1>(st + SK::BYTES + SV::O1, vc[1] + tok * SV::B1, lim, lane);
-    if constexpr (SV::B2 > 0) tc_copy<SV::B2, SV::B2>(st + SK::BYTES + SV::O2, vc[2] + tok * SV::B2, lim, lane);
+    tc_copy_side<SK>(st, kc, tok, tb, lim, lane);
+    tc_copy_side<SV>(st + SK::BYTES, vc, tok, tb, lim, lane);
   };
 
 #pragma unroll
@@ -1174,8 +1285,10 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
     cp_async_commit();
   }
 
-  tc_fill_lut<TK, BK, D>(lut_k, cbk);
-  tc_fill_lut<TV, BV, D>(lut_v, cbv);
+  if constexpr (!LREG) {
+    tc_fill_lut<TK, BK, D>(lut_k, cbk);
+    tc_fill_lut<TV, BV, D>(lut_v, cbv);
+  }
   // the block's query rows rb * 8 + c (zero past R); TurboQuant K: rotated once, q~ = H diag(s) q / sqrt(D)
   for (int idx = threadIdx.x; idx < 8 * D; idx += blockDim.x) {
     const int c = idx / D, d = idx % D, row = rb * 8 + c;
@@ -1211,7 +1324,8 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
   float kg = 1.f, vg = 1.f;  // nvfp4 global factors
   if constexpr (TK == NVFP4) kg = cbk[0];
   if constexpr (TV == NVFP4) vg = cbv[0];
-  const uint32_t* lk = lut_k + lane % SK::COPIES;
+  const uint4 tk = tc_table<TK, BK>(cbk), tv = tc_table<TV, BV>(cbv);  // (LREG)
+  const uint32_t* lk = lut_k + lane % SK::COPIES;  // (!LREG)
   const uint32_t* lv = lut_v + lane % SV::COPIES;
 
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
@@ -1239,8 +1353,8 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       uint32_t a[4];
-      tile_deq4<TK, BK, D>(ktile, g, 16 * j + 4 * tig, lk, a[0], a[2]);
-      tile_deq4<TK, BK, D>(ktile, g + 8, 16 * j + 4 * tig, lk, a[1], a[3]);
+      tile_deq4<TK, BK, D, LREG>(ktile, g, 16 * j + 4 * tig, tk, lk, a[0], a[2]);
+      tile_deq4<TK, BK, D, LREG>(ktile, g + 8, 16 * j + 4 * tig, tk, lk, a[1], a[3]);
       mma16816(acc, a, qb[j][0], qb[j][1]);
     }
     float x[2][2];  // [token g, g + 8][column 2 tig + j], base-2 units
@@ -1249,7 +1363,7 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
     for (int i = 0; i < 2; ++i) {
       const int r = g + 8 * i;
       const float f = tc_token_factor<TK, BK, D>(ktile, r, cbk) * kg;
-      const bool valid = tb + r < t1;
+      const bool valid = tb + r < t1 && tb + r >= first;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         x[i][j] = valid ? acc[2 * i + j] * f * qinv[j] : NEG_INF;
@@ -1261,7 +1375,7 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
       for (int off = 4; off < 32; off <<= 1) mt[j] = fmaxf(mt[j], __shfl_xor_sync(0xffffffffu, mt[j], off));
-      const float mn = fmaxf(m[j], mt[j]);  // finite: token tb is in every tile
+      const float mn = fmaxf(m[j], mt[j]);  // finite: every tile holds a stored token (the first one holds `first`)
       alpha[j] = exp2_ftz(m[j] - mn);
       m[j] = mn;
     }
@@ -1292,7 +1406,8 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
 #pragma unroll
     for (int k = 0; k < 4; ++k)
 #pragma unroll
-      for (int i = 0; i < DL / 4; ++i) tile_deq4<TV, BV, D>(vtile, kt[k], g * DL + 4 * i, lv, vh[k][2 * i], vh[k][2 * i + 1]);
+      for (int i = 0; i < DL / 4; ++i)
+        tile_deq4<TV, BV, D, LREG>(vtile, kt[k], g * DL + 4 * i, tv, lv, vh[k][2 * i], vh[k][2 * i + 1]);
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const uint32_t a[4] = {__byte_perm(vh[0][b], vh[1][b], 0x5410), __byte_perm(vh[0][b], vh[1][b], 0x7632),
