@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cartridge.attention import budget
+from cartridge.attention import budget, pages
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.kernels import merge, portable
 from cartridge.attention.pages import make_prefix
@@ -36,10 +36,46 @@ def _sides(prefixes):
 def test_sizes_of_a_side():
     p = _prefixes(1)[0]
     assert p.nbytes == 2 * SIDE
+    # the dense pages, then one chunk decoded (here the whole side: under DECODE_CHUNK elements) in float32 with
+    # its temporaries (DECODE_BYTES an element), and its cast
+    elements = DENSE // 4
+    assert elements <= pages.DECODE_CHUNK and pages.DECODE_BYTES == 10
     s = budget.side_sizes(0, "k", SIDE, (5, N_KV, PAGE, D), mx.float32)
-    assert (s.dense, s.transient) == (DENSE, DENSE)
+    assert (s.dense, s.transient) == (DENSE, DENSE + elements * 10)
     s16 = budget.side_sizes(0, "k", SIDE, (5, N_KV, PAGE, D), mx.float16)
-    assert (s16.dense, s16.transient) == (DENSE // 2, DENSE + DENSE // 2)  # float32 decode, then the cast
+    assert (s16.dense, s16.transient) == (DENSE // 2, DENSE // 2 + elements * (10 + 2))
+    big = budget.side_sizes(0, "k", SIDE, (4096, N_KV, PAGE, D), mx.float32)  # chunks of whole pages
+    per_page = N_KV * PAGE * D
+    assert big.transient == big.dense + pages.DECODE_CHUNK // per_page * per_page * 10
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the measured peak is the CPU's")
+@pytest.mark.parametrize("tier, dtype", [("mxfp4", mx.float32), ("nvfp4", mx.float32), ("mlx4g32", mx.float16)])
+def test_decoding_a_side_stays_within_its_planned_bytes(tier, dtype, monkeypatch):
+    """decode_pages decodes a chunk of pages at a time into one buffer: MLX's measured peak while it decodes a side
+    stays within what the plan counts for it (its stored pages + `Side.transient`); a whole-side decode of
+    mxfp4 held 2.3x its float32 output."""
+    monkeypatch.setattr(pages, "DECODE_CHUNK", 4 * 8 * 256 * 128)  # 4 pages a chunk, as on a 27 MB side
+    codec = TIERS[tier]
+    prefix = make_prefix(codec, mx.random.normal((8, 26 * 256, 128), key=mx.random.key(0)), codec,
+                         mx.zeros((8, 256, 128)), 256)
+    parts = prefix.k_parts
+    mx.eval(parts)
+    mx.clear_cache()
+    stored = sum(a.nbytes for a in parts.values())
+    side = budget.side_sizes(0, "k", stored, (26, 8, 256, 128), dtype)
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = pages.decode_pages(codec, parts, prefix.k_params, dtype)
+    assert out.shape == (26, 8, 256, 128) and out.dtype == dtype
+    assert mx.get_peak_memory() - before <= side.transient
+    np.testing.assert_array_equal(np.array(out), np.array(codec.decode(parts, prefix.k_params).astype(dtype)))
+
+
+@pytest.fixture
+def no_decode_temporaries(monkeypatch):
+    """The plan's exact byte thresholds below count the dense pages only (no chunk temporaries)."""
+    monkeypatch.setattr(pages, "DECODE_BYTES", 0)
 
 
 def test_plan_decodes_k_sides_first_in_layer_order_within_the_budget():
@@ -67,7 +103,7 @@ def test_default_budget_is_stored_times_1_25_plus_one_layer():
     (76_800 + 3 * DENSE - 2 * 12_800, {(0, "k"), (1, "k"), (2, "k")}),
     (76_800 + 4 * DENSE - 3 * 12_800, {(0, "k"), (1, "k"), (2, "k"), (0, "v")}),
 ])
-def test_place_decodes_the_sides_a_max_memory_allows(max_memory, decoded):
+def test_place_decodes_the_sides_a_max_memory_allows(max_memory, decoded, no_decode_temporaries):
     prefixes = _prefixes()
     assert sum(p.nbytes for p in prefixes) == 76_800
     out, report = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory, unpack=False)
@@ -83,7 +119,7 @@ def test_place_decodes_the_sides_a_max_memory_allows(max_memory, decoded):
     assert report["policy"] == (names.pop() if len(names) == 1 else "mixed")
 
 
-def test_auto_uses_the_default_budget_and_a_named_policy_does_not():
+def test_auto_uses_the_default_budget_and_a_named_policy_does_not(no_decode_temporaries):
     entries = [{"backend": "cpu", "tier": "mlx4g32", "head_dim": D, "mode": "decode", "context": 256,
                 "policy": "dequantize-once", "us": {"portable": 2.0, "dequantize-once": 1.0}, "dense_us": 1.5,
                 "machine": "m", "measured": "d"}]
@@ -195,7 +231,7 @@ def test_plan_unpacked_unpacks_every_k_side_or_none():
     (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + STEP, {(0, "k")}, {(1, "k"), (2, "k")}),
     (76_800 + 3 * (UNPACKED - SIDE) + (DENSE - UNPACKED) + STEP - 1, set(), {(0, "k"), (1, "k"), (2, "k")}),
 ])
-def test_place_unpacks_the_k_sides_a_max_memory_allows(max_memory, decoded, packed):
+def test_place_unpacks_the_k_sides_a_max_memory_allows(max_memory, decoded, packed, no_decode_temporaries):
     prefixes = _prefixes()
     out, report = place(list(prefixes), "dequantize-once", mx.float32, [(D, D)] * 3, max_memory, unpack=True)
     want = {key: "dequantized" if key in decoded else "unpacked" if key in packed else "mlx4g32"

@@ -14,7 +14,7 @@ The default budget is the stored bytes x 1.25 + one layer decoded (`default_budg
 
 from dataclasses import dataclass, replace
 
-import mlx.core as mx
+from . import pages
 
 STORED_FACTOR = 1.25
 
@@ -26,9 +26,9 @@ class Side:
     Attributes:
         layer (int), side (str "k"|"v"): where. stored (int): bytes of its stored pages.
         dense (int): bytes of its dense pages in the dequantize dtype.
-        transient (int): bytes its decode holds besides the stored pages (the float32 decode, plus the
-            cast to a 16-bit dtype when that is the target, plus the unpacked codes it is decoded from
-            where it can be unpacked).
+        transient (int): bytes its decode holds besides the stored pages: the dense pages, one chunk's
+            float32 decode with its temporaries and its cast (`pages.decode_pages`), and the unpacked codes it is
+            decoded from where it can be unpacked.
         unpacked (int): bytes it holds with its codes unpacked; 0 where it cannot be unpacked.
         unpack_transient (int): bytes the unpacking holds besides the stored and the unpacked arrays.
         step (int): bytes a decode step holds while it reads this side unpacked (its float32 cast).
@@ -51,11 +51,13 @@ def side_sizes(layer, side, stored, shape, dtype, unpacking=None):
         unpacking (tuple | None): (unpacked, unpack_transient, step) bytes (`unpacked.sizes`) of a side
             that may be unpacked; None for one that may not. Default: None.
     """
-    elements = shape[0] * shape[1] * shape[2] * shape[3]
+    per_page = shape[1] * shape[2] * shape[3]
+    elements = shape[0] * per_page
     dense = elements * dtype.size
+    chunk = min(elements, max(1, pages.DECODE_CHUNK // per_page) * per_page)  # elements decoded at once
+    per_element = pages.DECODE_BYTES + (dtype.size if dtype.size != 4 else 0)  # float32 decode, then its cast
     unpacking = unpacking or (0, 0, 0)
-    return Side(layer, side, stored, dense, elements * 4 + (dense if dtype != mx.float32 else 0) + unpacking[0],
-                *unpacking)
+    return Side(layer, side, stored, dense, dense + chunk * per_element + unpacking[0], *unpacking)
 
 
 def default_budget(stored, sides):

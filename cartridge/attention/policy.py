@@ -13,11 +13,12 @@
 import mlx.core as mx
 
 from ..errors import InputError
-from ..tiers import get_tier, protect
+from ..tiers import get_tier
 from ..tiers.float16 import Float16Codec
 from . import budget, calibration, unpacked
 from .cache import LayerPrefix
 from .layers import ListLayer
+from .pages import decode_pages
 
 POLICIES = ("auto", "fused", "portable", "dequantize-once")
 UNCOMPRESSED = ("fp16", "bf16")
@@ -84,11 +85,11 @@ def _allowed_by_name(tiers):
 
 
 def dequantize(prefix, dtype):
-    """The same prefix with both sides decoded to dense (n_pages, n_kv_heads, P, head_dim) pages."""
-    k = prefix.k_codec.decode(prefix.k_parts, prefix.k_params).astype(dtype)
-    v = prefix.v_codec.decode(prefix.v_parts, prefix.v_params).astype(dtype)
-    if prefix.protected is not None:  # dense pages take the fp16 copies in place
-        k, v = (protect.overwrite(x, prefix.protected, side, prefix.n_tokens) for x, side in ((k, "k"), (v, "v")))
+    """The same prefix with both sides decoded to dense (n_pages, n_kv_heads, P, head_dim) pages (`decode_pages`:
+    a chunk of pages at a time, the protected tokens' fp16 copies in place)."""
+    k, v = (decode_pages(codec, parts, params, dtype, prefix.protected, side, prefix.n_tokens)
+            for codec, parts, params, side in ((prefix.k_codec, prefix.k_parts, prefix.k_params, "k"),
+                                               (prefix.v_codec, prefix.v_parts, prefix.v_params, "v")))
     return LayerPrefix(DEQUANTIZED, {"values": k}, DEQUANTIZED, {"values": v}, prefix.n_tokens)
 
 
@@ -153,10 +154,7 @@ def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
         if side in sides:  # a dense side takes the protected tokens' fp16 copies in place
             if via_unpacked and unpacked.can_unpack(codec):
                 codec, parts = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
-            x = codec.decode(parts, params).astype(dtype)
-            if p.protected is not None:
-                x = protect.overwrite(x, p.protected, side, p.n_tokens)
-            out[side] = DEQUANTIZED, {"values": x}
+            out[side] = DEQUANTIZED, {"values": decode_pages(codec, parts, params, dtype, p.protected, side, p.n_tokens)}
         else:
             out[side] = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
         mx.eval(list(out[side][1].values()))

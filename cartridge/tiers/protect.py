@@ -39,6 +39,22 @@ class Protected:
         return self.first, n_tokens - self.last
 
 
+def overwrite_in_place(pages, protected, side, n_tokens):
+    """`overwrite` into `pages` itself, a buffer the caller owns: the protected positions' slices are updated in
+    place (MLX reuses the buffer of an array nothing else refers to), one update per page they span."""
+    kept = (protected.k if side == "k" else protected.v).astype(pages.dtype)
+    lo, hi = protected.page_range(n_tokens)
+    page = pages.shape[2]
+    for start, end, first in ((0, lo, 0), (hi, n_tokens, lo)):  # token range, and where its copies start in kept
+        t = start
+        while t < end:
+            p, r = divmod(t, page)
+            n = min(end - t, page - r)
+            pages[p, :, r:r + n] = kept[:, first + t - start:first + t - start + n]  # (n_kv, n, D)
+            t += n
+    return pages
+
+
 def check_counts(first, last):
     """Refuse counts that are not integers in 0..65536.
 
