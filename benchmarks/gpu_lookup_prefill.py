@@ -72,11 +72,7 @@ def prefill_rows(ctx, tiers, Ls, result, out):
     k, v = bench._kv(n_kv, ctx, D, seed=ctx)
     saved = cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER
     for L in Ls:
-        q = mx.random.normal((1, n_q, L, D)).astype(mx.float16)
-        nk = mx.random.normal((1, n_kv, L, D)).astype(mx.float16)
-        dk = mx.concatenate([k[None].astype(mx.float16), nk], axis=2)
-        dv = mx.concatenate([v[None].astype(mx.float16), nk], axis=2)
-        mx.eval(q, nk, dk, dv)
+        q, nk, dk, dv = gpu_tc.question(k, v, n_q, L)
         dense = bench.timeit(lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=D ** -0.5,
                                                                              mask="causal"), 5, inner=5, chain=q) * 1e6
         base = {"context": ctx, "L": L, "rows": n_q // n_kv * L}

@@ -42,17 +42,25 @@ def bare_read(q, nbytes):
     return best
 
 
+def question(k, v, n_q, L):
+    """A question of L tokens over the prefix K, V (n_kv, N, D): its queries (1, n_q, L, D) and K/V (1, n_kv, L, D,
+    one array for both), and the dense fp16 K and V (1, n_kv, N + L, D) of prefix + question, evaluated."""
+    n_kv, _, D = k.shape
+    q = mx.random.normal((1, n_q, L, D)).astype(mx.float16)
+    nk = mx.random.normal((1, n_kv, L, D)).astype(mx.float16)
+    dk = mx.concatenate([k[None].astype(mx.float16), nk], axis=2)
+    dv = mx.concatenate([v[None].astype(mx.float16), nk], axis=2)
+    mx.eval(q, nk, dk, dv)
+    return q, nk, dk, dv
+
+
 def multi_token(n_tokens, tiers, Ls=(32, 256)):
     """Attention of L query tokens (causal among themselves) over the prefix: fused per tier and MLX dense fp16."""
     n_q, n_kv, D = 32, 8, 128
     k, v = bench._kv(n_kv, n_tokens, D, seed=n_tokens)
     rows = []
     for L in Ls:
-        q = mx.random.normal((1, n_q, L, D)).astype(mx.float16)
-        nk = mx.random.normal((1, n_kv, L, D)).astype(mx.float16)
-        dk = mx.concatenate([k[None].astype(mx.float16), nk], axis=2)
-        dv = mx.concatenate([v[None].astype(mx.float16), nk], axis=2)
-        mx.eval(q, nk, dk, dv)
+        q, nk, dk, dv = question(k, v, n_q, L)
         us = bench.timeit(lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=D ** -0.5, mask="causal"),
                           5, chain=q) * 1e6
         rows.append({"L": L, "context": n_tokens, "tier": "dense fp16", "policy": "mlx-sdpa", "us": us})
