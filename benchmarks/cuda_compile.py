@@ -35,7 +35,7 @@ LOOKUP = ("mxfp4", "nvfp4", "turbo4", "turbo3", "turbo2")
 def variants():
     """(label, kind, consts) of the kernels to build: tensor-core pass 1 per tier and head_dim (both lookups
     for the lookup tiers, rotated K for the affine and FP4 tiers), the mlx4g32 pass 1 with and without
-    rotation, and a single launch and a finish."""
+    rotation, the plain pass 1 of the tiers it reads, single launches and a finish."""
     for D in (64, 128):
         for name, (tid, bits) in TIERS.items():
             for rk, lreg in ((False, False), (False, True), (True, False)):
@@ -51,6 +51,13 @@ def variants():
                       ("STAGES", cuda.MMA_STAGES), ("DIAG", 0), ("RK", rk), ("SCALE", D ** -0.5))
             yield f"mma mlx4g32 d{D}{' rot' if rk else ''}", "mma", consts
             yield f"mma+finish mlx4g32 d{D}{' rot' if rk else ''}", "mma+finish", consts + (("CH", 256),)
+        for name, tid, bits in (("fp16", cuda.FP16, 0), ("float32 pages", cuda.F32, 0), ("int8", cuda.AFF8, 0),
+                                ("mlx4g32", cuda.AFF4, 0), ("fp8", cuda.MXFP8, 0), ("turbo4", cuda.TURBO, 4)):
+            consts = (("T", mx.float16), ("TK", tid), ("TV", tid), ("BK", bits), ("BV", bits), ("HD", D), ("EPL", 8),
+                      ("ROWS", 4), ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.WARPS), ("UNR", cuda.UNROLL), ("DIAG", 0),
+                      ("SCALE", D ** -0.5))
+            yield f"pass1 {name} d{D}", "pass1", consts
+            yield f"pass1+finish {name} d{D}", "pass1+finish", consts + (("CH", 256),)
         finish = (("T", mx.float16), ("HD", D), ("NKV", 8), ("NCH", 2), ("CH", 256), ("VROT", True), ("SINKS", True),
                   ("NP", 32), ("SCALE", D ** -0.5))
         yield f"finish d{D}", "finish", finish

@@ -285,6 +285,12 @@ def test_float32_pages_never_take_the_tensor_core_pass(monkeypatch):
     prefix, *_ = _case("fp16", SHAPES[3], seed=1)
     assert cuda.FusedAttention(dequantize(prefix, mx.float16)).uses_tensor_cores(4, 128)
     assert not cuda.FusedAttention(dequantize(prefix, mx.float32)).uses_tensor_cores(4, 128)
+    # a float32 K beside a side only the tensor-core pass reads (K decoded within a budget, V mxfp4): no kernel
+    mixed, *_ = _case("mxfp4", SHAPES[3], seed=1)
+    dense_k = dequantize(mixed, mx.float32)
+    mixed = LayerPrefix(dense_k.k_codec, dense_k.k_parts, mixed.v_codec, mixed.v_parts, mixed.n_tokens, {},
+                        mixed.v_params)
+    assert not cuda.supported(mixed, 128) and cuda.supported(dequantize(mixed, mx.float16), 128)
 
 
 def test_split_plan_rounds_splits_to_the_granule():

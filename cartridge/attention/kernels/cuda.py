@@ -247,9 +247,10 @@ def supported(prefix, head_dim):
     rots = [rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)]
     if any(r is not None and (r["block"] != head_dim or not ROTATED_FUSED) for r in rots):  # whole heads only
         return False
-    if any(s[0] in TC_ONLY for s in specs) or any(r is not None for r in rots):
+    if any(s[0] in TC_ONLY for s in specs) or any(r is not None for r in rots):  # beside float32 pages: none
         page = prefix.k_parts[next(iter(prefix.k_parts))].shape[2]
-        return head_dim in MMA_HEAD_DIMS and page % 16 == 0 and has_tensor_cores()
+        return F32 not in (specs[0][0], specs[1][0]) and head_dim in MMA_HEAD_DIMS and page % 16 == 0 and \
+            has_tensor_cores()
     return True
 
 
@@ -340,7 +341,7 @@ class FusedAttention:
         self.table_ok = _table_ok(self.k_spec, prefix.k_params) and _table_ok(self.v_spec, prefix.v_params)
         self.tc_reads = F32 not in (self.k_spec[0], self.v_spec[0])  # flash_pass1_tc reads no float32 pages
         self.v_back = self.v_spec[0] == TURBO or self.v_rot  # the finish rotates the prefix output back
-        self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (6,) device row per tail length]
+        self._rows = {}  # (R, per, n_splits, chunk_size) -> [int32 (8,) device row per tail length]
         self._plans = {}
 
     def _params(self, plan, L, tail_len, chunk_size):
@@ -375,7 +376,8 @@ class FusedAttention:
 
     def uses_tensor_cores(self, R, D):
         """True if pass 1 runs on tensor cores (`flash_pass1_mma` or `flash_pass1_tc`) for R query rows per KV
-        head and head_dim D; mxfp4 and nvfp4 always do (they have no other pass 1)."""
+        head and head_dim D; the TC_ONLY and rotated tiers always do (they have no other pass 1), float32 pages
+        never."""
         return ((self.tc_only or TENSOR_CORES) and self.tc_reads and D in MMA_HEAD_DIMS and self.page % 16 == 0
                 and has_tensor_cores())
 

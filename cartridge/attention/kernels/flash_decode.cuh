@@ -974,8 +974,9 @@ namespace cart {
 // tokens as K, the rows' probabilities (fp16) as N; V is dequantized by the same function and token pairs are
 // interleaved with PRMT. Per tier: fp16 as stored; bf16 converted to fp16; int8 / int6 / mlx4g32 s c + b (exact
 // codes, one rounding); kivi4 the same with per-channel s, b of the tile's 32-token group; fp8 E4M3 by bit moves
-// times its E8M0 scale; mxfp4 / nvfp4 and TurboQuant by looking 4 codes up at once in an 8-entry table of fp16
-// magnitudes held in registers (`nib_lookup4`, PRMT), the sign from the code's top bit, times the group scale
+// times its E8M0 scale; mxfp4 / nvfp4 and TurboQuant by a lookup of 4 codes at a time, either in an 8-entry table
+// of fp16 magnitudes held in registers (`nib_lookup4`, PRMT; the sign from the code) or in a shared-memory table of
+// code pairs (`smem_lookup4`; LREG, chosen per tier by measurement: cuda.REGISTER_LOOKUP), times the group scale
 // (mxfp4, nvfp4; nvfp4's global factor and TurboQuant's norms are applied per score / folded into the
 // probabilities). TurboQuant runs in the rotated basis: q is rotated once per block, the output is rotated
 // back by the finish.
@@ -1050,7 +1051,7 @@ __device__ __forceinline__ void nib_lookup4(uint32_t sel, uint32_t neg, const ui
 
 // The 8 magnitudes `nib_lookup4` indexes: E2M1's 0, 0.5, 1, 1.5, 2, 3, 4, 6 (OCP MX v1.0 5.3.3; their fp16 low
 // bytes are zero) for mxfp4 and nvfp4; for a b-bit TurboQuant codebook its upper half cb[2^(b-1) + i] (the host
-// only fuses symmetric codebooks, cb[i] = -cb[2^b - 1 - i] in fp16: `cuda.supported`).
+// takes register lookups only for codebooks symmetric in fp16, cb[i] = -cb[2^b - 1 - i]: `cuda._table_ok`).
 template <int TIER, int BITS>
 __device__ __forceinline__ uint4 tc_table(const float* cb) {
   if constexpr (TIER == MXFP4 || TIER == NVFP4) {
