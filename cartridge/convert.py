@@ -98,7 +98,8 @@ def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundar
 
     Raises:
         InputError: a source layer stored in a lossy tier (int8, mlx4g32, fp8, ...), an unknown tier, a
-            bad schema, or bad options. OutputExistsError: `output` exists and `force` is False.
+            bad schema, bad options, or `output` naming the source. OutputExistsError: `output` exists and
+            `force` is False.
         WriteError: too little free space, or a failed write (nothing is left behind).
         CartridgeError subclasses from reading the source (naming its path).
 
@@ -106,6 +107,8 @@ def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundar
         >>> cartridge.convert("doc.cart", "doc-q4.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    if Path(output).resolve() == Path(source).resolve():  # the lossy result could never be converted back
+        raise InputError(f"convert writes a new cartridge; the output {output} is its source")
     check_output_path(output, force)
     info, data = open_cartridge(source, verify)
     try:

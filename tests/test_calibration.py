@@ -66,10 +66,10 @@ def test_choose_takes_the_nearest_case_and_says_why():
     assert C.choose(entries, "cpu", ("bf16", "mlx4g32"), 64, 2048)[0] == "dequantize-once"
     assert C.choose(entries, "cpu", ("bf16", "mlx4g32"), 64, 2048, allowed={"portable"})[0] == "portable"
     policy, why = C.choose(entries, "cuda", ("bf16", "bf16"), 64, 2048)
-    assert (policy, why) == ("fused", "fused: no measurement of bf16 on cuda (default)")
+    assert (policy, why) == ("fused", "fused: no measurement of bf16 on cuda in the auto table; the default there")
     # a layer no fused kernel reads (kivi4 on CUDA): the default is dequantize-once, not fused
     policy, why = C.choose(entries, "cuda", ("kivi4", "kivi4"), 64, 2048, allowed=("portable", "dequantize-once"))
-    assert (policy, why) == ("dequantize-once", "dequantize-once: no measurement of kivi4 on cuda (default)")
+    assert (policy, why) == ("dequantize-once", "dequantize-once: no measurement of kivi4 on cuda in the auto table; the default there")
 
 
 def test_user_table_replaces_the_shipped_cases_it_measures(tmp_path, monkeypatch):

@@ -130,7 +130,7 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("file at output", "exists and is not a cartridge; refusing"),
     ("empty model", "--model is empty"),
     ("empty v tier", "v_tier is empty"),
-    ("schema and tier", "cannot be combined with tier"),
+    ("schema and tier", "cannot be combined with --tier"),
     ("max tokens past context", "does not fit the model's context of 512 tokens"),
     ("question past context", "the question ("),
 ])

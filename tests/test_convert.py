@@ -113,10 +113,20 @@ def test_lossy_source_refused_in_one_line(tiny32, tmp_path, lossy):
 
 def test_output_exists_refused_before_reading(tiny32, tmp_path):
     src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny32)
+    other = cartridge.build(DOC, tmp_path / "other.cart", model=tiny32)
     with pytest.raises(OutputExistsError):
-        cartridge.convert(src.path, src.path, tier="mlx4g32")
-    r = cartridge.convert(src.path, src.path, tier="mlx4g32", force=True)
+        cartridge.convert(src.path, other.path, tier="mlx4g32")
+    r = cartridge.convert(src.path, other.path, tier="mlx4g32", force=True)
     assert cartridge.open_cartridge(r.path)[0].tiers[0]["k"] == "mlx4g32"
+
+
+def test_output_naming_the_source_refused_even_with_force(tiny32, tmp_path):
+    """A lossy result could never be converted back: the source is never replaced."""
+    src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny32)
+    for out in (src.path, tmp_path / "x" / ".." / "src.cart"):
+        with pytest.raises(InputError, match="is its source"):
+            cartridge.convert(src.path, out, tier="mlx4g32", force=True)
+    assert cartridge.open_cartridge(src.path)[0].tiers[0]["k"] == "fp16"
 
 
 def test_bad_tier_options_refused(tiny32, tmp_path):

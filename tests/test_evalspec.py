@@ -72,7 +72,7 @@ def test_bad_schemas(tmp_path, doc, expect):
 def test_check_supported_refuses_before_building():
     with pytest.raises(InputError, match="'x' needs build option\\(s\\) no_such_option"):
         check_supported(Spec("x", {"tier": "fp16", "no_such_option": 1}), 2)
-    with pytest.raises(InputError, match="schema has 1 layers; the model has 2"):
+    with pytest.raises(InputError, match="schema has 1 layer row; the model has 2 layers"):
         check_supported(Spec("x", {"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}]}), 2)
     check_supported(REFERENCE, 2)
 

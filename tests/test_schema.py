@@ -69,8 +69,8 @@ def test_schema_from_list_and_file(tmp_path):
     ("[{\"layer\": 0, \"k\": 16, \"v\": \"fp16\"}]", "schema row 0: k is 16; expected a tier name"),
     ("[{\"layer\": 0, \"k\": \"fp16\", \"v\": \"int5\"}]", "unknown tier 'int5'"),
     ("[{\"layer\": 0, \"k\": \"fp16\", \"v\": \"fp16\"}, {\"layer\": 0, \"k\": \"fp16\", \"v\": \"fp16\"}]",
-     "schema layers must be 0..1, each once; found 0, 0 \\(missing 1\\)"),
-    ("[{\"layer\": 1, \"k\": \"fp16\", \"v\": \"fp16\"}]", "schema layers must be 0..0, each once; found 1"),
+     "schema rows must name layers 0..1 \\(one row a layer\\), each once; found 0, 0; layer 0 more than once; missing 1"),
+    ("[{\"layer\": 1, \"k\": \"fp16\", \"v\": \"fp16\"}]", "schema rows must name layers 0..0 \\(one row a layer\\), each once; found 1; missing 0"),
 ])
 def test_bad_schema_files_refused(tmp_path, content, match):
     path = tmp_path / "s.json"
@@ -94,7 +94,7 @@ def tiny64(smol_tokenizer):
     ({"v_tier": "fp8"}, "tier fp8: head_dim 16 is not a multiple of the group size 32"),
     ({"tier": "turbo4"}, "tier turbo4: head_dim 16 is not a power of two >= 32"),
     ({"boundary_protect": 2, "tier": "nvfp4"}, "boundary_protect 2 protects 4 layers; the model has 2"),
-    ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}]}, "schema has 1 layers; the model has 2"),
+    ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}]}, "schema has 1 layer row; the model has 2 layers"),
     ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}], "tier": "int8"}, "schema sets the tier of every .* cannot be combined with tier"),
     ({"schema": [{"layer": 0, "k": "fp16", "v": "fp16"}], "boundary_protect": 1, "v_tier": "fp8"},
      "cannot be combined with v_tier, boundary_protect"),
@@ -181,12 +181,12 @@ def test_cli_tier_options_and_schema(tiny_dir, tmp_path):
 @pytest.mark.parametrize("args, expect", [
     (["--tier", "q4"], "error: unknown tier 'q4'"),
     (["--k-tier", "mlx4g32"], "error: layer 0 k (attention, 2 kv heads x head_dim 16): tier mlx4g32: head_dim 16 is not a multiple of the group size 32"),
-    (["--boundary-protect", "-1"], "error: boundary_protect is -1; it must be an integer >= 0"),
+    (["--boundary-protect", "-1"], "error: Invalid value for '--boundary-protect': -1 is not in the range x>=0"),
     (["--boundary-protect", "2"], "error: boundary_protect 2 protects 4 layers; the model has 2"),
     (["--schema", "missing.json"], "error: schema file missing.json: No such file or directory"),
     (["--schema", "bad.json"], "error: schema file bad.json is not valid JSON"),
-    (["--schema", "short.json"], "error: schema has 1 layers; the model has 2"),
-    (["--schema", "short.json", "--v-tier", "fp16"], "error: a schema sets the tier of every (layer, side); it cannot be combined with v_tier"),
+    (["--schema", "short.json"], "error: schema has 1 layer row; the model has 2 layers"),
+    (["--schema", "short.json", "--v-tier", "fp16"], "error: --schema sets the tier of every (layer, side); it cannot be combined with --v-tier"),
 ])
 def test_cli_bad_tier_options_one_line(tiny_dir, tmp_path, monkeypatch, args, expect):
     monkeypatch.chdir(tmp_path)

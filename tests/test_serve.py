@@ -451,6 +451,15 @@ def test_max_bytes_refuses_non_sizes(text):
         parse_bytes(text)
 
 
+def test_max_bytes_refuses_more_than_any_machine_has():
+    from cartridge.cli.serve import MAX_SIZE, parse_bytes
+    from cartridge.errors import InputError
+
+    assert parse_bytes("1024T") == MAX_SIZE == 1 << 50
+    with pytest.raises(InputError, match="is more than 1,024T"):
+        parse_bytes("99999999999999999999999T", "--max-memory")
+
+
 @pytest.mark.parametrize("args, expect", [
     (["/nonexistent/shelf"], "is neither a cartridge"),
     (["--max-bytes", "4X"], "is not a size"),

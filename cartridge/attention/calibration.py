@@ -144,7 +144,7 @@ def choose(entries, backend, tiers, head_dim, n_tokens, mode="decode", allowed=N
     for tier in dict.fromkeys(tiers):
         cands = [e for e in entries if e["backend"] == backend and e["tier"] == tier and e["mode"] == mode]
         if not cands:
-            return fallback, f"{fallback}: no measurement of {tier} on {backend} (default)"
+            return fallback, f"{fallback}: no measurement of {tier} on {backend} in the auto table; the default there"
         picked.append(_nearest(cands, head_dim, n_tokens))
     policies = set.intersection(*(set(e["us"]) for e in picked))
     if allowed is not None:

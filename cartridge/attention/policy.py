@@ -257,7 +257,7 @@ def _report(layers, sides, decoded, packed, limit, held, resident, peak):
     reason = first["reason"] if first else "no page-attended layers"
     if len(names) > 1:
         count = {n: sum(1 for x in layers if x and x["policy"] == n) for n in sorted(names)}
-        reason = ", ".join(f"{n} on {c} layers" for n, c in count.items()) + f"; {reason}"
+        reason = ", ".join(f"{n} on {c} layer{'' if c == 1 else 's'}" for n, c in count.items()) + f"; {reason}"
     if len(decoded) < len(sides):
         reason += (f"; memory budget {limit:,} bytes: {len(decoded)} of {len(sides)} layer-sides decoded, "
                    f"the others read their stored pages (portable)")

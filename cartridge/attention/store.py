@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import InputError
 from ..format import keys as K
 from ..tiers import get_tier, protect
+from ..tiers.schema import check_layer_count
 from .layers import stored_kv
 from .pages import encode_pages
 
@@ -27,8 +28,7 @@ def check_layer_tiers(plans, schema):
     Raises:
         InputError: a wrong layer count, or one line naming (layer, side, shape) and the tier's reason.
     """
-    if len(schema) != len(plans):
-        raise InputError(f"schema has {len(schema)} layers; the model has {len(plans)}")
+    check_layer_count(schema, len(plans))
     for i, (layer_plan, row) in enumerate(zip(plans, schema)):
         for j, plan in enumerate(layer_plan.units()):
             if plan.kind == "state":

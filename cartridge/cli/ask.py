@@ -12,7 +12,7 @@ import cartridge
 from cartridge.errors import CartridgeError, InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref
+from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus
 from .serve import MAX_MEMORY_HELP, parse_bytes
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
@@ -47,8 +47,8 @@ def memory_lines(cart):
     if m:
         lines.append(f"memory: prefix resident {m['resident_bytes'] / mb:,.1f} MB (stored {m['stored_bytes'] / mb:,.1f} "
                      f"MB, budget {budget}, planned peak while loading or decoding {m['planned_peak_bytes'] / mb:,.1f} "
-                     f"MB); MLX peak {mx.get_peak_memory() / mb:,.1f} MB, active {mx.get_active_memory() / mb:,.1f} MB "
-                     f"(model included)")
+                     f"MB); MLX active {mx.get_active_memory() / mb:,.1f} MB (model included), peak "
+                     f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (the model's load included)")
     return lines
 
 
@@ -101,9 +101,7 @@ def _questions(question, questions_file):
         path = Path(questions_file)
         if path.suffix == ".jsonl":
             return [q["question"] for q in load_questions(path)]
-        if not path.is_file():
-            raise InputError(f"--questions {path} does not exist or is not a file")
-        rows = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = [line.strip() for line in read_corpus(str(path), "--questions").splitlines() if line.strip()]
         if not rows:
             raise InputError(f"--questions {path} holds no question")
         return rows

@@ -5,6 +5,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import click
+
 from cartridge.errors import InputError, OutputExistsError, WriteError
 from cartridge.format.writer import check_output_folder
 from cartridge.models.prompt import check_text
@@ -94,3 +96,13 @@ def launched_group(parallel):
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # one answer, from rank 0; errors still reach stderr
     return group
+
+
+def refuse_beside(what, names):
+    """Refuse, in one line naming the flags, the options of `names` (click parameter names) given on the command
+    line beside an option that sets them all; `what` says which and why, e.g. "--preset safe sets the tiers"."""
+    ctx = click.get_current_context()
+    given = [f"--{n.replace('_', '-')}" for n in names
+             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise InputError(f"{what}; it cannot be combined with {', '.join(given)}")

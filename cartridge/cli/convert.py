@@ -4,6 +4,8 @@ import sys
 
 import click
 
+from .common import refuse_beside
+
 
 @click.command()
 @click.argument("source")
@@ -11,7 +13,7 @@ import click
 @click.option("--tier", default="fp16", show_default=True, help="Storage tier of every layer's K and V.")
 @click.option("--k-tier", default=None, help="Tier of K (overrides --tier for keys).")
 @click.option("--v-tier", default=None, help="Tier of V (overrides --tier for values).")
-@click.option("--boundary-protect", default=0, show_default=True, metavar="N",
+@click.option("--boundary-protect", default=0, show_default=True, metavar="N", type=click.IntRange(0),
               help="Keep K fp16 on every layer and V fp16 on the first N and last N layers.")
 @click.option("--schema", "schema", default=None, metavar="FILE.json",
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
@@ -24,6 +26,8 @@ def convert(source, output, tier, k_tier, v_tier, boundary_protect, schema, forc
 
     from .report import fold_tiers
 
+    if schema:
+        refuse_beside("--schema sets the tier of every (layer, side)", ("tier", "k_tier", "v_tier", "boundary_protect"))
     bars = []
 
     def progress(done, total):

@@ -14,7 +14,7 @@ from cartridge.errors import CartridgeError, InputError
 
 from .ask import ask, chat
 from .bench import bench as bench_command
-from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus, warnings_as_lines
+from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus, refuse_beside, warnings_as_lines
 from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
@@ -36,7 +36,7 @@ def cli():
 @click.option("--tier", default="fp16", show_default=True, help="Storage tier of every layer's K and V.")
 @click.option("--k-tier", default=None, help="Tier of K (overrides --tier for keys).")
 @click.option("--v-tier", default=None, help="Tier of V (overrides --tier for values).")
-@click.option("--boundary-protect", default=0, show_default=True, metavar="N",
+@click.option("--boundary-protect", default=0, show_default=True, metavar="N", type=click.IntRange(0),
               help="Keep K fp16 on every layer and V fp16 on the first N and last N layers.")
 @click.option("--schema", "schema", default=None, metavar="FILE.json",
               help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
@@ -67,13 +67,10 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     from .report import fold_tiers
 
     if preset:  # an option given on the command line clashes even at its default value (--tier fp16)
-        ctx = click.get_current_context()
-        given = [f"--{n.replace('_', '-')}" for n in ("tier", "k_tier", "v_tier", "boundary_protect", "schema",
-                                                       "protect_first", "protect_last")
-                 if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
-        if given:
-            raise InputError(f"--preset {preset} sets the tiers and protection; it cannot be combined with "
-                             f"{', '.join(given)}")
+        refuse_beside(f"--preset {preset} sets the tiers and protection",
+                      ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last"))
+    if schema:
+        refuse_beside("--schema sets the tier of every (layer, side)", ("tier", "k_tier", "v_tier", "boundary_protect"))
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)

@@ -6,6 +6,14 @@ from cartridge.attention.policy import backend, plan_header
 from cartridge.tiers import TIERS
 
 
+def _versus_fp16(bpt, fp16):
+    """The end of inspect's bytes/token line: "same as fp16)", "3.20x smaller)" or "2.00x larger)" (fp16 plus
+    protected copies)."""
+    if bpt == fp16:
+        return "same as fp16)"
+    return f"{fp16 / bpt:.2f}x smaller)" if bpt < fp16 else f"{bpt / fp16:.2f}x larger)"
+
+
 def fold_tiers(tiers):
     """Fold runs of layers with equal (k, v) tiers: [{"layers": "0-29", "k": "fp16", "v": "fp16"}]."""
     runs = []
@@ -135,8 +143,7 @@ def inspect_table(d):
         f"shape         {d['n_layers']} layers x {d['n_kv_heads']} kv heads x head_dim {d['head_dim']} "
         f"(kv_dim {d['kv_dim']}), computed as {d['source_dtype']}",
         f"bytes/token   {d['bytes_per_token']:,} (fp16 would be {d['fp16_bytes_per_token']:,}; "
-        + ("same as fp16)" if d['bytes_per_token'] == d['fp16_bytes_per_token'] else
-           f"{d['fp16_bytes_per_token'] / d['bytes_per_token']:.2f}x smaller)"),
+        + _versus_fp16(d['bytes_per_token'], d['fp16_bytes_per_token']),
         f"on disk       {d['total_bytes']:,} bytes",
         *source_lines(d["source"]),
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "

@@ -7,10 +7,12 @@ import click
 
 from cartridge.errors import InputError
 
-MAX_MEMORY_HELP = ("Most bytes a cartridge's prefix may hold in memory, e.g. 512M (default: its stored bytes "
-                   "x 1.25 + one layer decoded, under --attention auto); layers that do not fit decoded read "
-                   "their stored pages.")
+MAX_MEMORY_HELP = ("Most bytes a cartridge's prefix may hold in memory, e.g. 512M (K/M/G/T: powers of 1024; the "
+                   "reports print decimal MB). The stored pages are always held; the budget decides which layers "
+                   "are also decoded (default: the stored bytes x 1.25 + one layer decoded, under --attention "
+                   "auto); layers that do not fit read their stored pages.")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+MAX_SIZE = 1 << 50  # 1,024T: more than any machine's memory, so a larger size is a typo
 
 
 def parse_bytes(text, option="--max-bytes"):
@@ -18,12 +20,15 @@ def parse_bytes(text, option="--max-bytes"):
     `option` names the option in the error.
 
     Raises:
-        InputError: for anything else, or zero.
+        InputError: for anything else, zero, or more than MAX_SIZE.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not m or float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
         raise InputError(f"{option} {text!r} is not a size; give bytes, e.g. 4G, 512M or 1000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n > MAX_SIZE:
+        raise InputError(f"{option} {text!r} is more than {MAX_SIZE // _UNITS['T']:,}T; give the bytes this machine has")
+    return n
 
 
 def _check_port(host, port):

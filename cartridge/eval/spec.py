@@ -31,6 +31,7 @@ from ..build import build
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..tiers import get_tier, presets
+from ..tiers.schema import check_layer_count
 
 BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last", "preset")
 REFERENCE_OPTIONS = {"tier": "fp16"}
@@ -186,8 +187,8 @@ def check_supported(spec, n_layers):
         raise InputError(f"{spec.label!r} needs build option(s) {', '.join(missing)}, which this cartridge.build "
                          f"does not take (it takes {', '.join(k for k in BUILD_KEYWORDS if k in accepted)})")
     schema = spec.options.get("schema")
-    if schema is not None and len(schema) != n_layers:
-        raise InputError(f"{spec.label!r}: schema has {len(schema)} layers; the model has {n_layers}")
+    if schema is not None:
+        check_layer_count(schema, n_layers, f"{spec.label!r}: schema")
 
 
 def _tiers_used(options):

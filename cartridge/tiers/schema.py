@@ -85,10 +85,23 @@ def read_schema(schema):
     rows.sort(key=lambda r: r["layer"])
     layers = [r["layer"] for r in rows]
     if layers != list(range(len(rows))):
+        twice = sorted({n for n in layers if layers.count(n) > 1})
         missing = sorted(set(range(len(rows))) - set(layers))
-        raise InputError(f"schema layers must be 0..{len(rows) - 1}, each once; found {_runs(layers)}"
-                         + (f" (missing {_runs(missing)})" if missing else ""))
+        raise InputError(f"schema rows must name layers 0..{len(rows) - 1} (one row a layer), each once; found "
+                         f"{_runs(layers)}" + (f"; layer {_runs(twice)} more than once" if twice else "")
+                         + (f"; missing {_runs(missing)}" if missing else ""))
     return rows
+
+
+def check_layer_count(schema, n_layers, what="schema"):
+    """Refuse a schema of another length than the model's layers.
+
+    Raises:
+        InputError: "schema has 1 layer row; the model has 2 layers" (`what` names the schema).
+    """
+    if len(schema) != n_layers:
+        raise InputError(f"{what} has {len(schema)} layer row{'' if len(schema) == 1 else 's'}; the model has "
+                         f"{n_layers} layers")
 
 
 def check_schema(schema, n_layers, n_kv_heads, head_dim):
@@ -97,8 +110,7 @@ def check_schema(schema, n_layers, n_kv_heads, head_dim):
     Raises:
         InputError: naming the layer, side and tier.
     """
-    if len(schema) != n_layers:
-        raise InputError(f"schema has {len(schema)} layers; the model has {n_layers}")
+    check_layer_count(schema, n_layers)
     checked = set()
     for row in schema:
         for side in ("k", "v"):
