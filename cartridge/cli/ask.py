@@ -48,7 +48,7 @@ def memory_lines(cart):
         lines.append(f"memory: prefix resident {m['resident_bytes'] / mb:,.1f} MB (stored {m['stored_bytes'] / mb:,.1f} "
                      f"MB, budget {budget}, planned peak while loading or decoding {m['planned_peak_bytes'] / mb:,.1f} "
                      f"MB); MLX active {mx.get_active_memory() / mb:,.1f} MB (model included), peak "
-                     f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (the model's load included)")
+                     f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (model loading included)")
     return lines
 
 
