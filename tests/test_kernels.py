@@ -218,7 +218,7 @@ def test_fused_cuda_protected_tokens_match_float64(tier, shape, first, last, ten
     fused = replace(prefix, kernel=cuda.FusedAttention(prefix))
     got = _run(fused, q, tk, tv)
     # the reference: decoded pages with the protected positions set to their copies
-    sides = [np.array(protect.overwrite(c.decode(p, pr), prefix.protected, side, prefix.n_tokens))
+    sides = [np.array(protect.overwrite_in_place(c.decode(p, pr), prefix.protected, side, prefix.n_tokens))
              for c, p, pr, side in ((prefix.k_codec, prefix.k_parts, prefix.k_params, "k"),
                                     (prefix.v_codec, prefix.v_parts, prefix.v_params, "v"))]
     n_pages, _, P, _ = sides[0].shape

@@ -18,20 +18,18 @@ shared arrays. The page-attended kind ("attention") is `cartridge.attention.cach
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from ..tiers import protect
 from .cache import CartridgeCache, LayerPrefix
+from .pages import decode_pages
 
 
 def decode_prefix(prefix, dtype):
     """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`, with
-    protected tokens (if any) from their fp16 copies; lazy (the caller evaluates them when it needs to)."""
+    protected tokens (if any) from their fp16 copies: each side decoded a chunk of pages at a time
+    (`pages.decode_pages`), then laid out as one sequence (the caller evaluates that copy)."""
     out = []
     for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
                                        ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
-        x = codec.decode(parts, params)  # (n_pages, n_kv, P, D) float32
-        if prefix.protected is not None:  # protected tokens (format 1.5) take their fp16 copies
-            x = protect.overwrite(x, prefix.protected, side, prefix.n_tokens)
-        x = x.astype(dtype)  # before the copy below: it then moves the smaller dtype's bytes
+        x = decode_pages(codec, parts, params, dtype, prefix.protected, side, prefix.n_tokens)
         n_pages, n_kv, page, d = x.shape
         # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
         out.append(x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens])

@@ -40,8 +40,9 @@ class Protected:
 
 
 def overwrite_in_place(pages, protected, side, n_tokens):
-    """`overwrite` into `pages` itself, a buffer the caller owns: the protected positions' slices are updated in
-    place (MLX reuses the buffer of an array nothing else refers to), one update per page they span."""
+    """Dense pages (n_pages, n_kv_heads, P, D), a buffer the caller owns, with the protected positions set to their
+    fp16 copies: their slices are updated in place (MLX reuses the buffer of an array nothing else refers to), one
+    update per page they span."""
     kept = (protected.k if side == "k" else protected.v).astype(pages.dtype)
     lo, hi = protected.page_range(n_tokens)
     page = pages.shape[2]
@@ -148,14 +149,3 @@ def layer_protected(info, layer):
     k, v = (mx.array(info.protected[(layer, side)]) for side in ("k", "v"))
     return Protected(info.protect_first, info.protect_last, k, v)
 
-
-def overwrite(pages, protected, side, n_tokens):
-    """Dense pages (n_pages, n_kv_heads, P, D) with the protected positions set to their fp16 copies."""
-    n_pages, n_kv, p, d = pages.shape
-    # (n_pages, n_kv, P, D) -> (n_kv, n_pages * P, D)
-    flat = pages.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * p, d)
-    kept = (protected.k if side == "k" else protected.v).astype(pages.dtype)
-    lo, hi = protected.page_range(n_tokens)
-    flat = mx.concatenate([kept[:, :lo], flat[:, lo:hi], kept[:, lo:], flat[:, n_tokens:]], axis=1)
-    # (n_kv, n_pages * P, D) -> (n_pages, n_kv, P, D)
-    return mx.contiguous(flat.reshape(n_kv, n_pages, p, d).transpose(1, 0, 2, 3))
