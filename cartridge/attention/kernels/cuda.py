@@ -37,7 +37,7 @@ _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when th
 TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
-# Launch shape, tuned on an H200 (benchmarks/gpu_check.py, 2026-11-30): 8 head_dim elements per lane,
+# Launch shape, tuned on an H200 (benchmarks/gpu_check.py at a876215, 2026-11-30): 8 head_dim elements per lane,
 # 4 tokens fetched at once per lane, about 4 blocks per SM.
 TARGET_BLOCKS = 528  # pass-1 blocks to aim for (132 SMs x 4)
 UNROLL = 4  # tokens each lane fetches at once in pass 1 (bytes in flight)
@@ -427,7 +427,7 @@ class FusedAttention:
                 other: each decode step's queries depend on the previous step's output, so mlx-lm's
                 generate loop always orders them; two independent calls in one graph could overlap on
                 the device and share the buffer. (An explicit edge, the previous output as an input,
-                cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py.)
+                cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py at a876215.)
             queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
             scale (float): softmax scale.
             sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), merged by the two-kernel finish
