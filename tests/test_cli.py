@@ -34,7 +34,7 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
-    assert info["format_version"] == "1.6"
+    assert info["format_version"] == "1.7"
     assert info["source"] == {"name": "doc.txt", "bytes": len((DOC * 3).encode()),
                               "sha256": hashlib.sha256((DOC * 3).encode()).hexdigest(),
                               "first_line": DOC.strip()}
@@ -230,14 +230,15 @@ def test_inspect_folds_only_layers_of_the_same_size():
     assert [(r["layers"], r["bytes_each"]) for r in fold_layers(rows)] == [("0-1", 10), ("2-3", 20), ("4", 10)]
 
 
+@pytest.mark.parametrize("command", ["build", "convert"])
 @pytest.mark.parametrize("extra", [["--tier", "fp16"], ["--protect-first", "0"], ["--boundary-protect", "0"]])
-def test_preset_refuses_an_option_given_at_its_default_value(tmp_path, extra):
+def test_preset_refuses_an_option_given_at_its_default_value(tmp_path, extra, command):
     from click.testing import CliRunner
 
     from cartridge.cli.main import cli
 
     doc = tmp_path / "d.txt"
     doc.write_text("A short document.")
-    r = CliRunner().invoke(cli, ["build", str(doc), "-o", str(tmp_path / "x.cart"), "--preset", "safe", *extra])
+    r = CliRunner().invoke(cli, [command, str(doc), "-o", str(tmp_path / "x.cart"), "--preset", "safe", *extra])
     assert r.exit_code == 1 and f"cannot be combined with {extra[0]}" in r.output + str(r.exception)
     assert not (tmp_path / "x.cart").exists()

@@ -81,6 +81,9 @@ SOURCE_BYTES = "source.bytes"  # integer: bytes of the document's UTF-8 text as 
 SOURCE_SHA256 = "source.sha256"  # string: lowercase hex SHA-256 of those bytes
 SOURCE_FIRST_LINE = "source.first_line"  # string: first non-blank line, stripped, at most 120 characters
 SOURCE_KEYS = (SOURCE_NAME, SOURCE_BYTES, SOURCE_SHA256, SOURCE_FIRST_LINE)
+# format 1.7 (OPTIONAL): every document the cartridge holds, in order (build: one; extend appends one)
+SOURCE_DOCUMENTS = "source.documents"  # array of {"name", "bytes", "sha256", "first_line"}
+MAX_SOURCES = 65536
 
 # --- per-head checksums (issue 22, format 1.2; spec/FORMAT.md 4.3.1) ---------------------------------
 HEAD_RECORD_BYTES = 32  # one SHA-256 per (page, KV head)
