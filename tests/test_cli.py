@@ -76,6 +76,19 @@ def test_inspect_of_a_format_1_0_cartridge_shows_dashes():
     assert "document      -, -, sha256 -\nfirst line    -" in r.stdout.decode()
     assert json.loads(run("inspect", vector, "--json").stdout)["source"] == {
         "name": None, "bytes": None, "sha256": None, "first_line": None}
+    assert json.loads(run("inspect", vector, "--json").stdout)["sources"] == []
+
+
+def test_inspect_after_extend_shows_every_source(built, tmp_path):
+    more = tmp_path / "annex.txt"
+    more.write_text("Annex A. Pets are allowed.\n")
+    r = run("extend", built[0], more, "-o", tmp_path / "ext.cart")
+    assert r.returncode == 0, r.stderr.decode()
+    digest = hashlib.sha256(b"Annex A. Pets are allowed.\n").hexdigest()
+    table = run("inspect", tmp_path / "ext.cart").stdout.decode()
+    assert f"document 2    annex.txt, 27 bytes, sha256 {digest}\nfirst line    'Annex A. Pets are allowed.'" in table
+    sources = json.loads(run("inspect", tmp_path / "ext.cart", "--json").stdout)["sources"]
+    assert [(s["name"], s["bytes"]) for s in sources] == [("doc.txt", len((DOC * 3).encode())), ("annex.txt", 27)]
 
 
 def test_inspect_takes_a_cartz(built, tmp_path, monkeypatch):

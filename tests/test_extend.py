@@ -224,8 +224,9 @@ def test_conversation_keeps_the_documents_sources(tiny, tmp_path):
     cartridge.build(OLD, path, model=tiny, page_size=PAGE, source_name="lease.txt")
     cart = cartridge.load(path, model=tiny)
     cache = cart.prompt_cache()
-    cart.model(mx.array(cart.question_prompt("When may the lessee terminate?"))[None], cache=cache)
-    cart.save(tmp_path / "conv.cart", cache)
+    prompt = cart.question_prompt("When may the lessee terminate?")
+    cart.model(mx.array(prompt)[None], cache=cache)
+    cart.save(tmp_path / "conv.cart", cache, tokens=prompt)
     assert cartridge.open_cartridge(tmp_path / "conv.cart")[0].sources == [_entry(OLD, "lease.txt")]
 
 
