@@ -245,7 +245,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
             "portable" or "fused" read the stored pages (`cartridge.load`'s policies; less memory).
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
         source_name (str | None): the file `text` came from, recorded (its last component) with the text's
-            bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.2.1). Default: None.
+            bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.5.1). Default: None.
 
     Returns:
         ExtendResult

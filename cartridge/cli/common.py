@@ -147,8 +147,12 @@ def refuse_tier_clashes(preset, schema):
 
 
 @contextlib.contextmanager
-def progress_bar(unit, desc):
+def progress_bar(unit, desc, **options):
     """A tqdm bar on stderr, made at the first progress call (so an error before the work prints nothing else).
+
+    Args:
+        unit (str): what is counted ("tok", "layer", "B"). desc (str): the bar's label.
+        **options: more tqdm keywords (e.g. unit_scale=True for bytes).
 
     Yields:
         callable: progress(done, total), the callback the library's long operations take.
@@ -159,7 +163,7 @@ def progress_bar(unit, desc):
 
     def progress(done, total):
         if not bars:
-            bars.append(tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True))
+            bars.append(tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True, **options))
         bars[0].update(done - bars[0].n)
 
     try:

@@ -461,7 +461,7 @@ def _hex64(value):
 
 
 def _lineage(records, ids, n_tokens):
-    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
+    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5.3)."""
     doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
     if not 1 <= doc <= n_tokens:
         raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")

@@ -60,7 +60,7 @@ def read_source(records):
 
 
 def read_sources(records):
-    """Every source a cartridge records, in order (spec/FORMAT.md 4.2.1).
+    """Every source a cartridge records, in order (spec/FORMAT.md 4.5.1).
 
     `source.documents` (format 1.7) when present and a list of at most `MAX_SOURCES` objects; else the one
     source of the format 1.1 keys; else none (format 1.0). A malformed field reads as None, never an error.
