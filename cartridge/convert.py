@@ -3,8 +3,9 @@
     NAME.cart (fp16/bf16 pages) --reader--> per (layer, side) K/V (n_kv_heads, T, head_dim)
          --codec(tier of the new schema)--> page payloads --container writer--> NEW.cart (atomic)
 
-The header is the source's (model, fingerprint, tokens, prompt split, source document), with the
-tier keys of the new schema, so `convert` of an fp16 cartridge gives the same bytes as a direct
+The header is the source's (model, fingerprint, tokens, prompt split, source documents), with the
+tier keys of the new schema and its protection (the fp16 copies of the first/last tokens taken from
+the source's pages, spec/FORMAT.md 4.5.4), so `convert` of an fp16 cartridge gives the same bytes as a direct
 `build` in that tier whenever the direct build encoded the same values: when the model's K/V dtype is
 float16 (an fp16 source) or bfloat16 (a bf16 source). From a float32 model the direct build quantizes
 the float32 K/V, while `convert` starts from their fp16 rounding; the pages then differ where a value's
