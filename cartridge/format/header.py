@@ -166,7 +166,7 @@ def require_attention_layers(info, what):
 
     Extend, save, compose, convert and sharded loading handle paged attention layers of one shape
     only; dense, window and state layers (format 1.4, section 5.5) and protected tokens (1.5, section
-    4.6) are refused in one line.
+    4.5.4) are refused in one line.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
