@@ -366,7 +366,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
 
 
 def header_extras(document, source_name, system):
-    """The optional header keys of a build: source.* (spec 4.2.1) and prompt.system (spec 5.4)."""
+    """The optional header keys of a build: source.* (spec 4.5.1) and prompt.system (spec 5.4)."""
     return source_keys(document, source_name) | ({} if system is None else {K.PROMPT_SYSTEM: system})
 
 

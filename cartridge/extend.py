@@ -29,6 +29,7 @@ from .format.container import check_index, open_snapshot
 from .format.header import SIDES, require_attention_layers
 from .format.layout import FORMAT_MINOR, MANIFEST_NAME
 from .format.pack import is_pack
+from .format.source import FIELDS, source_entry
 from .format.verify import verify_directory
 from .format.writer import CartridgeWriter, check_output_path
 from .load import _model_dtype, load
@@ -158,11 +159,13 @@ def _parts(info, keep, end, kind):
     return kept + [{"kind": kind, "start": keep, "end": end}]
 
 
-def _header(cart, ids, keep, kind, document_tokens):
+def _header(cart, ids, keep, kind, document_tokens, added=None):
+    """The new cartridge's JSON header; `added` (a `source_entry`) is the source an extend appends."""
     header, source = _source_records(cart)
-    if kind == "extend":  # they describe the text first prefilled, no longer the whole document
+    if added is not None:  # the single keys describe the text first prefilled, no longer the whole document
         header.pop(K.SOURCE_BYTES, None)
         header.pop(K.SOURCE_SHA256, None)
+        header[K.SOURCE_DOCUMENTS] = (cart.info.sources or [dict.fromkeys(FIELDS)]) + [added]
     parts = _parts(cart.info, keep, len(ids), kind)
     for p in parts:
         p["tokens_sha256"] = token_sha256(ids[p["start"]:p["end"]])
@@ -219,7 +222,7 @@ def _destination(path, output, force):
 
 
 def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, prefill_step=DEFAULT_PREFILL_STEP,
-           force=False, attention="auto", progress=None):
+           force=False, attention="auto", progress=None, source_name=None):
     """Extend the document of the cartridge at `path` with `text`, prefilling only the new tokens.
 
     The new tokens attend over the stored prefix (the cartridge is the prompt cache of their
@@ -241,6 +244,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
             normal chunked prefill over cached tokens; memory as a build of the whole document);
             "portable" or "fused" read the stored pages (`cartridge.load`'s policies; less memory).
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
+        source_name (str | None): the file `text` came from, recorded (its last component) with the text's
+            bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.5.1). Default: None.
 
     Returns:
         ExtendResult
@@ -268,7 +273,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     t1 = time.perf_counter()
     caches = prefill(cart.model, ids[keep:], prefill_step, progress, caches=_caches(cart, keep, attention))
     t2 = time.perf_counter()
-    out = _write(cart, caches, ids, keep, dest, force, _header(cart, ids, keep, "extend", len(ids)))
+    out = _write(cart, caches, ids, keep, dest, force, _header(cart, ids, keep, "extend", len(ids),
+                                                                 source_entry(text, source_name)))
     total = sum(f.stat().st_size for f in out.iterdir())
     return ExtendResult(str(out), len(ids), len(ids) - keep, keep, t2 - t1, time.perf_counter() - t0, total)
 
