@@ -257,3 +257,11 @@ def test_a_full_calibration_keeps_the_proofs(fake, tmp_path):
     calibration.write_calibrated({"version": 1, "entries": FUSED_FASTEST}, path)
     assert calibration.read_table(path) == FUSED_FASTEST
     assert [p["backend"] for p in calibration.proofs()] == ["fake-raises"]
+
+
+def test_tail_chunks_are_the_caches_own_chunks_holding_the_tail():
+    cache = proof._cache(_layer(), None, mx.arange(2 * 3 * 64, dtype=mx.float16).reshape(1, 2, 3, 64))
+    k_chunks, v_chunks = cache.tail_chunks
+    assert len(k_chunks) == len(v_chunks) == 1 and k_chunks[0].shape == (1, 2, cache.chunk_size, 64)
+    assert k_chunks[0][0, 1, 2, 63].item() == 2 * 3 * 64 - 1 and cache.tail_len == 3
+    assert k_chunks is cache.state[0]  # the same lists mlx-lm's `state` hands out, not copies

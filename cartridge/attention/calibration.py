@@ -181,7 +181,7 @@ def write_calibrated(table, path):
         kept = _document(path)["proofs"]
     except InputError:  # an unreadable old table is replaced whole
         kept = []
-    return write_table({**table, "proofs": kept}, path)
+    return write_table({**table, "proofs": kept} if kept else table, path)
 
 
 def write_table(table, path):
