@@ -8,7 +8,7 @@ one layer, 32 q / 8 kv heads, head_dim 128, fp16, chained like `cartridge bench`
 - `fused`: the fused fp16 kernel, single launch (pass 1 + tail + merge in one kernel);
 - `fused-2k`: the fused kernel as two launches (pass 1, then the finish);
 - `fused-b{B}-u{U}`: single launch with TARGET_BLOCKS B and UNROLL U (the plain pass 1's launch shape);
-- `contiguous`: the dequantize-once fp16 layer as `policy.place` builds it (`kernels/contiguous.py`), if present.
+- `dequantize-once (...)`: the dequantize-once fp16 layer as `policy.place` builds it (its kernel class named).
 
 Each variant's output is checked against the portable path's (max abs error, fp16 output).
                                            python3 benchmarks/gpu_fp16_gap.py OUT_DIR
@@ -32,9 +32,8 @@ SCALE = D ** -0.5
 
 
 def _cache(prefix, kernel):
-    c = CartridgeCache(LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
-                                   prefix.k_params, prefix.v_params, kernel))
-    return c
+    return CartridgeCache(LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
+                                      prefix.k_params, prefix.v_params, kernel))
 
 
 def run(n):
