@@ -21,6 +21,16 @@ from cartridge.tiers import TIERS, layout as L
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These tests describe the CPU machine (fake CPU kernels, the CPU's defaults); under DEVICE=gpu
+    (tests/conftest.py) they run on the CPU too, as they did not before (7 failed on an H200, 2026-12-03)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
+
+
 def test_every_codec_declares_the_kernel_layout_the_cuda_kernels_read():
     """The ids, bits and component order are the ones flash_decode.cuh's tiers take (kernels/cuda.py's former
     FUSED_TIERS table); a rotated tier reads as its base."""
