@@ -219,7 +219,7 @@ def test_interrupt_while_importing_exits_130(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130
-    assert capsys.readouterr().err == "error: aborted\n"
+    assert capsys.readouterr().err == "error: interrupted\n"
 
 
 def test_inspect_folds_only_layers_of_the_same_size():
