@@ -1,11 +1,12 @@
 """Subprocess used by tests/test_cli_interrupt.py: run the `cartridge` command line with a pause at one
 stage, so the parent can send SIGINT there. At the pause it writes "ready" to the file $INTERRUPT_FLAG.
 
-    python tests/interrupt_worker.py prefill|write|answer cartridge-arguments...
+    python tests/interrupt_worker.py prefill|write|answer|none cartridge-arguments...
 
 prefill: after the first prefill chunk (build, extend; give a small --prefill-step). write: after the
 first extent is written into the temporary directory (build, extend, convert). answer: every generated
-token of `chat` takes 50 ms, and the pause is the third token (the answer goes on, slowly).
+token of `chat` takes 50 ms, and the pause is the third token of each answer (it goes on, slowly). none:
+no pause.
 """
 
 import os
@@ -66,7 +67,7 @@ def slow_answers():
 
 
 if __name__ == "__main__":
-    {"prefill": pause_in_prefill, "write": pause_in_write, "answer": slow_answers}[sys.argv[1]]()
+    {"prefill": pause_in_prefill, "write": pause_in_write, "answer": slow_answers, "none": lambda: None}[sys.argv[1]]()
     from cartridge.cli.main import main
 
     main(sys.argv[2:])

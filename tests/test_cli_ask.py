@@ -54,7 +54,9 @@ def test_chat_keeps_the_conversation_and_resets(built):
     turns = b"How much is the rent?\nAnd the notice?\n/reset\nHow much is the rent?\n/quit\n"
     r = run("chat", out, "--max-tokens", "4", stdin=turns)
     assert r.returncode == 0, r.stderr.decode()
-    answers = r.stdout.decode().splitlines()
+    lines = r.stdout.decode().splitlines()  # piped: each question echoed before its answer
+    assert lines[::2] == ["> How much is the rent?", "> And the notice?", "> How much is the rent?"]
+    answers = lines[1::2]
     assert len(answers) == 3
     assert answers[2] == answers[0]  # after /reset the first question is answered as at the start
     first = run("ask", out, "How much is the rent?", "--max-tokens", "4").stdout.decode().splitlines()
