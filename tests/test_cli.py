@@ -122,7 +122,7 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("too long", "the model's context is 512 tokens"),
     ("unknown tier", "unknown tier 'int3'"),
     ("output exists", "exists; pass --force"),
-    ("not a cartridge", "is not a cartridge"),
+    ("not a cartridge", "is a file, not a cartridge: a cartridge is a directory"),
     ("missing model", "model path does not exist"),
     ("empty question", "question is empty"),
     ("missing folder", "does not exist (or is not a folder)"),
