@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from .common import read_corpus
+from .common import read_corpus, warnings_as_lines
 
 
 @click.command()
@@ -16,8 +16,10 @@ from .common import read_corpus
 @click.option("--separator", default="\\n\\n", show_default=True,
               help="Text between the stored document and MORE (backslash escapes \\n and \\t are read).")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
+@click.option("--reserve", default=256, show_default=True, metavar="N",
+              help="Warn when fewer than N tokens of the model's context are left for questions.")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
-def extend(path, more, output, model, separator, prefill_step, force):
+def extend(path, more, output, model, separator, prefill_step, reserve, force):
     """Extend the document of the cartridge at PATH with MORE (a UTF-8 text file, or - for stdin)."""
     from tqdm import tqdm
 
@@ -36,8 +38,9 @@ def extend(path, more, output, model, separator, prefill_step, force):
         bars[0].update(done - bars[0].n)
 
     try:
-        r = cartridge.extend(path, text, output=output, model=model, separator=sep, prefill_step=prefill_step,
-                             force=force, progress=progress)
+        with warnings_as_lines():
+            r = cartridge.extend(path, text, output=output, model=model, separator=sep, prefill_step=prefill_step,
+                                 force=force, progress=progress, reserve=reserve)
     finally:
         for bar in bars:
             bar.close()
