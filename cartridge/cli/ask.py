@@ -12,7 +12,7 @@ import cartridge
 from cartridge.errors import CartridgeError, InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus
+from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus, warnings_as_lines
 from .serve import MAX_MEMORY_HELP, parse_bytes
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
@@ -32,14 +32,32 @@ def _load(path, model, attention, parallel=None, recompute=16, max_memory=None):
         cart = cartridge.load(path, model=lm, attention=attention, group=group)
     else:
         lm = cartridge.load_model(model_ref(model)) if model is not None else None
-        cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory)
+        with warnings_as_lines():  # a budget below the stored pages, a dequantize-once it changed
+            cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory)
     return cart, time.perf_counter() - t0
 
 
 def memory_lines(cart):
-    """Two lines: the attention policy and why; the prefix's bytes as held, planned and measured (MLX peak)."""
+    """The attention policy and why, and the prefix's bytes as held and planned, for each cartridge
+    (named when several are composed); then the bytes MLX measured (active, peak)."""
     import mlx.core as mx
 
+    parts, mb = getattr(cart, "carts", None) or [cart], 1e6
+    lines = []
+    for part in parts:
+        name = f"{Path(part.path).name}: " if len(parts) > 1 else ""
+        lines += [name + line for line in _prefix_lines(part)]
+    measured = (f"MLX active {mx.get_active_memory() / mb:,.1f} MB (model included), peak "
+                f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (model loading included)")
+    if len(parts) == 1 and len(lines) == 2:
+        lines[1] += f"; {measured}"
+    else:
+        lines.append(measured)
+    return lines
+
+
+def _prefix_lines(cart):
+    """attention POLICY (why); memory: prefix resident, stored, budget, planned peak (one cartridge)."""
     plan, mb = cart.plan, 1e6
     m = plan.get("memory") or {}
     budget = f"{m['budget_bytes'] / mb:,.1f} MB" if m.get("budget_bytes") else "none"
@@ -47,8 +65,7 @@ def memory_lines(cart):
     if m:
         lines.append(f"memory: prefix resident {m['resident_bytes'] / mb:,.1f} MB (stored {m['stored_bytes'] / mb:,.1f} "
                      f"MB, budget {budget}, planned peak while loading or decoding {m['planned_peak_bytes'] / mb:,.1f} "
-                     f"MB); MLX active {mx.get_active_memory() / mb:,.1f} MB (model included), peak "
-                     f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (model loading included)")
+                     f"MB)")
     return lines
 
 
