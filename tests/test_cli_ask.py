@@ -107,7 +107,7 @@ def test_max_memory_below_the_stored_pages_and_a_dequantize_once_it_changed_are_
         f"doc.cart: the memory budget of {1000 / mb:,.1f} MB is below the {m['stored_bytes'] / mb:,.1f} MB of stored "
         f"pages, which are always held (the budget cannot go lower); {m['resident_bytes'] / mb:,.1f} MB are held",
         f"doc.cart: attention dequantize-once: within the memory budget of {1000 / mb:,.1f} MB, 2 of 2 layers take "
-        "another path (portable on 2), reading their stored pages"]
+        "another path (portable on 2) instead of dense pages"]
     r = run("ask", out, "Who?", "--max-tokens", "2", "--max-memory", "1000", "--attention", "dequantize-once")
     warnings = [line for line in r.stderr.decode().splitlines() if line.startswith("warning:")]
     assert r.returncode == 0 and warnings == [f"warning: {w.message}" for w in caught], r.stderr.decode()

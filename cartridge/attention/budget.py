@@ -165,5 +165,5 @@ def notes(report, policy):
     if policy == "dequantize-once" and other and budget is not None:
         paths = ", ".join(f"{name} on {other.count(name)}" for name in sorted(set(other)))
         lines.append(f"attention dequantize-once: within the memory budget of {budget / mb:,.1f} MB, {len(other)} of "
-                     f"{len(rows)} layers take another path ({paths}), reading their stored pages")
+                     f"{len(rows)} layers take another path ({paths}) instead of dense pages")
     return lines
