@@ -22,12 +22,13 @@ from .attention import route
 from .attention.cache import CartridgeCache
 from .attention.pages import encode_pages
 from .attention.prefill import PrefillCache
-from .build import DEFAULT_PREFILL_STEP, _to_numpy, check_prefill_step, context_length, prefill
+from .build import (DEFAULT_PREFILL_STEP, DEFAULT_RESERVE, _to_numpy, check_prefill_step, check_reserve,
+                    context_length, prefill, warn_context_left)
 from .errors import InputError
 from .format import keys as K
 from .format.container import check_index, open_snapshot
 from .format.header import SIDES, require_attention_layers
-from .format.layout import FORMAT_MINOR, MANIFEST_NAME
+from .format.layout import FORMAT_MINOR
 from .format.pack import is_pack
 from .format.source import FIELDS, source_entry
 from .format.verify import verify_directory
@@ -222,7 +223,8 @@ def _destination(path, output, force):
 
 
 def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, prefill_step=DEFAULT_PREFILL_STEP,
-           force=False, attention="auto", progress=None, source_name=None):
+           force=False, attention="auto", progress=None, source_name=None,
+           reserve=DEFAULT_RESERVE):
     """Extend the document of the cartridge at `path` with `text`, prefilling only the new tokens.
 
     The new tokens attend over the stored prefix (the cartridge is the prompt cache of their
@@ -246,6 +248,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
         source_name (str | None): the file `text` came from, recorded (its last component) with the text's
             bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.5.1). Default: None.
+        reserve (int): warn (`cartridge.build.ContextWarning`) when fewer tokens than this are left of
+            the model's context after the extended document, as `build` does. Default: 256.
 
     Returns:
         ExtendResult
@@ -259,6 +263,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     """
     t0 = time.perf_counter()
     check_prefill_step(prefill_step)
+    check_reserve(reserve)
     dest, force = _destination(path, output, force)
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)
@@ -270,6 +275,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
     limit = context_length(cart.model)
     if limit and len(ids) >= limit:
         raise InputError(f"the extended document is {len(ids)} tokens; the model's context is {limit} tokens")
+    if limit:
+        warn_context_left(len(ids), limit, reserve, stacklevel=3)
     t1 = time.perf_counter()
     caches = prefill(cart.model, ids[keep:], prefill_step, progress, caches=_caches(cart, keep, attention))
     t2 = time.perf_counter()

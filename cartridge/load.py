@@ -6,12 +6,13 @@
 """
 
 import time
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .attention import route
+from .attention import budget, route
 from .attention.cache import LayerPrefix
 from .attention.layers import (DenseLayer, ListLayer, StateLayer, WindowLayer, cache_offset, fresh_cache, is_paged,
                                trimmable)
@@ -335,6 +336,8 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
     head_dims = [_head_dims(m) for m in info.layers]
     prefixes, plan = place(prefixes, policy, _model_dtype(model), head_dims, max_memory)
+    for line in budget.notes(plan, policy):
+        warnings.warn(f"{Path(path).name}: {line}", budget.MemoryBudgetWarning, stacklevel=2)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"], plan)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart

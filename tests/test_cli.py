@@ -135,7 +135,7 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("too long", "the model's context is 512 tokens"),
     ("unknown tier", "unknown tier 'int3'"),
     ("output exists", "exists; pass --force"),
-    ("not a cartridge", "is not a cartridge"),
+    ("not a cartridge", "is a file, not a cartridge: a cartridge is a directory"),
     ("missing model", "model path does not exist"),
     ("empty question", "question is empty"),
     ("missing folder", "does not exist (or is not a folder)"),
@@ -232,7 +232,7 @@ def test_interrupt_while_importing_exits_130(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130
-    assert capsys.readouterr().err == "error: aborted\n"
+    assert capsys.readouterr().err == "error: interrupted\n"
 
 
 def test_inspect_folds_only_layers_of_the_same_size():

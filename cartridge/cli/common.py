@@ -77,6 +77,8 @@ def warnings_as_lines():
         warnings.simplefilter("always")
         # transformers' notes about a model's config (e.g. `rope_scaling` renamed) are for its developers
         warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)  # Python hides these by default: for developers
         warnings.showwarning = lambda message, *_a, **_k: click.echo(f"warning: {message}", err=True)
         yield
 

@@ -12,10 +12,10 @@ import click
 import cartridge
 from cartridge.errors import CartridgeError, InputError
 
-from .ask import ask, chat
+from .ask import ask
 from .bench import bench as bench_command
-from .common import (PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, refuse_tier_clashes,
-                     tier_options, warnings_as_lines)
+from .chat import chat
+from .common import (PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
 from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
@@ -24,7 +24,27 @@ from .report import inspect_dict, inspect_table
 from .serve import serve
 
 
-@click.group()
+WRITERS = ("build", "extend", "convert", "pack", "unpack")  # commands whose Ctrl-C leaves nothing written
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a command (`command`, e.g. "build"); main prints one line and exits 130."""
+
+    def __init__(self, command):
+        super().__init__(command)
+        self.command = command
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        """Run the subcommand; a Ctrl-C is caught here, before click turns it into an "Aborted!" with a blank line."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(ctx.invoked_subcommand) from None
+
+
+@click.group(cls=_Group)
 @click.version_option(cartridge.__version__, prog_name="cartridge")
 def cli():
     """Persistent, memory-mappable KV caches for MLX language models."""
@@ -112,8 +132,9 @@ def main(argv=None):
     """Entry point: run the CLI, turning every expected error into one stderr line."""
     try:
         cli.main(args=argv, prog_name="cartridge", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("error: aborted", err=True)
+    except (Interrupted, click.exceptions.Abort) as e:  # writers remove their temporaries as the interrupt unwinds
+        written = "; nothing was written" if getattr(e, "command", None) in WRITERS else ""
+        click.echo(f"error: interrupted{written}", err=True)
         sys.exit(130)
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}", err=True)

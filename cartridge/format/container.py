@@ -213,9 +213,7 @@ def open_snapshot(path, attempts=3):
         except FileNotFoundError:
             raise NotACartridgeError(f"{path} does not exist") from None
         except NotADirectoryError:
-            packed = path.suffix == ".cartz" and path.is_file()
-            hint = "; it is a .cartz pack: unpack it, or load it directly" if packed else ""
-            raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file){hint}") from None
+            raise NotACartridgeError(_file_not_cartridge(path)) from None
         try:
             return _snapshot(path, dfd)
         except _Moved:
@@ -223,6 +221,16 @@ def open_snapshot(path, attempts=3):
         finally:
             os.close(dfd)
     raise CorruptCartridgeError(f"{path} was replaced {attempts} times while being opened; try again")
+
+
+def _file_not_cartridge(path):
+    """Why the plain file `path` is no cartridge directory, saying what a cartridge is."""
+    from .pack import is_pack  # pack builds on this module
+
+    if is_pack(path):
+        return f"{path} is a .cartz pack (a file), not a cartridge directory: unpack it (cartridge unpack), or load it"
+    return (f"{path} is a file, not a cartridge: a cartridge is a directory (holding {MANIFEST_NAME}, "
+            f"{INDEX_NAME} and {DATA_NAME}) or a packed .cartz file")
 
 
 def read_manifest(path):

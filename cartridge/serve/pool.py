@@ -157,7 +157,8 @@ class Pool:
         entry = self.entries.get(name)
         if entry is None:
             raise Refused(404, "model_not_found", f"the model {name!r} does not exist; GET /v1/models lists "
-                          f"{len(self.entries)} cartridges and the base model {self.base_id!r}")
+                          f"{len(self.entries)} cartridge{'' if len(self.entries) == 1 else 's'} and the base "
+                          f"model {self.base_id!r}")
         if name in self._loaded:
             with self._lock:
                 if entry.loaded_at == _signature(entry.path):
