@@ -34,7 +34,7 @@ from .format.pack import is_pack, open_packed
 from .format.reader import name_cartridge
 from .format.writer import check_output_path, check_space
 from .load import Cartridge, _layer_prefix, _model_dtype, check_fingerprint
-from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
 from .tiers import DEFAULT_TIER
 
 MODES = ("tensor", "pipeline")
@@ -190,7 +190,7 @@ def _open_slice(path, model, tokenizer, group, verify):
         require_attention_layers(info, "sharded loading (load it with cartridge.load)")
         part = slice_for(model, info.n_layers, info.n_kv_heads, group.rank(), group.size())
         whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
-        fp = fingerprint(model, tokenizer)
+        fp = model_fingerprint(model, tokenizer)
         try:
             check_fingerprint(info, fp, path)
         except ModelMismatchError as e:

@@ -21,7 +21,7 @@ from .format import keys as K
 from .format.header import SIDES
 from .tiers import DTYPES
 from .format.reader import open_cartridge
-from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
 from .models.prompt import conversation_tokens, followup_tokens, question_tokens
 from .tiers import TIERS, protect
 
@@ -331,7 +331,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     elif tokenizer is None:
         raise InputError("pass the model's tokenizer together with the model (or a LoadedModel, or a model "
                          "reference such as \"default\")")
-    check_fingerprint(info, fingerprint(model, tokenizer), path, ref)
+    check_fingerprint(info, model_fingerprint(model, tokenizer), path, ref)
     prefixes = [_layer(info, data, i) for i in range(info.n_layers)]
     head_dims = [_head_dims(m) for m in info.layers]
     prefixes, plan = place(prefixes, policy, _model_dtype(model), head_dims, max_memory)

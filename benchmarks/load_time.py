@@ -1,0 +1,137 @@
+"""Load time against mlx-lm: `cartridge.load` (verify="header" and "pages") of a cartridge with the model
+already loaded, beside mlx-lm's `load_prompt_cache` of the same tokens (its arrays evaluated: `mx.load` is
+lazy), the SHA-256 time of the cartridge's stored page bytes, and the time to first token after each load.
+All in one process, interleaved, so the machine's load hits every row alike.
+
+    python benchmarks/load_time.py [--cartridge /tmp/r0/lgpl.cart] [--repeat 9] [--json benchmarks/results/cpu-load.json]
+
+The mlx-lm file is written by `save_prompt_cache` after a prefill (mlx-lm's own `make_prompt_cache` caches,
+the model's dtype) of the cartridge's token ids. Files are in the page cache: this measures parsing, copying,
+decoding and hashing, not the disk. Also counted: fingerprint computations across all the loads (one model).
+"""
+
+import argparse
+import hashlib
+import json
+import mmap
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from cartridge.format.layout import DATA_NAME
+from cartridge.models import loader
+
+QUESTION = "Who may copy and distribute this library?"
+
+
+def mlx_lm_cache_file(model, tokens, path, step=512):
+    """Prefill `tokens` into mlx-lm's own caches and save them with `save_prompt_cache`."""
+    cache = make_prompt_cache(model)
+    for a in range(0, len(tokens), step):
+        model(mx.array(tokens[a:a + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    save_prompt_cache(str(path), cache)
+
+
+def load_mlx_lm(path):
+    cache = load_prompt_cache(str(path))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def first_token(model, prompt, cache):
+    """Seconds until generate_step's first token is evaluated."""
+    t0 = time.perf_counter()
+    token, _ = next(generate_step(mx.array(prompt), model, prompt_cache=cache))
+    int(token)
+    return time.perf_counter() - t0
+
+
+def sha256_seconds(path):
+    """One SHA-256 over every byte of pages.bin (mapped, no copy), single thread."""
+    with open(Path(path) / DATA_NAME, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        t0 = time.perf_counter()
+        with memoryview(m) as mv:
+            hashlib.sha256(mv).digest()
+        return time.perf_counter() - t0, len(m)
+
+
+def summary(xs):
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "runs": len(xs)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cartridge", default="/tmp/r0/lgpl.cart", help="a cartridge of the default model (default: %(default)s)")
+    ap.add_argument("--repeat", type=int, default=9, help="timed loads of each kind, interleaved (default: %(default)s)")
+    ap.add_argument("--json", help="write the result here (e.g. benchmarks/results/cpu-load.json)")
+    args = ap.parse_args()
+
+    lm = loader.load_model(None)
+    calls = {"n": 0}
+    compute = loader.fingerprint
+
+    def counted(model, tokenizer):
+        calls["n"] += 1
+        return compute(model, tokenizer)
+
+    loader.fingerprint = counted  # count the fingerprints the loads below compute
+    first = cartridge.load(args.cartridge, model=lm, verify="header")  # warm: imports, calibration tables
+    tokens, prompt = first.tokens, first.question_prompt(QUESTION)
+    times = {"mlx_lm": [], "header": [], "pages": [], "sha256": []}
+    ttft = {"mlx_lm": [], "header": []}
+    with tempfile.TemporaryDirectory(prefix="load-time-") as tmp:
+        cache_file = Path(tmp) / "prompt.safetensors"
+        mlx_lm_cache_file(lm.model, tokens, cache_file)
+        load_mlx_lm(cache_file)
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            cache = load_mlx_lm(cache_file)
+            times["mlx_lm"].append(time.perf_counter() - t0)
+            ttft["mlx_lm"].append(first_token(lm.model, prompt, cache))
+            for verify in ("header", "pages"):
+                t0 = time.perf_counter()
+                cart = cartridge.load(args.cartridge, model=lm, verify=verify)
+                times[verify].append(time.perf_counter() - t0)
+            ttft["header"].append(first_token(lm.model, prompt, cart.prompt_cache()))
+            seconds, stored = sha256_seconds(args.cartridge)
+            times["sha256"].append(seconds)
+    loader.fingerprint = compute
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} cpu".strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "cartridge": str(args.cartridge), "tokens": len(tokens), "stored_bytes": stored,
+        "attention": cart.attention, "question_tokens": len(prompt),
+        "mlx_lm_load_prompt_cache": summary(times["mlx_lm"]),
+        "cartridge_load_header": summary(times["header"]),
+        "cartridge_load_pages": summary(times["pages"]),
+        "sha256_stored_bytes": summary(times["sha256"]),
+        "ttft_after_mlx_lm_load": summary(ttft["mlx_lm"]),
+        "ttft_after_cartridge_load": summary(ttft["header"]),
+        "ratio_header_to_mlx_lm": med["header"] / med["mlx_lm"],
+        "pages_minus_header_over_sha256": (med["pages"] - med["header"]) / med["sha256"],
+        "fingerprints_computed": calls["n"], "loads": 1 + 2 * args.repeat,
+        "targets": {"header_le_2x_mlx_lm": med["header"] <= 2 * med["mlx_lm"],
+                    "pages_le_header_target_plus_sha256": med["pages"] <= 2 * med["mlx_lm"] + med["sha256"]},
+    }
+    for k in ("mlx_lm_load_prompt_cache", "cartridge_load_header", "cartridge_load_pages", "sha256_stored_bytes",
+              "ttft_after_mlx_lm_load", "ttft_after_cartridge_load"):
+        print(f"{k:28s} median {result[k]['median_s'] * 1e3:7.1f} ms   min {result[k]['min_s'] * 1e3:7.1f} ms")
+    print(f"header / mlx-lm {result['ratio_header_to_mlx_lm']:.2f}x; (pages - header) / sha256 "
+          f"{result['pages_minus_header_over_sha256']:.2f}; {calls['n']} fingerprint(s) in {result['loads']} loads; "
+          f"{len(tokens)} tokens, {stored / 1e6:.1f} MB stored, attention {cart.attention}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
