@@ -1,9 +1,12 @@
-"""Load time against mlx-lm: `cartridge.load` (verify="header" and "pages") of a cartridge with the model
-already loaded, beside mlx-lm's `load_prompt_cache` of the same tokens (its arrays evaluated: `mx.load` is
+"""Load time of a cartridge against mlx-lm's load_prompt_cache of the same tokens, and the first token after.
+
+`cartridge.load` (verify="header" and "pages") of a cartridge with the model already loaded, beside mlx-lm's `load_prompt_cache` of the same tokens (its arrays evaluated: `mx.load` is
 lazy), the SHA-256 time of the cartridge's stored page bytes, and the time to first token after each load.
 All in one process, interleaved, so the machine's load hits every row alike.
 
-    python benchmarks/load_time.py [--cartridge /tmp/r0/lgpl.cart] [--repeat 9] [--json benchmarks/results/cpu-load.json]
+    python benchmarks/load_time.py [--cartridge X.cart] [--repeat 9] [--json benchmarks/results/cpu-load.json]
+
+Without --cartridge, samples/lgpl-3.0.txt is built (fp16, default model) into a temporary folder first.
 
 The mlx-lm file is written by `save_prompt_cache` after a prefill (mlx-lm's own `make_prompt_cache` caches,
 the model's dtype) of the cartridge's token ids. Files are in the page cache: this measures parsing, copying,
@@ -14,6 +17,7 @@ import argparse
 import hashlib
 import json
 import mmap
+import os
 import platform
 import statistics
 import tempfile
@@ -29,6 +33,7 @@ from cartridge.format.layout import DATA_NAME
 from cartridge.models import loader
 
 QUESTION = "Who may copy and distribute this library?"
+SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "lgpl-3.0.txt"
 
 
 def mlx_lm_cache_file(model, tokens, path, step=512):
@@ -63,18 +68,30 @@ def sha256_seconds(path):
         return time.perf_counter() - t0, len(m)
 
 
+def cpu_name():
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def summary(xs):
     return {"median_s": statistics.median(xs), "min_s": min(xs), "runs": len(xs)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cartridge", default="/tmp/r0/lgpl.cart", help="a cartridge of the default model (default: %(default)s)")
+    ap.add_argument("--cartridge", help="a cartridge of the default model (default: build the sample)")
     ap.add_argument("--repeat", type=int, default=9, help="timed loads of each kind, interleaved (default: %(default)s)")
     ap.add_argument("--json", help="write the result here (e.g. benchmarks/results/cpu-load.json)")
     args = ap.parse_args()
 
     lm = loader.load_model(None)
+    tmp = tempfile.TemporaryDirectory(prefix="load-time-")
+    if args.cartridge is None:
+        args.cartridge = str(Path(tmp.name) / "lgpl.cart")
+        cartridge.build(SAMPLE.read_text(), args.cartridge, model=lm)
+    load_before = os.getloadavg()
     calls = {"n": 0}
     compute = loader.fingerprint
 
@@ -87,8 +104,8 @@ def main():
     tokens, prompt = first.tokens, first.question_prompt(QUESTION)
     times = {"mlx_lm": [], "header": [], "pages": [], "sha256": []}
     ttft = {"mlx_lm": [], "header": []}
-    with tempfile.TemporaryDirectory(prefix="load-time-") as tmp:
-        cache_file = Path(tmp) / "prompt.safetensors"
+    with tmp:
+        cache_file = Path(tmp.name) / "prompt.safetensors"
         mlx_lm_cache_file(lm.model, tokens, cache_file)
         load_mlx_lm(cache_file)
         for _ in range(args.repeat):
@@ -106,7 +123,8 @@ def main():
     loader.fingerprint = compute
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} cpu".strip(),
+        "machine": f"{cpu_name()} ({os.cpu_count()} cores), MLX {mx.__version__} CPU",
+        "load_average_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)],
         "date": time.strftime("%Y-%m-%d"),
         "cartridge": str(args.cartridge), "tokens": len(tokens), "stored_bytes": stored,
         "attention": cart.attention, "question_tokens": len(prompt),
@@ -127,7 +145,8 @@ def main():
         print(f"{k:28s} median {result[k]['median_s'] * 1e3:7.1f} ms   min {result[k]['min_s'] * 1e3:7.1f} ms")
     print(f"header / mlx-lm {result['ratio_header_to_mlx_lm']:.2f}x; (pages - header) / sha256 "
           f"{result['pages_minus_header_over_sha256']:.2f}; {calls['n']} fingerprint(s) in {result['loads']} loads; "
-          f"{len(tokens)} tokens, {stored / 1e6:.1f} MB stored, attention {cart.attention}")
+          f"{len(tokens)} tokens, {stored / 1e6:.1f} MB stored, attention {cart.attention}; "
+          f"load average {result['load_average_before_after']} (before, after)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -46,8 +46,12 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         max_memory (int | None): the most bytes the prefix may hold in memory, while loading and after
             (stored pages, pages decoded to dense, one decode's buffers). Layers whose policy is
             dequantize-once decode only the sides that fit; the rest read their stored pages. None: for
-            "auto", the stored bytes x 1.25 + one decoded layer; for a named policy, no limit.
-            Default: None.
+            "auto", the stored bytes x 1.25 + one decoded layer (fp16/bf16 pages: no limit); for a named
+            policy, no limit. With no limit, dequantize-once sides are decoded by the first forward pass
+            that reads them, not by `load` (`attention.pages.decode_pages`). Default: None.
+
+    The model's fingerprint is computed once per loaded model (`models.loader.model_fingerprint`), so
+    loading a second cartridge with the same model does not compute it again.
 
     Returns:
         Cartridge (ComposedCartridge for a list)
