@@ -8,6 +8,9 @@
 import time
 from pathlib import Path
 
+import mlx.core as mx
+
+from .attention.cache import LayerPrefix
 from .attention.policy import place, resolve
 from .errors import InputError
 from .format.reader import open_cartridge
@@ -23,6 +26,12 @@ def _head_dims(meta):
     if meta.kind == "list":
         return [_head_dims(u) for u in meta.parts]
     return (meta.k_shape[1], meta.v_shape[1]) if meta.k_shape else (None, None)
+
+
+def _start_decodes(prefixes):
+    """Schedule the decodes `place` left lazy (`mx.async_eval`): they run on MLX's stream thread while the
+    caller goes on, and the first forward pass waits only for what is not done yet."""
+    mx.async_eval([a for p in prefixes if isinstance(p, LayerPrefix) for a in (*p.k_parts.values(), *p.v_parts.values())])
 
 
 def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16,
@@ -47,8 +56,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
             (stored pages, pages decoded to dense, one decode's buffers). Layers whose policy is
             dequantize-once decode only the sides that fit; the rest read their stored pages. None: for
             "auto", the stored bytes x 1.25 + one decoded layer (fp16/bf16 pages: no limit); for a named
-            policy, no limit. With no limit, dequantize-once sides are decoded by the first forward pass
-            that reads them, not by `load` (`attention.pages.decode_pages`). Default: None.
+            policy, no limit. With no limit, dequantize-once sides are not decoded by `load`: their decode
+            is scheduled to run in the background (`mx.async_eval`), and the first forward pass waits for
+            what is left of it (`attention.pages.decode_pages`). Default: None.
 
     The model's fingerprint is computed once per loaded model (`models.loader.model_fingerprint`), so
     loading a second cartridge with the same model does not compute it again.
@@ -95,6 +105,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     prefixes = [stored_layer(info, data, i) for i in range(info.n_layers)]
     head_dims = [_head_dims(m) for m in info.layers]
     prefixes, plan = place(prefixes, policy, model_dtype(model), head_dims, max_memory)
+    _start_decodes(prefixes)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"], plan)
     cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart
