@@ -150,11 +150,12 @@ def _sides(prefixes, choices, head_dims, dtype, unpack):
     return sides
 
 
-def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
+def _decoded(p, sides, dtype, unpack=(), via_unpacked=False, lazy=False):
     """`p` with the sides in `sides` decoded to dense pages of `dtype` and those in `unpack` unpacked
     (`unpacked.unpack`), each side evaluated before the next (one side's buffers at a time). With
     `via_unpacked`, an affine side is decoded from its unpacked codes: the same values, and on the CPU
-    half the temporaries of `mx.dequantize` (int8, 6,450 tokens: 29 MB against 56 MB for 27 MB of values)."""
+    half the temporaries of `mx.dequantize` (int8, 6,450 tokens: 29 MB against 56 MB for 27 MB of values).
+    With `lazy` (no memory budget), the decode is left to the first forward pass (`decode_pages`)."""
     out = {"k": (p.k_codec, p.k_parts), "v": (p.v_codec, p.v_parts)}
     for side in sorted(set(sides) | set(unpack)):
         codec, parts = out[side]
@@ -162,10 +163,12 @@ def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
         if side in sides:  # a dense side takes the protected tokens' fp16 copies in place
             if via_unpacked and unpacked.can_unpack(codec):
                 codec, parts = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
-            out[side] = DEQUANTIZED, {"values": decode_pages(codec, parts, params, dtype, p.protected, side, p.n_tokens)}
+            values = decode_pages(codec, parts, params, dtype, p.protected, side, p.n_tokens, lazy)
+            out[side] = DEQUANTIZED, {"values": values}
         else:
             out[side] = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
-        mx.eval(list(out[side][1].values()))
+        if not lazy:
+            mx.eval(list(out[side][1].values()))
     # a side still compressed reads the protected copies on the portable path; two dense sides do not
     protected = None if set(sides) == {"k", "v"} else p.protected
     return LayerPrefix(*out["k"], *out["v"], p.n_tokens, p.k_params, p.v_params, None, protected)
@@ -250,12 +253,13 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             continue
         q = p
         if c[0] == "dequantize-once":
-            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack)
+            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack, lazy=limit is None)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
                              q.protected)
-        mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
+        if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
+            mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
     return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
 
 

@@ -17,6 +17,7 @@ import mmap
 import os
 import stat
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -335,6 +336,36 @@ class PageData:
                     bad.append(i)
         return bad
 
+    def verify_all(self, extents, threads=None):
+        """Check every page checksum of `extents`, hashing from the mapping (no copies) on `threads` threads:
+        hashlib releases the GIL while it hashes a buffer, so the pages are split into that many runs of
+        about equal bytes.
+
+        Args:
+            extents (list[Extent]): the extents to check, in the order their errors are reported.
+            threads (int | None): hashing threads. Default: None (`HASH_THREADS`).
+
+        Raises:
+            ChecksumError: naming the first bad (layer, side, component, page) in `extents` order.
+        """
+        pages = [(n, i) for n, e in enumerate(extents) for i in range(len(e.checksums))]
+        runs = _runs(pages, [extents[n].page_bytes for n, _ in pages], threads or HASH_THREADS)
+        with memoryview(self._map) if self._map is not None else memoryview(b"") as mv:
+
+            def bad(run):
+                return [(n, i) for n, i in run
+                        if hashlib.sha256(mv[extents[n].offset + i * extents[n].page_bytes:][:extents[n].page_bytes])
+                        .digest() != extents[n].checksums[i]]
+
+            if len(runs) == 1:
+                found = bad(runs[0])
+            else:
+                with ThreadPoolExecutor(len(runs)) as pool:
+                    found = [x for r in pool.map(bad, runs) for x in r]
+        if found:
+            n, i = min(found)
+            raise page_error(extents[n], i)
+
     def verify(self, extent):
         """Check every page checksum of `extent`.
 
@@ -350,6 +381,21 @@ class PageData:
         if self._map is not None:
             self._map.close()
         self._file.close()
+
+
+HASH_THREADS = min(4, os.cpu_count() or 1)  # page hashing threads (`PageData.verify_all`)
+
+
+def _runs(items, sizes, n):
+    """`items` cut into at most `n` consecutive runs of about equal total `sizes` (none empty)."""
+    total, runs, run, acc = sum(sizes), [], [], 0
+    for item, size in zip(items, sizes):
+        run.append(item)
+        acc += size
+        if acc * n >= total * (len(runs) + 1) and len(runs) < n - 1:
+            runs.append(run)
+            run = []
+    return runs + [run] if run or not runs else runs
 
 
 def page_error(extent, page):

@@ -16,8 +16,9 @@ from ..errors import CartridgeError, InputError
 from ..format.layout import MANIFEST_NAME
 from ..format.pack import is_pack
 from ..format.reader import open_cartridge
-from ..load import check_fingerprint, load
+from ..load import load
 from ..models.loader import DEFAULT_MODEL, default_gguf_path
+from ..stored import check_fingerprint
 
 SUFFIXES = (".cartz", ".cart")
 
