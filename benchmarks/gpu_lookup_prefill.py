@@ -23,6 +23,8 @@ import mlx.core as mx
 
 from cartridge.attention.kernels import cuda
 from cartridge.eval import bench
+from cartridge.tiers import get_tier
+from cartridge.tiers.layout import layout_of
 
 import gpu_tc  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
@@ -111,7 +113,7 @@ def choose(result):
     totals = {}
     for r in result["decode"]:
         if r["context"] == ctx and r.get("lookup") and r.get("us"):
-            tid = cuda.FUSED_TIERS[r["tier"].split("+")[0]][0]
+            tid = layout_of(get_tier(r["tier"])).tier_id
             if tid in LOOKUP_IDS:
                 totals.setdefault(tid, {}).setdefault(r["lookup"], 0.0)
                 totals[tid][r["lookup"]] += r["us"]

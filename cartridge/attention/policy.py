@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..errors import InputError
 from ..tiers import get_tier
 from ..tiers.float16 import Float16Codec
+from ..tiers.layout import layout_of
 from . import budget, calibration, unpacked
 from .cache import LayerPrefix
 from .layers import ListLayer
@@ -36,6 +37,8 @@ class DequantizedCodec(Float16Codec):
     """Dense pages in the model's dtype, made once at load by the "dequantize-once" policy."""
 
     name = "dequantized"
+    kernel_layout = None  # by the pages' dtype instead (`layout.layout_of`)
+    dense_pages = True
 
     def scores(self, q, parts, params):
         if mx.default_device() != mx.cpu:
@@ -78,9 +81,7 @@ def _allowed_by_name(tiers):
     """`allowed()` for a layer known by its tier names only (a header): "fused" where a kernel reads both."""
     if backend() != "cuda":
         return allowed()
-    from .kernels import cuda
-
-    fused = all(getattr(get_tier(t), "base", get_tier(t)).name in cuda.FUSED_TIERS for t in tiers)
+    fused = all(layout_of(get_tier(t)) is not None for t in tiers)
     return allowed() if fused else ("portable", "dequantize-once")
 
 

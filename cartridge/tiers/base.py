@@ -51,6 +51,8 @@ class TierCodec:
     name = ""
     codec_version = 1
     formula = ""  # bytes/token/layer-side in kv_dim and H = n_kv_heads (spec/FORMAT.md section 6)
+    kernel_layout = None  # layout.KernelLayout where a fused attention kernel reads the tier
+    dense_pages = False  # True: pages of the model's dtype made at load (their layout is their dtype's)
 
     def components(self, head_dim):
         """The stored components for one KV head of `head_dim` elements.

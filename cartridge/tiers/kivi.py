@@ -15,7 +15,7 @@ chosen as mlx4g32's (bias = group minimum rounded down to fp16, scale rounded up
 import mlx.core as mx
 
 from ..errors import CorruptCartridgeError, InputError
-from . import bitpack
+from . import bitpack, layout
 from .affine import _f16_toward
 from .base import Component, TierCodec
 
@@ -26,6 +26,7 @@ class Kivi4Codec(TierCodec):
     """kivi4: 4-bit codes, fp16 scale and bias per (channel, 32 tokens): kv_dim/2 + kv_dim/8 bytes."""
 
     name = "kivi4"
+    kernel_layout = layout.KernelLayout(layout.KIVI4, 0, layout.AFFINE)
     formula = "kv_dim/2 + kv_dim/8"
     bits = 4
     token_group = TOKEN_GROUP

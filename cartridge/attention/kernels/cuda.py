@@ -1,7 +1,7 @@
 """Fused flash-decoding attention over compressed pages on MLX's CUDA backend (`mx.fast.cuda_kernel`).
 
 The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
-in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; the finish merges the splits,
+with a `kernel_layout` (`cartridge.tiers.layout`) directly and dequantizes in registers, split over tokens; the finish merges the splits,
 attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
 rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch (`SINGLE_LAUNCH`):
 the block of the last split also attends over the tail, as one more partial, and the last block of each
@@ -27,28 +27,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+# the kernel tier ids are the codecs' (`KernelLayout.tier_id`); re-exported for tests and benchmarks
+from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO  # noqa: F401
+from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
 from . import dense
 
-FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4, AFF6, KIVI4 = range(11)
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
-# tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
-FUSED_TIERS = {
-    "fp16": (FP16, 0, ("values",)),
-    "bf16": (BF16, 0, ("values",)),
-    "int8": (AFF8, 0, ("codes", "scales", "biases")),
-    "int6": (AFF6, 0, ("codes", "scales", "biases")),
-    "mlx4g32": (AFF4, 0, ("codes", "scales", "biases")),
-    "fp8": (MXFP8, 0, ("codes", "scales")),
-    "turbo4": (TURBO, 4, ("codes", "norms")),
-    "turbo3": (TURBO, 3, ("codes", "norms")),
-    "turbo2": (TURBO, 2, ("codes", "norms")),
-    "mxfp4": (MXFP4, 0, ("codes", "scales")),
-    "nvfp4": (NVFP4, 0, ("codes", "scales")),
-    "kivi4": (KIVI4, 0, ("codes", "scales", "biases")),
-}
 TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
-DENSE_IDS = {mx.float16: FP16, mx.bfloat16: BF16, mx.float32: F32}
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
 # Launch shape, tuned on an H200 (benchmarks/gpu_check.py, 2026-11-30): 8 head_dim elements per lane,
@@ -224,12 +210,11 @@ def has_tensor_cores():
 
 
 def tier_spec(codec, parts):
-    """(kernel tier id, bits, component names) for a stored side, or None if no fused kernel reads it. A
-    rotated tier (`mlx4g32+rot`) is read as its base tier; `rotation` gives its rotation."""
-    if codec.name == "dequantized":
-        tid = DENSE_IDS.get(parts["values"].dtype)
-        return None if tid is None else (tid, 0, ("values",))
-    return FUSED_TIERS.get(getattr(codec, "base", codec).name)
+    """(kernel tier id, bits, component names) of a stored side from its codec's `kernel_layout`
+    (`cartridge.tiers.layout.layout_of`), or None if no fused kernel reads it. A rotated tier (`mlx4g32+rot`)
+    is read as its base tier; `rotation` gives its rotation."""
+    found = layout_of(codec, parts)
+    return None if found is None else (found.tier_id, found.bits, found.components)
 
 
 def rotation(codec, params):
@@ -316,7 +301,7 @@ class FusedAttention:
     """Fused attention of one layer: the prefix pages as stored, plus the cache's dense tail.
 
     Args:
-        prefix (LayerPrefix): the layer's pages (tiers in `FUSED_TIERS`, or dense pages).
+        prefix (LayerPrefix): the layer's pages (tiers with a `kernel_layout`, or dense pages).
     """
 
     def __init__(self, prefix):
