@@ -2,7 +2,7 @@
 
 The Metal source is `flash_decode.metal` (next to this file), handed to MLX as the kernel header; each kernel's
 body is its compile-time constants and one call. Pass 1 reads the stored pages of every tier the CUDA kernel
-reads (kernel tier ids and stored components: `cuda.tier_spec`, the codecs' kernel layout) and dequantizes in
+reads (kernel tier ids and stored components: each codec's `kernel_layout`, tiers/layout.py) and dequantizes in
 registers, split over tokens; the finish merges the splits, the protected tokens, the dense tail and the sinks by
 log-sum-exp and writes the output in the queries' dtype. The reference for both is `kernels/portable.py`
 (tests/test_metal_kernels.py compares them against float64 on Apple silicon).
@@ -23,11 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO, layout_of  # noqa: F401
 from ...tiers.rotation import sign_bits
 from . import cuda
 
 SOURCE = Path(__file__).with_name("flash_decode.metal")
-FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4, AFF6, KIVI4 = range(11)  # as flash_decode.cuh / .metal
 METAL_TYPES = {mx.float16: "half", mx.bfloat16: "bfloat16_t", mx.float32: "float"}
 HEAD_DIMS = (64, 96, 128, 256)
 ROW_VARIANTS = (1, 2, 4, 8)  # query rows per KV head a pass-1 variant holds (R rounded up)
@@ -68,12 +68,10 @@ def header():
 
 
 def layout(codec, parts):
-    """(kernel tier id, bits, component names) of a stored side, or None. A rotated tier is read as its base;
-    float32 / fp16 / bf16 dense pages by their dtype. The table is the codecs' kernel layout (`cuda.tier_spec`)."""
-    kl = getattr(getattr(codec, "base", codec), "kernel_layout", None)
-    if kl is not None and codec.name != "dequantized":
-        return kl.tier_id, kl.bits, tuple(kl.components)
-    return cuda.tier_spec(codec, parts)
+    """(kernel tier id, bits, component names) of a stored side from its codec's `kernel_layout`
+    (`tiers.layout.layout_of`: a rotated tier read as its base, dense pages by their dtype), or None."""
+    found = layout_of(codec, parts)
+    return None if found is None else (found.tier_id, found.bits, tuple(found.components))
 
 
 def supported(prefix, head_dim, mode="decode"):
