@@ -116,6 +116,16 @@ class CartridgeCache(_BaseCache):
         self.tail_len += keys.shape[2]
         return self.state
 
+    @property
+    def tail_chunks(self):
+        """The tail's preallocated chunks, for kernels that read the tail in place.
+
+        Returns:
+            tuple: (k_chunks, v_chunks), lists of (1, n_kv_heads, chunk_size, head_dim) arrays in the K/V
+            dtype; the first `tail_len` tokens across the chunks are the tail, the rest is unused.
+        """
+        return self._k_chunks, self._v_chunks
+
     def _tail_parts(self):
         """[(k, v)] per used chunk, each (n_kv_heads, tokens_in_chunk, head_dim)."""
         out = []

@@ -437,6 +437,7 @@ class FusedAttention:
         if n_q // self.n_kv * L >= DENSE_MIN_ROWS.get(self.k_spec[0], DENSE_MIN_ROWS_OTHER):
             return dense.prefill_attention(self.prefix, cache, queries, scale, sinks)
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
+        k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
         if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
             return None
@@ -455,7 +456,7 @@ class FusedAttention:
             if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
                 work = cache.scratch[plan] = mx.array(np.zeros(plan.work_size, dtype=np.float32))
             return plan.kernel(
-                inputs=[queries, *plan.inputs, prm, work, cache._k_chunks[0], cache._v_chunks[0]],
+                inputs=[queries, *plan.inputs, prm, work, k_chunks[0], v_chunks[0]],
                 grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
                 output_dtypes=[queries.dtype], init_value=POISON)[0]
         partial = [(plan.n_splits, self.n_kv, plan.R)]
@@ -463,7 +464,7 @@ class FusedAttention:
             inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
             output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
             init_value=POISON)
-        tails = [c for pair in zip(cache._k_chunks[:n_chunks], cache._v_chunks[:n_chunks]) for c in pair]
+        tails = [c for pair in zip(k_chunks[:n_chunks], v_chunks[:n_chunks]) for c in pair]
         return plan.finish(
             inputs=[O, M, Lsum, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
                     *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, plan.R),
