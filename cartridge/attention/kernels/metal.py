@@ -305,7 +305,7 @@ class MetalAttention:
             inputs=[queries, self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv, plan.prm],
             grid=(plan.n_splits * BN * 32, self.n_kv, 1), threadgroup=(BN * 32, 1, 1),
             output_shapes=[(plan.n_splits, self.n_kv, plan.R, D), partial, partial], output_dtypes=[mx.float32] * 3)
-        k_chunks, v_chunks = (c[:n_chunks] for c in cache.tail_chunks())
+        k_chunks, v_chunks = (c[:n_chunks] for c in cache.tail_chunks)
         pad = MAX_CHUNKS - n_chunks  # unread slots: the first chunk again (no copy)
         return plan.finish(
             inputs=[O, M, Lsum, queries, plan.prm, self.sgv,
