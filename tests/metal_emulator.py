@@ -21,7 +21,7 @@ from metal_source import ATTRIBUTES, TYPE_STRINGS, assemble, compiler
 
 EMU = Path(__file__).with_name("metal_emu.h")
 BUILD = Path("/tmp") / "cartridge-metal-emu"
-NP_VIEW = {mx.bfloat16: np.uint16}  # numpy has no bfloat16: its bits
+NP_VIEW = {mx.bfloat16: mx.uint16}  # numpy has no bfloat16: its bits
 ATTR_VALUES = {"threadgroup_position_in_grid": "uint3{x, y, z}", "simdgroup_index_in_threadgroup": "tid / 32",
                "thread_index_in_simdgroup": "tid % 32", "thread_index_in_threadgroup": "tid",
                "thread_position_in_grid": "uint3{x * nt + tid, y, z}"}
