@@ -56,3 +56,8 @@ def test_emulated_metal_protected_tokens_match_float64(tier, shape, first, last,
 
 def test_emulated_metal_float32_pages_beside_mxfp4(emulate):
     tm.test_metal_float32_pages_beside_a_compressed_side("mxfp4")
+
+
+@pytest.mark.parametrize("tier", ["mlx4g32", "turbo4", "nvfp4+rot"])
+def test_emulated_metal_fp16_queries_match_float64(tier, emulate):
+    tm.test_metal_matches_float64(tier, tm.SHAPES[3])  # float32 and fp16 queries, 8 rows, on the emulator
