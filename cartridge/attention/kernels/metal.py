@@ -102,7 +102,8 @@ def _constants(consts):
         elif isinstance(value, bool):
             lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
         elif isinstance(value, float):
-            lines.append(f"constexpr float {name} = {float(np.float32(value)).hex()}f;")
+            # 9 significant digits round-trip a float32; hex float literals are C++17, MSL is C++14-based
+            lines.append(f"constexpr float {name} = {float(np.float32(value)):.9g}f;")
         else:
             lines.append(f"constexpr int {name} = {int(value)};")
     return "\n".join(lines) + "\n"
@@ -124,11 +125,14 @@ def _kernel(kind, consts):
 
 
 def pass1_consts(dtype, k_spec, v_spec, D, rows, rk):
+    """Compile-time constants of pass 1: queries' dtype, K and V (tier id, bits), head_dim, query rows the variant
+    holds, simdgroups, whether q is rotated into K's stored basis; SCALE 1.0 (the caller sets the model's)."""
     return (("T", dtype), ("TK", k_spec[0]), ("BK", k_spec[1]), ("TV", v_spec[0]), ("BV", v_spec[1]), ("HD", D),
             ("ROWS", rows), ("BN", BN), ("RK", rk), ("SCALE", 1.0))
 
 
 def finish_consts(dtype, D):
+    """Compile-time constants of the finish: queries' dtype, head_dim; SCALE 1.0 (the caller sets the model's)."""
     return (("T", dtype), ("HD", D), ("SCALE", 1.0))
 
 
@@ -157,6 +161,7 @@ def _variant_pairs():
 
 
 def _padded3(dtypes):
+    """Component dtypes padded to three with the placeholders' uint32 (`_side_inputs`)."""
     return list(dtypes) + ["uint32"] * (3 - len(dtypes))
 
 
