@@ -1,10 +1,24 @@
 """The attention-backend seam: kernel layouts declared by the codecs, the backend registry, the proof gate."""
 
+import re
+import sys
+import types
+import warnings
+from pathlib import Path
+
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
+import pytest
 
+from cartridge.attention import backends, calibration, policy
+from cartridge.attention.backends import metal, proof
+from cartridge.attention.backends.base import AttentionBackend
+from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import DEQUANTIZED
+from cartridge.errors import InputError
 from cartridge.tiers import TIERS, layout as L
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_codec_declares_the_kernel_layout_the_cuda_kernels_read():
@@ -33,23 +47,6 @@ def test_dense_pages_take_their_dtypes_layout_and_none_without_pages():
 
 
 # --- the registry -----------------------------------------------------------------------------------------
-
-import re  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
-import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-from cartridge.attention import backends, calibration, policy  # noqa: E402
-from cartridge.attention.backends import metal, proof  # noqa: E402
-from cartridge.attention.backends.base import AttentionBackend  # noqa: E402
-from cartridge.attention.pages import make_prefix  # noqa: E402
-from cartridge.errors import InputError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_the_registry_lists_each_backend_once_and_the_devices_defaults():
     names = [b.name for b in backends.REGISTRY]
@@ -225,3 +222,36 @@ def test_an_unwritable_table_keeps_the_proof_for_this_process(fake, monkeypatch,
     with pytest.warns(proof.KernelProofWarning):
         _place(_layer())
     assert not calibration.find_proof("fake-raises", ("mlx4g32", "mlx4g32"), 64)["ok"]
+
+
+def test_calibrate_checks_each_tier_the_kernel_reads_and_prints_the_checks(fake):
+    from cartridge.cli.bench import _check_lines, _kernel_checks
+
+    entry = fake("wrong")
+    records = _kernel_checks(["fp16", "kivi4", "turbo2"], (6, 2, 64), 300, None)
+    assert [(r["tiers"], r["ok"]) for r in records] == [(["fp16", "fp16"], False), (["kivi4", "kivi4"], False),
+                                                        (["turbo2", "turbo2"], False)]
+    assert [p["tiers"][0] for p in calibration.proofs()] == ["fp16", "kivi4", "turbo2"]
+    text = _check_lines(records)
+    assert text[2].split()[:5] == ["fake-wrong", "fp16", "64", "300", "NO"]
+    assert text[2].split()[6:9] == ["-", "-", "-"] and "relative error" in text[2]
+    backends.REGISTRY.remove(entry)  # the CPU's own backends need no proof: nothing to check
+    assert _kernel_checks(["fp16"], (6, 2, 64), 300, None) == []
+
+
+def test_a_full_calibration_keeps_the_proofs(fake, tmp_path):
+    fake("raises")
+    with pytest.warns(proof.KernelProofWarning):
+        _place(_layer())
+    path = calibration.user_table_path()
+    calibration.write_calibrated({"version": 1, "entries": FUSED_FASTEST}, path)
+    assert calibration.read_table(path) == FUSED_FASTEST
+    assert [p["backend"] for p in calibration.proofs()] == ["fake-raises"]
+
+
+def test_tail_chunks_are_the_caches_own_chunks_holding_the_tail():
+    cache = proof._cache(_layer(), None, mx.arange(2 * 3 * 64, dtype=mx.float16).reshape(1, 2, 3, 64))
+    k_chunks, v_chunks = cache.tail_chunks
+    assert len(k_chunks) == len(v_chunks) == 1 and k_chunks[0].shape == (1, 2, cache.chunk_size, 64)
+    assert k_chunks[0][0, 1, 2, 63].item() == 2 * 3 * 64 - 1 and cache.tail_len == 3
+    assert k_chunks is cache.state[0]  # the same lists mlx-lm's `state` hands out, not copies

@@ -39,8 +39,8 @@ class LayerPrefix:
         k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
         n_tokens (int): valid tokens (the last page may be padded).
         k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
-        kernel (callable | None): fused attention of this layer, called as
-            kernel(cache, queries, scale) -> output or None (`cartridge.attention.kernels.cuda.FusedAttention`);
+        kernel (callable | None): fused attention of this layer, called as kernel(cache, queries, scale,
+            sinks) -> output or None (built by a backend: `cartridge.attention.backends`);
             None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
         protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
             their compressed pages (`cartridge.tiers.protect`).

@@ -175,6 +175,15 @@ def _reason(best, total, picked):
             f"{e['measured']} on {e['machine']}")
 
 
+def write_calibrated(table, path):
+    """Write a full table (`table_from_bench`) to `path`, keeping the kernel proofs already there."""
+    try:
+        kept = _document(path)["proofs"]
+    except InputError:  # an unreadable old table is replaced whole
+        kept = []
+    return write_table({**table, "proofs": kept} if kept else table, path)
+
+
 def write_table(table, path):
     """Write `table` as JSON to `path` atomically (its folder is created)."""
     from ..format.atomic import write_file

@@ -16,7 +16,6 @@ import mlx.core as mx
 from ..errors import InputError
 from ..tiers import get_tier
 from ..tiers.float16 import Float16Codec
-from ..tiers.layout import layout_of
 from . import backends, budget, calibration, unpacked
 from .backends import proof
 from .cache import LayerPrefix

@@ -116,6 +116,54 @@ def check(backend, prefix, head_dim):
     return rec
 
 
+def check_tiers(backend, tiers, n_kv_heads, head_dim, n_tokens, path=None, page_size=256):
+    """`check` each tier (K and V the same) on random K/V of one shape, keeping each record (`cartridge bench
+    --calibrate` on a device whose kernel needs proof). Tiers the kernel does not read, or that cannot store
+    the shape, are left out.
+
+    Returns:
+        list[dict]: the records, as `check` returns them.
+    """
+    from ...tiers import get_tier
+
+    k1, k2 = mx.random.split(mx.random.key(n_tokens))
+    k = mx.random.normal((n_kv_heads, n_tokens, head_dim), key=k1).astype(mx.float16)
+    v = mx.random.normal((n_kv_heads, n_tokens, head_dim), key=k2).astype(mx.float16)
+    out = []
+    for name in tiers:
+        codec = get_tier(name)
+        try:
+            codec.check(n_kv_heads, head_dim)
+        except Exception:  # the tier cannot store this shape: nothing to check
+            continue
+        prefix = make_prefix(codec, k, codec, v, page_size)
+        if backend.supports(prefix, head_dim, "decode"):
+            out.append(check(backend, prefix, head_dim))
+            calibration.add_proof(out[-1], path)
+        del prefix
+    return out
+
+
+def lines(records):
+    """The `cartridge bench --calibrate` report of kernel checks: one line per record."""
+    if not records:
+        return []
+    out = ["\nkernel checks (a kernel that needs proof, against the portable path; auto takes it only where ok): "
+           "relative error, one decode step's µs",
+           f"{'backend':<8} {'tier':<12} {'head_dim':>8} {'context':>8} {'ok':<4} {'rel err':>9} {'kernel':>10} "
+           f"{'portable':>10} {'dense':>10}"]
+    for r in records:
+        us = r["us"] or {}
+
+        def num(x, fmt):
+            return format(x, fmt) if x is not None else "-"
+        out.append(f"{r['backend']:<8} {'/'.join(dict.fromkeys(r['tiers'])):<12} {r['head_dim']:>8} {r['context']:>8} "
+                   f"{'yes' if r['ok'] else 'NO':<4} {num(r['rel_err'], '.1e'):>9} {num(us.get('fused'), '.1f'):>10} "
+                   f"{num(us.get('portable'), '.1f'):>10} {num(r['dense_us'], '.1f'):>10}"
+                   + ("" if r["ok"] else f"  ({r['error']})"))
+    return out
+
+
 def _label(backend, tiers, head_dim):
     return f"{backend.name} attention kernel for {'/'.join(dict.fromkeys(tiers))} at head_dim {head_dim}"
 
@@ -157,4 +205,4 @@ def warn_unchecked(backend, prefix, head_dim, path=None):
                   stacklevel=2)
 
 
-__all__ = ["KernelProofWarning", "TOL", "check", "proven", "proven_by_name", "warn_unchecked"]
+__all__ = ["KernelProofWarning", "TOL", "check", "check_tiers", "lines", "proven", "proven_by_name", "warn_unchecked"]

@@ -1,8 +1,8 @@
 """Fused flash-decoding attention over compressed pages on MLX's CUDA backend (`mx.fast.cuda_kernel`).
 
 The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
-with a `kernel_layout` (`cartridge.tiers.layout`) directly and dequantizes in registers, split over tokens; the finish merges the splits,
-attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
+with a `kernel_layout` (`cartridge.tiers.layout`) directly and dequantizes in registers, split over
+tokens; the finish merges the splits, attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
 rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch (`SINGLE_LAUNCH`):
 the block of the last split also attends over the tail, as one more partial, and the last block of each
 KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
