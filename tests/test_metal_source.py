@@ -78,3 +78,14 @@ def test_a_broken_source_fails_the_compile(tmp_path, breakage, message):
     assert rc != 0 and message in err
     rc, err = metal_source.compile_sources([text], tmp_path)
     assert rc == 0, err
+
+
+def test_float_constants_are_msl_literals_that_round_trip_float32():
+    """Decimal literals with a point or an exponent (`1f` is no literal; hex floats are C++17, MSL C++14-based)."""
+    import numpy as np
+
+    assert metal._constants([("SCALE", 1.0)]) == "constexpr float SCALE = 1.0f;\n"
+    for x in (128 ** -0.5, 96 ** -0.5, 1e-5, 3.0):
+        text = metal._constants([("S", x)]).split("= ")[1].rstrip(";\nf")
+        assert "." in text or "e" in text
+        assert np.float32(float(text)) == np.float32(x)

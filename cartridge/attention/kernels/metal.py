@@ -103,7 +103,8 @@ def _constants(consts):
             lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
         elif isinstance(value, float):
             # 9 significant digits round-trip a float32; hex float literals are C++17, MSL is C++14-based
-            lines.append(f"constexpr float {name} = {float(np.float32(value)):.9g}f;")
+            text = f"{float(np.float32(value)):.9g}"
+            lines.append(f"constexpr float {name} = {text if '.' in text or 'e' in text else text + '.0'}f;")
         else:
             lines.append(f"constexpr int {name} = {int(value)};")
     return "\n".join(lines) + "\n"
