@@ -38,13 +38,16 @@ def _compile_all(texts, tmp_path, jobs=2):
 
 def test_sources_cover_every_tier_head_dim_rotation_and_dtype():
     labels = [v[0] for v in metal.sources()]
-    assert len(labels) == len(set(labels)) == 960
+    assert len(labels) == len(set(labels)) == 1232
     for tier in ("fp16", "bf16", "f32", "int8", "int6", "mlx4g32", "fp8", "turbo4", "turbo3", "turbo2", "mxfp4",
                  "nvfp4", "kivi4", "int8+rot", "int6+rot", "mlx4g32+rot", "mxfp4+rot", "nvfp4+rot"):
         for D in (64, 128, 256) + (() if tier.startswith("turbo") or tier.endswith("+rot") else (96,)):
             for dtype in ("float16", "bfloat16", "float32"):
                 assert f"pass1 {tier} D{D} {dtype} rows8" in labels, (tier, D, dtype)
     assert "pass1 turbo4 D96 float32 rows1" not in labels  # the rotation needs a power-of-two head_dim
+    # any K tier beside any other V tier (a schema, a preset such as safe: K int8+rot, V int6+rot)
+    for k, v in (("int8+rot", "int6+rot"), ("kivi4", "mlx4g32+rot"), ("mxfp4+rot", "turbo2"), ("turbo3", "fp16")):
+        assert f"pass1 {k}/{v} D128 float32 rows1" in labels, (k, v)
     assert {f"finish D{D} {t}" for D in (64, 96, 128, 256) for t in ("float16", "bfloat16", "float32")} <= set(labels)
 
 

@@ -139,12 +139,14 @@ def finish_consts(dtype, D):
 
 def _variant_pairs():
     """{label: (K spec, V spec, rotated, head_dims, K dtypes, V dtypes)}: K = V for every tier the codecs lay out
-    and its +rot variants, and float32 dense pages beside each tier (a side decoded within a budget under a
-    float32 model; those only with float32 queries). Dtypes: of the stored components, in the spec's order."""
+    and its +rot variants, float32 dense pages beside each tier (a side decoded within a budget under a float32
+    model; those only with float32 queries), and every K tier beside every other V tier (at head_dim 128). Dtypes:
+    of the stored components, in the spec's order."""
     from ...tiers import TIERS
 
     f32 = ((F32, 0, ("values",)), ("float32",))
     pairs = {"f32": (f32[0], f32[0], False, HEAD_DIMS, f32[1], f32[1])}
+    sides = {}  # tier name -> (spec, rotated, component dtypes)
     for name in sorted(TIERS):
         codec = TIERS[name]
         spec = layout(codec, {})
@@ -155,9 +157,14 @@ def _variant_pairs():
         kinds = {c.name: c.dtype for c in codec.components(dims[0])}
         dtypes = tuple(kinds[n] for n in spec[2])
         pairs[name] = (spec, spec, rot, dims, dtypes, dtypes)
+        sides[name] = (spec, rot, dtypes)
         if not rot:
             pairs[f"f32/{name}"] = (f32[0], spec, False, dims, f32[1], dtypes)
             pairs[f"{name}/f32"] = (spec, f32[0], spec[0] == TURBO, dims, dtypes, f32[1])
+    # any K tier beside any V tier (a schema or a calibrated preset sets them per layer): each side's code is its own
+    # template, so one head_dim compiles every pairing (`variants` takes these at float32 and one query row)
+    for (kn, (ks, k_rot, kd)), (vn, (vs, _, vd)) in itertools.permutations(sorted(sides.items()), 2):
+        pairs[f"{kn}/{vn}"] = (ks, vs, k_rot, (128,), kd, vd)
     return pairs
 
 
@@ -171,9 +178,9 @@ def variants():
     scale is compiled in; any float compiles alike)."""
     out = []
     for label, (ks, vs, rot, dims, kd, vd) in sorted(_variant_pairs().items()):
-        mixed = "/" in label
+        mixed, cross = "/" in label, "/" in label and "f32" not in label.split("/")
         for D, dtype, rows in itertools.product(dims, METAL_TYPES, ROW_VARIANTS):
-            if mixed and (dtype != mx.float32 or rows not in (1, 4)):
+            if mixed and (dtype != mx.float32 or rows not in ((1,) if cross else (1, 4))):
                 continue
             rk = rot or ks[0] == TURBO
             t = str(dtype).split(".")[-1]
