@@ -52,9 +52,9 @@ def chat(path, max_tokens, model, attention, max_memory):
 
 def _read_line(tty):
     """The next line, stripped; None at the end of input or on Ctrl-C at the prompt (the chat ends)."""
-    if tty:
-        click.echo("> ", nl=False, err=True)
     try:
+        if tty:
+            click.echo("> ", nl=False, err=True)
         line = sys.stdin.readline()
     except KeyboardInterrupt:
         line = ""
