@@ -14,6 +14,7 @@ from ..attention import backends
 from ..attention.cache import CartridgeCache
 from ..attention.pages import make_prefix
 from ..attention.policy import backend, dequantize, kernel_for
+from ..attention.timing import timeit
 from ..tiers import TIERS
 
 SHAPES = {  # name -> (n_q_heads, n_kv_heads, head_dim)
@@ -22,51 +23,6 @@ SHAPES = {  # name -> (n_q_heads, n_kv_heads, head_dim)
     "smollm2-135m": (9, 3, 64),
 }
 PAGE_SIZE = 256
-
-
-def timeit(fn, repeats=20, warmup=3, inner=None, chain=None):
-    """Median seconds per call of `fn`.
-
-    Without `chain`, each round queues `inner` independent calls (10 on a GPU, 1 on CPU) and times their
-    evaluation. With `chain` (an array), the calls are fn(chain), fn(result), ...: each depends on the
-    one before, as the layers of a decode step do (independent calls can run concurrently on a GPU,
-    which flatters small kernels). On CPU a chained round is `inner` calls (default 1). On a GPU each
-    round times a chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference
-    per call: the cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA
-    graphs of up to 100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp,
-    get_graph_limits) and launches each graph while it encodes the next, as in a decode loop; a short
-    chain evaluated at once would instead pay the host's encoding and the device's time one after the
-    other. So the chained GPU time is max(host encoding, device time) per call, the device's when the
-    kernel is the slower part.
-    """
-    gpu_chain = chain is not None and backend() != "cpu"
-    inner = inner or (50 if gpu_chain else 10 if backend() != "cpu" else 1)
-
-    def queue(n):
-        if chain is None:
-            return [fn() for _ in range(n)]
-        x = chain
-        for _ in range(n):
-            x = fn(x)
-        return [x]
-
-    def seconds(n):
-        outs = queue(n)
-        t = time.perf_counter()
-        mx.eval(outs)
-        return time.perf_counter() - t
-
-    for _ in range(warmup):
-        mx.eval(queue(inner))
-        if gpu_chain:
-            mx.eval(queue(5 * inner))
-    times = []
-    for _ in range(repeats):
-        if gpu_chain:
-            times.append((seconds(5 * inner) - seconds(inner)) / (4 * inner))
-        else:
-            times.append(seconds(inner) / inner)
-    return statistics.median(times)
 
 
 def copy_bandwidth(nbytes=1 << 30):
