@@ -97,6 +97,13 @@ def cpu_name():
     return platform.machine()
 
 
+def write_json(path, result):
+    """Write `result` as indented JSON to `path` (its folder made), if a path was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def summary(xs, cpu=None):
     out = {"median_s": statistics.median(xs), "min_s": min(xs), "runs": len(xs)}
     if cpu:  # process CPU time (all threads): less sensitive than wall time to other processes on the machine
@@ -164,18 +171,16 @@ def verify_cost(args):
            "sha256_gbps_one_core": sha256_gbps(), "repeat": args.repeat or 5, "rows": {}}
     with tempfile.TemporaryDirectory(dir=ROOT / "out" if (ROOT / "out").is_dir() else None) as tmp:
         sample = cartridge.build((ROOT / "samples" / "lgpl-3.0.txt").read_text(), Path(tmp) / "sample.cart", model=lm)
-        out["rows"]["sample"] = {"tokens": sample.tokens, **verify_row(sample.path, lm, (args.repeat or 5))}
+        out["rows"]["sample"] = {"tokens": sample.tokens, **verify_row(sample.path, lm, args.repeat or 5)}
         big = synthetic(Path(tmp) / "large.cart", lm, args.large_tokens)
-        out["rows"]["large"] = {"tokens": args.large_tokens, **verify_row(big, lm, (args.repeat or 5))}
+        out["rows"]["large"] = {"tokens": args.large_tokens, **verify_row(big, lm, args.repeat or 5)}
     print(f"SHA-256 one core: {out['sha256_gbps_one_core']:.2f} GB/s")
     for name, r in out["rows"].items():
         print(f"{name}: {r['tokens']:,} tokens, {r['bytes']:,} bytes | load header {r['load_header_s']:.3f} s, "
               f"load pages {r['load_pages_s']:.3f} s | open header {r['open_header_s']:.3f} s, open pages "
               f"{r['open_pages_s']:.3f} s (page check {r['page_check_s']:.3f} s, {r['page_check_gbps'] or 0:.2f} GB/s) "
               f"| verify {r['verify_s']:.3f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
 
 
 def map_copy(args):
@@ -209,8 +214,7 @@ def map_copy(args):
            "rss_growth_bytes": extra, "same_address": addr_np == addr_mx, "mlx": mx.__version__,
            "device": str(mx.default_device()), "machine": os.uname().machine, "cpus": os.cpu_count()}
     print(json.dumps(res, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    write_json(args.json, res)
 
 
 def main():
@@ -301,9 +305,7 @@ def main():
           f"{result['pages_minus_header_over_sha256']:.2f}; {calls['n']} fingerprint(s) in {result['loads']} loads; "
           f"{len(tokens)} tokens, {stored / 1e6:.1f} MB stored, attention {cart.attention}; "
           f"load average {result['load_average_before_after']} (before, after)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def _kv(n_kv, n, head_dim, seed):
 POLICIES = None  # restrict the policies measured (None: every policy this backend has)
 
 
-def _policies():
+def available_policies():
+    """The attention policies this device can time (a fused kernel only where it has one), limited to
+    `POLICIES` when that is set; list[str]."""
     found = backends.policies(backends.kernel(backend()) is not None)
     return [p for p in found if POLICIES is None or p in POLICIES]
 
@@ -89,7 +91,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
                          "prefix_bytes": None, "error": error})
             continue
         rows.append(read_floor(prefix, tier, n_tokens, repeats))
-        for policy in _policies():
+        for policy in available_policies():
             us, held, error = _time_policy(prefix, policy, dtype, q, new_k, repeats)
             rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
                          "prefix_bytes": held, "us": us, "error": error})
@@ -153,7 +155,7 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
         if prefix is None:
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": error})
             continue
-        for policy in _policies():
+        for policy in available_policies():
             us, _, error = _time_policy(prefix, policy, dtype, q, new_k, repeats, "causal")
             rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "us": us, **base, "error": error})
             mx.clear_cache()
@@ -266,7 +268,8 @@ def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
     return best
 
 
-def _geometry(model):
+def model_geometry(model):
+    """(n_layers, n_kv_heads, head_dim) of an mlx-lm model, read from its first attention layer."""
     attn = model.layers[0].self_attn
     return len(model.layers), attn.n_kv_heads, attn.head_dim
 
@@ -276,7 +279,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
     caches of every tier and policy, all with a prefix of `n_tokens` synthetic tokens."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    n_layers, n_kv, D = _geometry(model)
+    n_layers, n_kv, D = model_geometry(model)
     rows = []
 
     def run(label, tier, policy, make):
@@ -337,7 +340,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
     run("baseline", f"dense {str(dtype)[9:]}", "mlx-kvcache", dense)
     run("baseline", "mlx-lm q4g32", "mlx-lm-quantized", quantized)
     for tier in tiers:
-        for policy in _policies():
+        for policy in available_policies():
             run("cartridge", tier, policy, cartridge(tier, policy))
     return rows
 
