@@ -202,7 +202,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         raise InputError("--json needs --questions")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
-    cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute, max_memory)
+    cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
+                                  max_memory)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
