@@ -8,6 +8,23 @@ All in one process, interleaved, so the machine's load hits every row alike.
 
 Without --cartridge, samples/lgpl-3.0.txt is built (fp16, default model) into a temporary folder first.
 
+Two other modes (each instead of the comparison above):
+
+    python benchmarks/load_time.py --verify-cost [--large-tokens 46000] [--repeat 5] [--json out/verify_cost.json]
+
+what verification costs: `cartridge.load` with verify="header" and verify="pages" (model already loaded),
+`open_cartridge` alone, and a full `verify_cartridge`, on the sample and on a large synthetic cartridge of the
+default model's geometry; also the machine's single-core SHA-256 speed, the physical limit of the page check
+(docs/integrity.md).
+
+    python benchmarks/load_time.py --map-copy [--json benchmarks/results/cpu-map-copy.json]
+
+whether `mx.asarray` of a numpy view of a mapped file (what load.py does with pages.bin) copies, and at what
+cost: MLX 0.32 python/src/convert.cpp (nd_array_to_mlx_contiguous): "Make a copy of the numpy buffer": the
+array(const T*, shape, dtype) constructor copies into a buffer of MLX's allocator (on Metal a shared-storage
+MTLBuffer). The time of 5 conversions of 256 MiB (a scratch file, $PAGES or /tmp/map_copy_cost.bin) and the
+resident-set growth (docs/performance.md).
+
 The mlx-lm file is written by `save_prompt_cache` after a prefill (mlx-lm's own `make_prompt_cache` caches,
 the model's dtype) of the cartridge's token ids. Files are in the page cache: this measures parsing, copying,
 decoding and hashing, not the disk. Also counted: fingerprint computations across all the loads (one model).
@@ -20,20 +37,26 @@ import mmap
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from cartridge.format.layout import DATA_NAME
+from cartridge.format.reader import open_cartridge, verify_cartridge
+from cartridge.format.writer import CartridgeWriter
 from cartridge.models import loader
+from cartridge.models.loader import architecture_config
 
 QUESTION = "Who may copy and distribute this library?"
-SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "lgpl-3.0.txt"
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "samples" / "lgpl-3.0.txt"
 
 
 def mlx_lm_cache_file(model, tokens, path, step=512):
@@ -74,6 +97,13 @@ def cpu_name():
     return platform.machine()
 
 
+def write_json(path, result):
+    """Write `result` as indented JSON to `path` (its folder made), if a path was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def summary(xs, cpu=None):
     out = {"median_s": statistics.median(xs), "min_s": min(xs), "runs": len(xs)}
     if cpu:  # process CPU time (all threads): less sensitive than wall time to other processes on the machine
@@ -81,12 +111,128 @@ def summary(xs, cpu=None):
     return out
 
 
+def median_time(fn, repeat):
+    """Median seconds of `repeat` calls."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sha256_gbps(n=1 << 28):
+    buf = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    hashlib.sha256(buf).digest()
+    return n / (time.perf_counter() - t0) / 1e9
+
+
+def synthetic(path, lm, n_tokens, page_size=256):
+    """A cartridge with the default model's geometry and fingerprint, filled with random fp16 pages."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from cartfiles import header as synthetic_header  # the tests' synthetic-cartridge header
+    attn = lm.model.layers[0].self_attn
+    n_layers, n_kv, head_dim = len(lm.model.layers), attn.n_kv_heads, attn.head_dim
+    n_pages = -(-n_tokens // page_size)
+    header = synthetic_header(n_layers, n_kv, head_dim, page_size, n_tokens, writer="benchmark", ref="default",
+                              fingerprint=lm.fingerprint, config=architecture_config(lm.model), mode="chat_template")
+    rng = np.random.default_rng(0)
+    with CartridgeWriter(path) as w:
+        for layer in range(n_layers):
+            for side in "kv":
+                pages = rng.standard_normal((n_pages, n_kv, page_size, head_dim), dtype=np.float32)
+                w.add_extent(layer, side, "values", pages.astype(np.float16))
+        w.commit(header, rng.integers(0, 49152, n_tokens, dtype=np.uint32))
+    return path
+
+
+def verify_row(path, lm, repeat):
+    size = sum(f.stat().st_size for f in Path(path).iterdir())
+
+    def opened(mode):
+        _, data = open_cartridge(path, verify=mode)
+        data.close()
+
+    row = {"path": str(path), "bytes": size}
+    for mode in ("header", "pages"):
+        row[f"open_{mode}_s"] = median_time(lambda: opened(mode), repeat)
+        row[f"load_{mode}_s"] = median_time(lambda: cartridge.load(path, model=lm, verify=mode), repeat)
+    row["verify_s"] = median_time(lambda: verify_cartridge(path).raise_for_error(), repeat)
+    row["page_check_s"] = row["open_pages_s"] - row["open_header_s"]
+    row["page_check_gbps"] = size / row["page_check_s"] / 1e9 if row["page_check_s"] > 0 else None
+    return row
+
+
+def verify_cost(args):
+    """--verify-cost: the load/open/verify times of the sample and of a synthetic cartridge."""
+    lm = cartridge.load_model()
+    out = {"machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+           "sha256_gbps_one_core": sha256_gbps(), "repeat": args.repeat or 5, "rows": {}}
+    with tempfile.TemporaryDirectory(dir=ROOT / "out" if (ROOT / "out").is_dir() else None) as tmp:
+        sample = cartridge.build((ROOT / "samples" / "lgpl-3.0.txt").read_text(), Path(tmp) / "sample.cart", model=lm)
+        out["rows"]["sample"] = {"tokens": sample.tokens, **verify_row(sample.path, lm, args.repeat or 5)}
+        big = synthetic(Path(tmp) / "large.cart", lm, args.large_tokens)
+        out["rows"]["large"] = {"tokens": args.large_tokens, **verify_row(big, lm, args.repeat or 5)}
+    print(f"SHA-256 one core: {out['sha256_gbps_one_core']:.2f} GB/s")
+    for name, r in out["rows"].items():
+        print(f"{name}: {r['tokens']:,} tokens, {r['bytes']:,} bytes | load header {r['load_header_s']:.3f} s, "
+              f"load pages {r['load_pages_s']:.3f} s | open header {r['open_header_s']:.3f} s, open pages "
+              f"{r['open_pages_s']:.3f} s (page check {r['page_check_s']:.3f} s, {r['page_check_gbps'] or 0:.2f} GB/s) "
+              f"| verify {r['verify_s']:.3f} s")
+    write_json(args.json, out)
+
+
+def map_copy(args):
+    """--map-copy: 5 `mx.asarray` conversions of a 256 MiB numpy view of a mapped file: time, resident-set growth
+    (bytes), and whether the MLX array shares the mapping's address."""
+    path = os.environ.get("PAGES", "/tmp/map_copy_cost.bin")  # a scratch file of random page bytes
+    n = 256 * 1024 * 1024
+    if not os.path.exists(path) or os.path.getsize(path) != n:
+        with open(path, "wb") as f:
+            f.write(np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8).tobytes())
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint32).reshape(1024, 8, 32, -1)
+        _ = int(view[::7].sum())  # fault the file's pages in (page cache)
+
+        def rss():
+            return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+        times, extra = [], []
+        for _ in range(5):
+            before = rss()
+            t = time.perf_counter()
+            a = mx.asarray(view)
+            mx.eval(a)
+            times.append(time.perf_counter() - t)
+            extra.append(rss() - before)
+            addr_np = view.__array_interface__["data"][0]
+            addr_mx = np.array(a, copy=False).__array_interface__["data"][0]
+            del a
+        del view
+    res = {"bytes": n, "asarray_s": times, "median_s": sorted(times)[2], "GB_per_s": n / sorted(times)[2] / 1e9,
+           "rss_growth_bytes": extra, "same_address": addr_np == addr_mx, "mlx": mx.__version__,
+           "device": str(mx.default_device()), "machine": os.uname().machine, "cpus": os.cpu_count()}
+    print(json.dumps(res, indent=1))
+    write_json(args.json, res)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cartridge", help="a cartridge of the default model (default: build the sample)")
-    ap.add_argument("--repeat", type=int, default=9, help="timed loads of each kind, interleaved (default: %(default)s)")
+    ap.add_argument("--repeat", type=int, help="timed loads of each kind, interleaved (default: 9; 5 with "
+                    "--verify-cost)")
     ap.add_argument("--json", help="write the result here (e.g. benchmarks/results/cpu-load.json)")
+    ap.add_argument("--verify-cost", action="store_true", help="instead: what verification costs (docs/integrity.md)")
+    ap.add_argument("--large-tokens", type=int, default=46000,
+                    help="--verify-cost: synthetic cartridge size (23,040 B/token; default: %(default)s)")
+    ap.add_argument("--map-copy", action="store_true", help="instead: the cost of mx.asarray of a mapped file")
     args = ap.parse_args()
+    if args.verify_cost:
+        return verify_cost(args)
+    if args.map_copy:
+        return map_copy(args)
+    args.repeat = args.repeat or 9
 
     lm = loader.load_model(None)
     tmp = tempfile.TemporaryDirectory(prefix="load-time-")
@@ -159,9 +305,7 @@ def main():
           f"{result['pages_minus_header_over_sha256']:.2f}; {calls['n']} fingerprint(s) in {result['loads']} loads; "
           f"{len(tokens)} tokens, {stored / 1e6:.1f} MB stored, attention {cart.attention}; "
           f"load average {result['load_average_before_after']} (before, after)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

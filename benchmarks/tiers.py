@@ -45,7 +45,7 @@ def reference_kv(lm, doc):
 
 def decoded(cart, layer, side):
     """Decoded pages of one (layer, side) as numpy (n_kv, T, D) float32."""
-    p = cart._prefixes[layer]
+    p = cart.prefixes[layer]
     codec, parts, params = (p.k_codec, p.k_parts, p.k_params) if side == "k" else (p.v_codec, p.v_parts, p.v_params)
     x = np.array(codec.decode(parts, params))  # (n_pages, n_kv, P, D)
     return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[:, : p.n_tokens]  # (n_kv, T, D)

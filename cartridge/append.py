@@ -15,7 +15,8 @@ import numpy as np
 
 from .attention.cache import CartridgeCache
 from .attention.pages import encode_pages
-from .build import DEFAULT_PREFILL_STEP, _to_numpy, prefill
+from .attention.store import to_numpy
+from .build import DEFAULT_PREFILL_STEP, prefill
 from .errors import InputError
 from .format import keys as K
 from .format.source import FIELDS
@@ -127,7 +128,7 @@ def _new_pages(codec, x, params, lead, page_size):
     """
     if lead:
         x = mx.pad(x, [(0, 0), (lead, 0), (0, 0)])
-    return {name: _to_numpy(a) for name, a in encode_pages(codec, x, params, page_size).items()}
+    return {name: to_numpy(a) for name, a in encode_pages(codec, x, params, page_size).items()}
 
 
 def write_grown(cart, caches, ids, keep, dest, force, header):
@@ -141,7 +142,7 @@ def write_grown(cart, caches, ids, keep, dest, force, header):
     Returns:
         Path: the published cartridge.
     """
-    info, data = cart.info, cart._data
+    info, data = cart.info, cart.data
     full, lead = divmod(keep, info.page_size)
     with CartridgeWriter(dest, force) as writer:
         for layer, cache in enumerate(caches):
@@ -220,8 +221,8 @@ def save(cart, path, cache, tokens=None, force=False):
 
 
 def _conversation_tokens(cart, cache, tokens):
-    if len(cache) != len(cart._prefixes) or any(not isinstance(c, CartridgeCache) or c.prefix is not p
-                                                 for c, p in zip(cache, cart._prefixes)):
+    if len(cache) != len(cart.prefixes) or any(not isinstance(c, CartridgeCache) or c.prefix is not p
+                                                 for c, p in zip(cache, cart.prefixes)):
         raise InputError("the cache was not made by this cartridge's prompt_cache()")
     if tokens is None:
         tokens = getattr(cache, "tokens", None)

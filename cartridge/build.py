@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention.store import check_layer_tiers, to_numpy, write_layer
+from .attention.store import check_layer_tiers, write_layer
 from .errors import InputError
 from .format import keys as K
 from .format.keys import HEAD_RECORD_BYTES
@@ -24,7 +24,7 @@ from .format.writer import CartridgeWriter, check_output_path, check_space
 from .models.families import LayerPlan, plan_layers
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, check_schema, check_tier_options, get_tier, presets, protect, read_schema, schema_for
+from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
@@ -99,9 +99,6 @@ def _feed(model, tokens, step, progress, caches):
         if progress:
             progress(min(start + step, len(tokens)), len(tokens))
     return caches
-
-
-_to_numpy = to_numpy  # convert and extend encode pages outside `write_layer`
 
 
 def tier_keys(schema, params, head_dim):
@@ -225,20 +222,6 @@ def check_reserve(reserve):
         raise InputError(f"reserve is {reserve!r}; it must be an integer number of tokens >= 0")
 
 
-def _tier_options(tier, k_tier, v_tier, boundary_protect, schema):
-    """Check what needs no model (tier names, schema file and form); return the read schema or None."""
-    check_tier_options(tier, k_tier, v_tier, boundary_protect)
-    if schema is None:
-        return None
-    others = {"tier": tier if tier != DEFAULT_TIER else None, "k_tier": k_tier, "v_tier": v_tier,
-              "boundary_protect": boundary_protect or None}
-    given = [k for k, v in others.items() if v is not None]
-    if given:
-        raise InputError(f"a schema sets the tier of every (layer, side); it cannot be combined with "
-                         f"{', '.join(given)}")
-    return read_schema(schema)
-
-
 def check_options(document, options, page_size, prefill_step, reserve=0):
     """The checks that need no model: corpus text, page size, prefill step, tier options.
 
@@ -250,7 +233,7 @@ def check_options(document, options, page_size, prefill_step, reserve=0):
     """
     check_text(document, "the corpus")
     _check_options(page_size, prefill_step, reserve)
-    _tier_options(*options)
+    read_tier_options(*options)
 
 
 def plan(document, lm, geometry, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
@@ -263,7 +246,7 @@ def plan(document, lm, geometry, options, reserve=0, system=None, page_size=DEFA
         InputError: a bad schema or tier for this geometry, or a corpus longer than the model's context.
     """
     tier, k_tier, v_tier, boundary_protect, _ = options
-    schema = _tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
+    schema = read_tier_options(*options) or schema_for(geometry[0], tier, k_tier, v_tier, boundary_protect)
     check_schema(schema, *geometry)
     check_page_size(schema, page_size)
     mode = prompt_mode(lm.tokenizer)
@@ -287,7 +270,7 @@ def probe_plan(document, lm, options, reserve=0, system=None, page_size=DEFAULT_
     tokens = prefix_tokens(lm.tokenizer, document, mode, system=system)
     left = _check_context(lm, tokens, reserve)
     plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
-    schema = _tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
+    schema = read_tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
     check_layer_tiers(plans, schema)
     check_page_size(schema, page_size)
     return schema, plans, mode, tokens, left

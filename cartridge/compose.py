@@ -21,7 +21,7 @@ from .attention.cache import CartridgeCache, sink_partial
 from .attention.kernels import merge, tail_partial
 from .errors import CartridgeError, InputError
 from .format.header import require_attention_layers
-from .models.prompt import SEPARATOR, _encode, _pieces, question_tokens
+from .models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
 MAX_BOUNDARY_SHIFT = 64  # stored tokens a seam may move on to find ids that tokenize back unchanged
@@ -98,12 +98,7 @@ class ComposedCache(CartridgeCache):
         q = flat(queries)
         partials = [_part_partial(flat(self._rotated(queries.astype(mx.float32), p.shift)), p) for p in self.parts]
         partials += [tail_partial(q, k, v, True) for k, v in self.patches]
-        keep = self._tail_keep(None, n_kv, group, L)
-        start = 0
-        for k, v in self._tail_parts():
-            end = start + k.shape[1]
-            partials.append(tail_partial(q, k, v, keep[..., start:end]))
-            start = end
+        partials += self._tail_partials(q, None, n_kv, group, L)
         if sinks is not None:
             partials.append(sink_partial(sinks, n_kv, L, D))
         # (n_kv, group * L, D) -> (1, n_q, L, D)
@@ -134,10 +129,10 @@ def separator_tokens(tokenizer, before, separator, after, context=8):
         tokenize back unchanged.
     """
     left, right = list(before[-context:]), list(after[:context])
-    ids = _encode(tokenizer, tokenizer.decode(left) + separator + tokenizer.decode(right), False)
+    ids = encode_text(tokenizer, tokenizer.decode(left) + separator + tokenizer.decode(right), False)
     if ids[: len(left)] == left and ids[len(ids) - len(right):] == right and len(ids) > len(left) + len(right):
         return ids[len(left): len(ids) - len(right)]
-    return _encode(tokenizer, separator, False)
+    return encode_text(tokenizer, separator, False)
 
 
 def _common_length(a, b):
@@ -180,12 +175,12 @@ def boundary_tokens(tokenizer, head, before, separator, stored, recompute, conte
             raise InputError("the cartridge's token ids do not open with the chat template's header followed by "
                              "its document; cannot compose it")
         text, right = text[len(header_text):], list(stored[start:start + context])
-        ids = _encode(tokenizer, tokenizer.decode(left) + separator + text + tokenizer.decode(right), False)
+        ids = encode_text(tokenizer, tokenizer.decode(left) + separator + text + tokenizer.decode(right), False)
         if ids[: len(left)] == left and ids[len(ids) - len(right):] == right and len(ids) > len(left) + len(right):
             return start, ids[len(left): len(ids) - len(right)]
     sep = separator_tokens(tokenizer, before, separator, stored[len(head):])
     text = tokenizer.decode(list(stored[common:first]))[len(header_text):]
-    return first, sep + (stored[len(head):first] if common == len(head) else _encode(tokenizer, text, False))
+    return first, sep + (stored[len(head):first] if common == len(head) else encode_text(tokenizer, text, False))
 
 
 class ComposedCartridge:
@@ -201,14 +196,14 @@ class ComposedCartridge:
         self.model, self.tokenizer = carts[0].model, carts[0].tokenizer
         self.info, self.attention, self.plan = carts[-1].info, carts[0].attention, carts[0].plan
         self._ropes = _ropes(self.model)
-        self._layers = [[Part(p, 0, 0)] for p in carts[0]._prefixes]
+        self._layers = [[Part(p, 0, 0)] for p in carts[0].prefixes]
         self._patches = [[] for _ in self._layers]
         self.tokens = list(carts[0].tokens)
         for cart in carts[1:]:
             self._append(cart, separator)
 
     def _append(self, cart, separator):
-        head = _encode(self.tokenizer, _pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator,
+        head = encode_text(self.tokenizer, prompt_pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator,
                                                cart.info.system)[0], True)
         start, fresh = boundary_tokens(self.tokenizer, head, self.tokens[len(head):], separator, cart.tokens,
                                        self.recompute)
@@ -220,7 +215,7 @@ class ComposedCartridge:
             if fresh:
                 self._patches[layer].append(cache.tail_kv())
             if start < len(cart.tokens):  # a part with no token left would have no key at all
-                self._layers[layer].append(Part(replace(cart._prefixes[layer], kernel=None), shift, start))
+                self._layers[layer].append(Part(replace(cart.prefixes[layer], kernel=None), shift, start))
         self.tokens += fresh + cart.tokens[start:]
         mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
 

@@ -21,14 +21,15 @@ from pathlib import Path
 import mlx.core as mx
 
 from .attention.pages import encode_pages
-from .build import _tier_options, _to_numpy, cartridge_bytes, tier_keys
+from .attention.store import to_numpy
+from .build import cartridge_bytes, tier_keys
 from .errors import InputError
 from .format import keys as K
 from .format.header import SIDES, require_attention_layers
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from .format.reader import open_cartridge
 from .format.writer import CartridgeWriter, check_output_path, check_space
-from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, schema_for
+from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
 
 LOSSLESS_SOURCES = ("fp16", "bf16")  # tiers that hold the model's K/V closely enough to re-encode
 
@@ -79,7 +80,7 @@ def _read_side(info, data, layer, side):
 
 
 def _resolve_schema(info, tier, k_tier, v_tier, boundary_protect, schema):
-    rows = _tier_options(tier, k_tier, v_tier, boundary_protect, schema)
+    rows = read_tier_options(tier, k_tier, v_tier, boundary_protect, schema)
     rows = rows or schema_for(info.n_layers, tier, k_tier, v_tier, boundary_protect)
     check_schema(rows, info.n_layers, info.n_kv_heads, info.head_dim)
     return rows
@@ -159,7 +160,7 @@ def _write(info, data, rows, output, force, progress, kept=(0, 0)):
                 params[(layer, side)] = codec.make_params(x, layer, side)
                 parts = encode_pages(codec, x, params[(layer, side)], info.page_size)
                 for comp in codec.components(info.head_dim):
-                    writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
+                    writer.add_extent(layer, side, comp.name, to_numpy(parts[comp.name]))
                 if sum(kept):  # the fp16 copies build keeps: an fp16 source's pages are the prefill's fp16 K/V
                     writer.add_record(K.layer_protected(layer, side), protect.take(x, *kept))
                 del x, parts  # the source mapping must have no views left when it is closed

@@ -258,7 +258,7 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
                             plan)
     cart.part, cart.verified = data.part, data.verified
     cart.bytes_read, cart.bytes_held = data.bytes_read, data.bytes_held
-    cart._data = data  # MLX may wrap the slabs without a copy: keep them alive with the cartridge
+    cart.data = data  # MLX may wrap the slabs without a copy: keep them alive with the cartridge
     snap.data.close()
     return cart
 

@@ -24,7 +24,7 @@ from .format.header import require_attention_layers
 from .format.source import source_entry
 from .load import load
 from .models.loader import load_model
-from .models.prompt import _pieces, check_text, prefix_tokens
+from .models.prompt import prompt_pieces, check_text, prefix_tokens
 from .stored import model_dtype
 
 __all__ = ["EXTEND_SEPARATOR", "ExtendResult", "document_text", "extend", "extended_tokens", "save", "token_sha256"]
@@ -39,7 +39,7 @@ def document_text(cart):
         InputError: if the decoded tokens do not start with the template's opening.
     """
     tok, info = cart.tokenizer, cart.info
-    head, _, _ = _pieces(tok, info.prompt_mode, info.separator, info.system)
+    head, _, _ = prompt_pieces(tok, info.prompt_mode, info.separator, info.system)
     text = tok.decode(cart.tokens[: info.document_tokens], skip_special_tokens=False,
                       clean_up_tokenization_spaces=False)
     bos = getattr(tok, "bos_token", None)
@@ -90,8 +90,8 @@ def _caches(cart, keep, attention):
     route.install()
     if attention in DENSE_PREFILL:
         dtype = model_dtype(cart.model)
-        return [PrefillCache(p, keep, dtype) for p in cart._prefixes]
-    prefixes = cart._prefixes
+        return [PrefillCache(p, keep, dtype) for p in cart.prefixes]
+    prefixes = cart.prefixes
     if keep < len(cart.tokens):  # the portable path masks page tokens at and beyond n_tokens
         prefixes = [replace(p, n_tokens=keep, kernel=None) for p in prefixes]
     return [CartridgeCache(p) for p in prefixes]

@@ -111,5 +111,5 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         warnings.warn(f"{Path(path).name}: {line}", budget.MemoryBudgetWarning, stacklevel=2)
     _start_decodes(prefixes)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"], plan)
-    cart._data = data  # keeps the mapping alive where MLX wrapped it without a copy
+    cart.data = data  # keeps the mapping alive where MLX wrapped it without a copy
     return cart

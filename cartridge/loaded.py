@@ -21,11 +21,17 @@ class Cartridge:
         plan (dict): how the prefix was placed: "reason" (why this policy: the measurement, the budget),
             per-layer "layers", and "memory" (budget, stored, resident and planned peak bytes;
             `cartridge.attention.policy.place`).
+        prefixes (list[LayerPrefix | layer]): the stored prefix of every layer, in layer order, as `place`
+            made it: what each conversation's caches (`prompt_cache`) share, read-only.
+        data (PageData | None): the opened page data the prefixes were read from (`load` sets it): kept
+            alive with the cartridge, since MLX may wrap the mapped bytes without a copy, and read by
+            `append.save` for the stored pages it copies.
     """
 
     def __init__(self, path, info, model, tokenizer, prefixes, load_seconds, attention="portable", plan=None):
         self.path, self.info, self.model, self.tokenizer = path, info, model, tokenizer
-        self._prefixes = prefixes
+        self.prefixes = prefixes
+        self.data = None
         self.load_seconds = load_seconds
         self.attention = attention
         self.plan = plan or {"policy": attention, "reason": attention, "layers": [], "memory": {}}
@@ -121,7 +127,7 @@ class Cartridge:
 
     def _trimmable(self):
         """True if every layer's tail can be trimmed back (page-attended and dense layers)."""
-        return all(trimmable(p) for p in self._prefixes)
+        return all(trimmable(p) for p in self.prefixes)
 
     def reset(self, cache):
         """Empty the tail of a cache from `prompt_cache()`: it holds the bare document again.
@@ -129,7 +135,7 @@ class Cartridge:
         Args:
             cache (list): a cache from `prompt_cache()`.
         """
-        for i, (c, layer) in enumerate(zip(cache, self._prefixes)):
+        for i, (c, layer) in enumerate(zip(cache, self.prefixes)):
             if is_paged(layer) or layer.kind == "dense":
                 c.trim(max(0, c.offset - len(self.info.tokens)))
             else:  # a window, recurrent state or list of caches: a fresh copy of the stored one
@@ -155,7 +161,7 @@ class Cartridge:
             PromptCache: a list of one cache per layer, for `mlx_lm.generate(prompt_cache=...)`.
         """
         route.install()
-        return PromptCache([fresh_cache(p) for p in self._prefixes], len(self.info.tokens))
+        return PromptCache([fresh_cache(p) for p in self.prefixes], len(self.info.tokens))
 
 
 class PromptCache(list):

@@ -27,7 +27,7 @@ def test_bf16_tier_round_trips(tiny, tmp_path):
     r = cartridge.build(DOC, tmp_path / "b.cart", model=tiny, tier="bf16")
     cart = cartridge.load(r.path, model=tiny, attention="portable")
     assert cart.info.tiers[0] == {"layer": 0, "k": "bf16", "v": "bf16"}
-    assert str(cart._prefixes[0].k_parts["values"].dtype) == "mlx.core.bfloat16"
+    assert str(cart.prefixes[0].k_parts["values"].dtype) == "mlx.core.bfloat16"
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

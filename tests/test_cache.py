@@ -30,7 +30,7 @@ def cart(tiny, tmp_path_factory):
 def _decoded_kv_cache(cart):
     """Dense mlx-lm caches holding exactly what the cartridge pages decode to."""
     caches = []
-    for prefix in cart._prefixes:
+    for prefix in cart.prefixes:
         c = KVCache()
         for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
                                            ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
@@ -71,12 +71,12 @@ def test_generate_same_tokens_as_decoded_dense_cache(cart):
 
 
 def test_prompt_caches_are_independent_and_prefix_is_not_mutated(cart):
-    before = [np.array(p.k_parts["values"]).copy() for p in cart._prefixes]
+    before = [np.array(p.k_parts["values"]).copy() for p in cart.prefixes]
     c1, c2 = cart.prompt_cache(), cart.prompt_cache()
     _logits(cart.model, cart.question_prompt("First question?"), c1)
-    assert c1[0].offset == cart._prefixes[0].n_tokens + len(cart.question_prompt("First question?"))
-    assert c2[0].offset == cart._prefixes[0].n_tokens
-    for p, b in zip(cart._prefixes, before):
+    assert c1[0].offset == cart.prefixes[0].n_tokens + len(cart.question_prompt("First question?"))
+    assert c2[0].offset == cart.prefixes[0].n_tokens
+    for p, b in zip(cart.prefixes, before):
         np.testing.assert_array_equal(np.array(p.k_parts["values"]), b)
 
 

@@ -28,7 +28,7 @@ def cart(tiny, tmp_path_factory):
 
 def _decoded(cart):
     caches = []
-    for p in cart._prefixes:
+    for p in cart.prefixes:
         k = p.k_codec.decode(p.k_parts, p.k_params)
         v = p.v_codec.decode(p.v_parts, p.v_params)
         # (n_pages, n_kv, P, D) -> (1, n_kv, tokens, D)

@@ -264,10 +264,10 @@ def test_bench_refuses_end_to_end_contexts_that_cannot_fit(monkeypatch):
     from cartridge.cli.bench import _check_memory
     from cartridge.errors import InputError
 
-    monkeypatch.setattr(B, "_geometry", lambda model: (10**6, 64, 128))  # absurdly large: never fits
+    monkeypatch.setattr(B, "model_geometry", lambda model: (10**6, 64, 128))  # absurdly large: never fits
     with pytest.raises(InputError, match=r"end-to-end decode at 1,024 tokens needs about .* GiB for the dense"):
         _check_memory(B, None, mx.float32, [1024])
-    monkeypatch.setattr(B, "_geometry", lambda model: (1, 1, 64))
+    monkeypatch.setattr(B, "model_geometry", lambda model: (1, 1, 64))
     _check_memory(B, None, mx.float32, [1024])  # 1 MiB: fits anywhere
     # on CUDA the GPU's memory counts ("total_memory"), not the host's: 1 MiB does not fit in 1 MiB
     monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 2**20})

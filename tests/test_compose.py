@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cartridge.compose import compose, separator_tokens
 from cartridge.errors import InputError
-from cartridge.models.prompt import SEPARATOR, _encode, _pieces, prefix_tokens
+from cartridge.models.prompt import SEPARATOR, encode_text, prompt_pieces, prefix_tokens
 
 DOC_A = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3
 DOC_B = "Annex B. Rent is due on the first day of each month, payable by bank transfer to the lessor. " * 2
@@ -41,9 +41,9 @@ def test_composed_tokens(pair, tiny):
     two tokens ("\n", "\n") there, not the one token it is alone."""
     a, b = pair
     tok = tiny.tokenizer
-    head = _encode(tok, _pieces(tok, b.info.prompt_mode, b.info.separator)[0], True)
+    head = encode_text(tok, prompt_pieces(tok, b.info.prompt_mode, b.info.separator)[0], True)
     sep = separator_tokens(tok, a.tokens[len(head):], SEPARATOR, b.tokens[len(head):])
-    assert sep == _encode(tok, "\n", False) * 2 and _encode(tok, SEPARATOR, False) != sep
+    assert sep == encode_text(tok, "\n", False) * 2 and encode_text(tok, SEPARATOR, False) != sep
     for n in (0, 5):
         c = compose(pair, recompute=n)
         assert c.tokens == a.tokens + sep + b.tokens[len(head):]
@@ -54,11 +54,11 @@ def test_composed_tokens(pair, tiny):
 
 def test_separator_tokens_in_context(tiny):
     tok = tiny.tokenizer
-    four, word = _encode(tok, "4. Combined", False), _encode(tok, "Annex B.", False)
-    end = _encode(tok, "the end.", False)
-    assert separator_tokens(tok, end, SEPARATOR, four) == _encode(tok, SEPARATOR, False)  # one token before a digit
-    assert separator_tokens(tok, end, SEPARATOR, word) == _encode(tok, "\n", False) * 2
-    assert separator_tokens(tok, [], SEPARATOR, []) == _encode(tok, SEPARATOR, False)
+    four, word = encode_text(tok, "4. Combined", False), encode_text(tok, "Annex B.", False)
+    end = encode_text(tok, "the end.", False)
+    assert separator_tokens(tok, end, SEPARATOR, four) == encode_text(tok, SEPARATOR, False)  # one token before a digit
+    assert separator_tokens(tok, end, SEPARATOR, word) == encode_text(tok, "\n", False) * 2
+    assert separator_tokens(tok, [], SEPARATOR, []) == encode_text(tok, SEPARATOR, False)
 
 
 def test_rotated_query_equals_keys_moved_to_their_positions(pair, tiny):
@@ -73,8 +73,8 @@ def test_rotated_query_equals_keys_moved_to_their_positions(pair, tiny):
         n_kv, T, D = kb.shape
         kb = rope(kb.reshape(n_kv * T, 1, D), offset=pb.shift).reshape(n_kv, T, D)  # (n_kv, T, D) moved by Δ
         pk, pv = c._patches[layer][0]
-        k = mx.concatenate([_stored(a._prefixes[layer], "k"), pk.astype(mx.float32), kb], axis=1)
-        v = mx.concatenate([_stored(a._prefixes[layer], "v"), pv.astype(mx.float32), _stored(pb.prefix, "v")[:, pb.start:]], axis=1)
+        k = mx.concatenate([_stored(a.prefixes[layer], "k"), pk.astype(mx.float32), kb], axis=1)
+        v = mx.concatenate([_stored(a.prefixes[layer], "v"), pv.astype(mx.float32), _stored(pb.prefix, "v")[:, pb.start:]], axis=1)
         cache = KVCache()
         cache.update_and_fetch(k[None], v[None])
         ref.append(cache)
@@ -141,7 +141,7 @@ def test_whitespace_merge_the_stored_header_shows(pair, tiny, tmp_path, lead):
     """What made compose refuse before: the stored ids do not open with the header's own ids (its last token,
     "\n", and the indent are one token; a lone "\n" before a word is not merged)."""
     tok = tiny.tokenizer
-    head = _encode(tok, _pieces(tok, pair[1].info.prompt_mode, pair[1].info.separator)[0], True)
+    head = encode_text(tok, prompt_pieces(tok, pair[1].info.prompt_mode, pair[1].info.separator)[0], True)
     cartridge.build(lead + DOC_B, tmp_path / "b.cart", model=tiny, page_size=16)
     b = cartridge.load(tmp_path / "b.cart", model=tiny)
     assert b.tokens[: len(head)] != head

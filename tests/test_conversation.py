@@ -109,7 +109,7 @@ def test_conversation_cartridge_cannot_be_extended(conversation, fp16_model):
 def test_next_question_after_a_saved_conversation_is_a_new_user_turn(fp16_model, tmp_path):
     """Saved conversation + question_prompt(q2) == the chat template's tokens of the two user turns and
     the answer between them (the answer closed by its end-of-turn token, as generation stops)."""
-    from cartridge.models.prompt import SEPARATOR, _encode
+    from cartridge.models.prompt import SEPARATOR, encode_text
 
     tok = fp16_model.tokenizer
     cartridge.build(DOC, tmp_path / "doc.cart", model=fp16_model)
@@ -120,6 +120,6 @@ def test_next_question_after_a_saved_conversation_is_a_new_user_turn(fp16_model,
     conv = cartridge.load(saved.path, model=fp16_model)
     messages = [{"role": "user", "content": DOC.rstrip() + SEPARATOR + q1}, {"role": "assistant", "content": a1},
                 {"role": "user", "content": q2}]
-    want = _encode(tok, tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True)
+    want = encode_text(tok, tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True)
     assert conv.tokens + conv.question_prompt(q2) == want
     assert cart.question_prompt(q2) != conv.question_prompt(q2)

@@ -10,7 +10,7 @@ from test_cli import run
 from cartridge.errors import InputError
 from cartridge.eval.composed import ComposeConfig, evaluate_composed, joined, layout, sources
 from cartridge.eval.dataset import load_questions
-from cartridge.models.prompt import SEPARATOR, _encode, _pieces, prompt_mode
+from cartridge.models.prompt import SEPARATOR, encode_text, prompt_pieces, prompt_mode
 
 DOC_A = "".join(f"Clause {i}: the tenant pays {100 + i} euros on day {i}.\n\n" for i in range(1, 5))
 DOC_B = "  Annex. " + "".join(f"Item {i} is kept in room {20 + i}.\n\n" for i in range(1, 4))
@@ -39,7 +39,7 @@ def test_layout_strips_leading_whitespace_of_later_documents():
 def test_report_layout_classes_and_ttft(report, tiny):
     assert report["layout_tokens_match"] is True
     assert [r["recompute"] for r in report["rows"]] == [0, 10_000]
-    head = _encode(tiny.tokenizer, _pieces(tiny.tokenizer, prompt_mode(tiny.tokenizer), SEPARATOR)[0], True)
+    head = encode_text(tiny.tokenizer, prompt_pieces(tiny.tokenizer, prompt_mode(tiny.tokenizer), SEPARATOR)[0], True)
     a, b = (d["prefix_tokens"] for d in report["documents"])
     assert report["composed_tokens"] == a + 2 + b - len(head)  # the separator before "Annex": "\n", "\n"
     for row in report["rows"]:

@@ -42,7 +42,7 @@ def cart(request, model, tmp_path_factory):
 def _reference_logprobs(cart, stream):
     """Log-probabilities after each token of `stream`, teacher-forced over mlx-lm KVCaches of the decoded prefix."""
     caches = []
-    for p in cart._prefixes:
+    for p in cart.prefixes:
         c = KVCache()
         k, v = (codec.decode(parts, params) for codec, parts, params in
                 ((p.k_codec, p.k_parts, p.k_params), (p.v_codec, p.v_parts, p.v_params)))

@@ -32,7 +32,7 @@ def dense_reference(cart):
     """mlx-lm caches of the decoded pages with the protected positions set to the stored fp16 copies."""
     info, caches = cart.info, []
     n, first, last = len(info.tokens), info.protect_first, info.protect_last
-    for layer, prefix in enumerate(cart._prefixes):
+    for layer, prefix in enumerate(cart.prefixes):
         c = KVCache()
         for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
                                            ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
@@ -72,7 +72,7 @@ def _load(path, model, policy, monkeypatch):
     from cartridge.attention.kernels import cuda
 
     cart = cartridge.load(path, model=model, attention="portable")
-    cart._prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart._prefixes]
+    cart.prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart.prefixes]
     monkeypatch.setattr(cuda, "DENSE_MIN_ROWS", {})
     monkeypatch.setattr(cuda, "DENSE_MIN_ROWS_OTHER", 1)
     return cart

@@ -85,5 +85,5 @@ def test_decode_left_to_the_first_forward_pass_gives_the_same_logits(cart_path, 
     q = lazy.question_prompt("How long does the warranty last?")
     out = [np.array(tiny.model(mx.array(q)[None], cache=c.prompt_cache())[0]) for c in (lazy, eager)]
     assert np.array_equal(out[0], out[1])
-    for a, b in zip(lazy._prefixes, eager._prefixes):
+    for a, b in zip(lazy.prefixes, eager.prefixes):
         assert np.array_equal(np.array(a.k_parts["values"]), np.array(b.k_parts["values"]))

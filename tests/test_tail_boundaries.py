@@ -40,7 +40,7 @@ def cart(request, model, tmp_path_factory):
     if request.param != "question-prefill":
         cart = cartridge.load(path, model=model, attention=request.param)
         if request.param != "dequantize-once":  # which runs the fused kernel over its dense pages on CUDA
-            assert (cart._prefixes[0].kernel is not None) == (request.param == "fused")
+            assert (cart.prefixes[0].kernel is not None) == (request.param == "fused")
         yield cart
         return
     # the fused layer's path for many query rows (pages decoded for the call, MLX's SDPA; kernels/dense.py),
@@ -48,7 +48,7 @@ def cart(request, model, tmp_path_factory):
     from cartridge.attention.kernels import cuda
 
     cart = cartridge.load(path, model=model, attention="portable")
-    cart._prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart._prefixes]
+    cart.prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart.prefixes]
     saved = cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER
     cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER = {}, 1
     yield cart
@@ -59,7 +59,7 @@ def _dense_prefix_cache(cart):
     """mlx-lm KVCaches holding exactly the decoded prefix pages: a fresh mlx-lm prefill of the tail
     over them is the reference for the cartridge's attention path."""
     caches = []
-    for p in cart._prefixes:
+    for p in cart.prefixes:
         c = KVCache()
         k = p.k_codec.decode(p.k_parts, p.k_params)  # (n_pages, n_kv, P, D)
         v = p.v_codec.decode(p.v_parts, p.v_params)

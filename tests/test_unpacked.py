@@ -79,7 +79,7 @@ def _unpacking_limit(cart):
     """The least max_memory that unpacks every K side of a portable-loaded cartridge: its stored pages,
     each K side's unpacked bytes more, and one decode step's float32 cast of the largest."""
     sizes = [(unpacked.sizes(p.k_codec, (*p.k_parts["codes"].shape[:3], HEAD_DIM)),  # tiny64: head_dim 64
-              sum(a.nbytes for a in p.k_parts.values())) for p in cart._prefixes]
+              sum(a.nbytes for a in p.k_parts.values())) for p in cart.prefixes]
     return cart.plan["memory"]["stored_bytes"] + sum(u - k for (u, _, _), k in sizes) + max(s for (_, _, s), _ in sizes)
 
 

@@ -169,19 +169,26 @@ class CartridgeCache(_BaseCache):
         group = n_q // n_kv
         # (1, n_q, L, D) -> (n_kv, group * L, D): the query heads of one KV head side by side
         q = (queries.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
-        keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
+        tail = self._tail_partials(q, mask, n_kv, group, L)  # checks the mask before any prefix work
         parts = [prefix_partial(q, p, p.n_tokens)]
         if p.protected is not None:  # fp16 copies of the positions prefix_partial masked out
             parts.append(tail_partial(q, p.protected.k, p.protected.v, True))
-        start = 0
-        for k, v in self._tail_parts():
-            end = start + k.shape[1]
-            parts.append(tail_partial(q, k, v, keep[..., start:end]))
-            start = end
+        parts += tail
         if sinks is not None:
             parts.append(sink_partial(sinks, n_kv, L, parts[0][0].shape[-1]))
         # (n_kv, group * L, Dv) -> (1, n_q, L, Dv)
         return merge(parts).reshape(1, n_q, L, -1).astype(queries.dtype)
+
+    def _tail_partials(self, q, mask, n_kv, group, L):
+        """The partials of the tail's chunks, each under its slice of `_tail_keep` (causal + `mask`);
+        q is (n_kv, group * L, D), scaled float32. The one tail path of this cache and of composed caches."""
+        keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
+        partials, start = [], 0
+        for k, v in self._tail_parts():
+            end = start + k.shape[1]
+            partials.append(tail_partial(q, k, v, keep[..., start:end]))
+            start = end
+        return partials
 
     def _tail_keep(self, mask, n_kv, group, L):
         """Which tail keys each query row sees: causal among the new tokens, and `mask` if given."""

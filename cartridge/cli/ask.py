@@ -18,7 +18,21 @@ from .serve import MAX_MEMORY_HELP, parse_bytes
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 
 
-def _load(path, model, attention, parallel=None, recompute=16, max_memory=None):
+def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memory=None):
+    """Load a cartridge (or compose several) for `ask` and `chat`, as the CLI options say.
+
+    Args:
+        path (str | list[str]): one cartridge, or several to compose. model (str | None): a model reference,
+            None for the one the cartridge records. attention (str): the policy (`ATTENTION_HELP`).
+        parallel (str | None): `--parallel`: load a sharded cartridge over the launched group.
+        recompute (int): seam tokens recomputed when composing. max_memory (str | None): "--max-memory".
+
+    Returns:
+        tuple: (Cartridge, seconds the load took).
+
+    Raises:
+        InputError: a bad --max-memory, or --parallel with several cartridges; what `cartridge.load` raises.
+    """
     max_memory = None if max_memory is None else parse_bytes(max_memory, "--max-memory")
     t0 = time.perf_counter()
     group = launched_group(parallel)
@@ -69,9 +83,18 @@ def _prefix_lines(cart):
     return lines
 
 
-def _check_room(cart, cache, prompt, max_tokens, what):
+def check_room(cart, cache, prompt, max_tokens, what):
     """Refuse a prompt (`what`, e.g. "the question") + answer that cannot fit the model's context after
-    what `cache` holds."""
+    what `cache` holds.
+
+    Args:
+        cart (Cartridge): the loaded cartridge. cache (list): the conversation's caches.
+        prompt (list[int]): the tokens to feed. max_tokens (int): the answer's budget. what (str): named
+            in the error.
+
+    Raises:
+        InputError: prefix + cache tail + prompt + max_tokens exceed the model's context length.
+    """
     from cartridge.build import context_length
 
     from cartridge.attention.layers import cache_offset
@@ -95,7 +118,7 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
     """
     import mlx_lm
 
-    _check_room(cart, cache, prompt, max_tokens, what)
+    check_room(cart, cache, prompt, max_tokens, what)
     t0 = time.perf_counter()
     ttft, n, pieces, ids, stopped = None, 0, [], [], False
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
@@ -179,7 +202,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         raise InputError("--json needs --questions")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
-    cart, load_s = _load(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute, max_memory)
+    cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
+                                  max_memory)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):

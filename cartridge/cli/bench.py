@@ -81,7 +81,7 @@ def _check_memory(B, model, dtype, contexts):
 
     import mlx.core as mx
 
-    n_layers, n_kv, D = B._geometry(model)
+    n_layers, n_kv, D = B.model_geometry(model)
     info = mx.device_info()  # Metal names the device's memory "memory_size", CUDA "total_memory"
     total = (info.get("memory_size") or info.get("total_memory")
              or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # CPU: the host's memory
@@ -252,7 +252,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
     questions = [] if query_tokens == "none" else _contexts(query_tokens, "--query-tokens", "question")
     B.POLICIES = None  # every policy of this backend, unless --policies names some
     if policies is not None:
-        B.POLICIES = _policies(policies, B._policies(), B.backend())
+        B.POLICIES = _policies(policies, B.available_policies(), B.backend())
     shape = ("llama3-8b" if cuda else "smollm2-135m") if shape is None else shape
     if shape not in B.SHAPES:
         raise InputError(f"unknown shape {shape!r}; known: {', '.join(B.SHAPES)}")

@@ -10,7 +10,7 @@ import click
 
 from cartridge.errors import CartridgeError, InputError
 
-from .ask import ATTENTION_HELP, _check_room, _load, answer, memory_lines
+from .ask import ATTENTION_HELP, check_room, load_cartridge, answer, memory_lines
 from .serve import MAX_MEMORY_HELP
 
 COMMANDS = "/reset, /save FILE, /quit"
@@ -32,10 +32,10 @@ def chat(path, max_tokens, model, attention, max_memory):
     question). With piped input each question is echoed ("> QUESTION") before its answer."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
-    cart, load_s = _load(path, model, attention, max_memory=max_memory)
+    cart, load_s = load_cartridge(path, model, attention, max_memory=max_memory)
     if cart.info.document_tokens < len(cart.tokens):
         raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
-    _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
+    check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     tty = sys.stdin.isatty()
     click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; {COMMANDS}", err=True)
     for line in memory_lines(cart):

@@ -14,6 +14,7 @@ from ..attention import backends
 from ..attention.cache import CartridgeCache
 from ..attention.pages import make_prefix
 from ..attention.policy import backend, dequantize, kernel_for
+from ..attention.timing import timeit
 from ..tiers import TIERS
 
 SHAPES = {  # name -> (n_q_heads, n_kv_heads, head_dim)
@@ -22,51 +23,6 @@ SHAPES = {  # name -> (n_q_heads, n_kv_heads, head_dim)
     "smollm2-135m": (9, 3, 64),
 }
 PAGE_SIZE = 256
-
-
-def timeit(fn, repeats=20, warmup=3, inner=None, chain=None):
-    """Median seconds per call of `fn`.
-
-    Without `chain`, each round queues `inner` independent calls (10 on a GPU, 1 on CPU) and times their
-    evaluation. With `chain` (an array), the calls are fn(chain), fn(result), ...: each depends on the
-    one before, as the layers of a decode step do (independent calls can run concurrently on a GPU,
-    which flatters small kernels). On CPU a chained round is `inner` calls (default 1). On a GPU each
-    round times a chain of `inner` calls (default 50) and one of 5 x `inner`, and takes the difference
-    per call: the cost of one more call in a long chain. MLX's CUDA backend encodes a chain into CUDA
-    graphs of up to 100 operations on Hopper (20 on most other GPUs; mlx/backend/cuda/device.cpp,
-    get_graph_limits) and launches each graph while it encodes the next, as in a decode loop; a short
-    chain evaluated at once would instead pay the host's encoding and the device's time one after the
-    other. So the chained GPU time is max(host encoding, device time) per call, the device's when the
-    kernel is the slower part.
-    """
-    gpu_chain = chain is not None and backend() != "cpu"
-    inner = inner or (50 if gpu_chain else 10 if backend() != "cpu" else 1)
-
-    def queue(n):
-        if chain is None:
-            return [fn() for _ in range(n)]
-        x = chain
-        for _ in range(n):
-            x = fn(x)
-        return [x]
-
-    def seconds(n):
-        outs = queue(n)
-        t = time.perf_counter()
-        mx.eval(outs)
-        return time.perf_counter() - t
-
-    for _ in range(warmup):
-        mx.eval(queue(inner))
-        if gpu_chain:
-            mx.eval(queue(5 * inner))
-    times = []
-    for _ in range(repeats):
-        if gpu_chain:
-            times.append((seconds(5 * inner) - seconds(inner)) / (4 * inner))
-        else:
-            times.append(seconds(inner) / inner)
-    return statistics.median(times)
 
 
 def copy_bandwidth(nbytes=1 << 30):
@@ -88,7 +44,9 @@ def _kv(n_kv, n, head_dim, seed):
 POLICIES = None  # restrict the policies measured (None: every policy this backend has)
 
 
-def _policies():
+def available_policies():
+    """The attention policies this device can time (a fused kernel only where it has one), limited to
+    `POLICIES` when that is set; list[str]."""
     found = backends.policies(backends.kernel(backend()) is not None)
     return [p for p in found if POLICIES is None or p in POLICIES]
 
@@ -133,7 +91,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
                          "prefix_bytes": None, "error": error})
             continue
         rows.append(read_floor(prefix, tier, n_tokens, repeats))
-        for policy in _policies():
+        for policy in available_policies():
             us, held, error = _time_policy(prefix, policy, dtype, q, new_k, repeats)
             rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
                          "prefix_bytes": held, "us": us, "error": error})
@@ -197,7 +155,7 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
         if prefix is None:
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": error})
             continue
-        for policy in _policies():
+        for policy in available_policies():
             us, _, error = _time_policy(prefix, policy, dtype, q, new_k, repeats, "causal")
             rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "us": us, **base, "error": error})
             mx.clear_cache()
@@ -310,7 +268,8 @@ def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
     return best
 
 
-def _geometry(model):
+def model_geometry(model):
+    """(n_layers, n_kv_heads, head_dim) of an mlx-lm model, read from its first attention layer."""
     attn = model.layers[0].self_attn
     return len(model.layers), attn.n_kv_heads, attn.head_dim
 
@@ -320,7 +279,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
     caches of every tier and policy, all with a prefix of `n_tokens` synthetic tokens."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    n_layers, n_kv, D = _geometry(model)
+    n_layers, n_kv, D = model_geometry(model)
     rows = []
 
     def run(label, tier, policy, make):
@@ -381,7 +340,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
     run("baseline", f"dense {str(dtype)[9:]}", "mlx-kvcache", dense)
     run("baseline", "mlx-lm q4g32", "mlx-lm-quantized", quantized)
     for tier in tiers:
-        for policy in _policies():
+        for policy in available_policies():
             run("cartridge", tier, policy, cartridge(tier, policy))
     return rows
 

@@ -46,6 +46,7 @@ from .layout import (
     MAX_INDEX_BYTES,
     MAX_VALUE_BYTES,
     PAGE_RECORD,
+    is_pack,
 )
 from .lmdbfile import read_records
 
@@ -226,8 +227,6 @@ def open_snapshot(path, attempts=3):
 
 def _file_not_cartridge(path):
     """Why the plain file `path` is no cartridge directory, saying what a cartridge is."""
-    from .pack import is_pack  # pack builds on this module
-
     if is_pack(path):
         return f"{path} is a .cartz pack (a file), not a cartridge directory: unpack it (cartridge unpack), or load it"
     return (f"{path} is a file, not a cartridge: a cartridge is a directory (holding {MANIFEST_NAME}, "

@@ -6,6 +6,7 @@ imports the other.
 
 import hashlib
 import struct
+from pathlib import Path
 
 MAGIC = b"CARTRIDG"
 FORMAT_MAJOR = 1
@@ -21,6 +22,7 @@ ALIGN = 16384
 PAGE_RECORD = struct.Struct("<QQ32s")  # offset, length, sha256
 MAX_INDEX_BYTES = 1 << 32
 MAX_VALUE_BYTES = 1 << 31
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstandard frame's first 4 bytes (RFC 8878 3.1.1): a .cartz starts with one
 
 
 def align_up(n, a=ALIGN):
@@ -35,3 +37,19 @@ def sha256_file(path, chunk=1 << 24):
         while block := f.read(chunk):
             h.update(block)
     return h.digest()
+
+
+def is_pack(path):
+    """True if `path` is a regular file starting with a zstandard frame (a candidate .cartz pack).
+
+    Args:
+        path: str or Path; a directory, a missing path or an unreadable file is no pack.
+
+    Returns:
+        bool. Only the first 4 bytes are read (`ZSTD_MAGIC`); `pack.open_packed` checks the rest.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == ZSTD_MAGIC

@@ -25,7 +25,7 @@ from ..errors import (
 )
 from .atomic import TempDir, crash_point
 from .container import open_snapshot, parse_manifest
-from .layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE
+from .layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE, ZSTD_MAGIC, is_pack
 from .verify import verify_directory
 from .writer import check_output_folder, check_output_path
 
@@ -35,18 +35,8 @@ PACK_HEADER = struct.Struct("<8sHHI")  # magic, pack_major, pack_minor, n_member
 MEMBER_HEAD = struct.Struct("<H")  # name length; then the name, then u64 size
 SIZE = struct.Struct("<Q")
 MEMBERS = (MANIFEST_NAME, INDEX_NAME, DATA_NAME)  # this order: the manifest bounds the sizes that follow
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 DEFAULT_LEVEL = 3
 CHUNK = 1 << 20
-
-
-def is_pack(path):
-    """True if `path` is a regular file starting with a zstandard frame (a candidate .cartz)."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == ZSTD_MAGIC
 
 
 def _member_header(name, size):

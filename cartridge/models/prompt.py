@@ -56,9 +56,20 @@ def _system_turn(system, mode):
     return [{"role": "system", "content": system}]
 
 
-def _pieces(tokenizer, mode, separator, system=None):
-    """(head, middle, tail): the rendered prompt is head + document + middle + question + tail; `system`
-    (str | None) is a system message rendered where the chat template puts it (spec 5.4)."""
+def prompt_pieces(tokenizer, mode, separator, system=None):
+    """The fixed text around the document and the question in the rendered prompt (spec 5.4).
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer (its chat template in chat mode).
+        mode (str): the prompt mode (`PLAIN` or chat template). separator (str): between document and
+            question. system (str | None): a system message, rendered where the chat template puts it.
+
+    Returns:
+        tuple[str, str, str]: (head, middle, tail); the prompt is head + document + middle + question + tail.
+
+    Raises:
+        InputError: the chat template does not render the user message verbatim, or a bad system message.
+    """
     if mode == PLAIN:
         _system_turn(system, mode)
         return "", separator + "Question: ", "\nAnswer:"
@@ -71,7 +82,16 @@ def _pieces(tokenizer, mode, separator, system=None):
     return head, middle, tail
 
 
-def _encode(tokenizer, text, first):
+def encode_text(tokenizer, text, first):
+    """Token ids of a piece of the rendered prompt, encoded as mlx-lm encodes a prompt.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer. text (str): the piece.
+        first (bool): the piece starts the sequence; only then may special tokens (BOS) be added.
+
+    Returns:
+        list[int]: the ids.
+    """
     # mlx-lm's rule (generate.stream_generate): add special tokens unless the text already starts with BOS
     bos = getattr(tokenizer, "bos_token", None)
     special = first and (bos is None or not text.startswith(bos))
@@ -91,8 +111,8 @@ def full_prompt_tokens(tokenizer, document, question, mode=None, separator=SEPAR
         list[int]
     """
     mode = mode or prompt_mode(tokenizer)
-    head, middle, tail = _pieces(tokenizer, mode, separator, system)
-    return _encode(tokenizer, head + document.rstrip() + middle + question + tail, True)
+    head, middle, tail = prompt_pieces(tokenizer, mode, separator, system)
+    return encode_text(tokenizer, head + document.rstrip() + middle + question + tail, True)
 
 
 def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR, system=None):
@@ -112,8 +132,8 @@ def prefix_tokens(tokenizer, document, mode=None, separator=SEPARATOR, system=No
     check_text(document, "the corpus")
     mode = mode or prompt_mode(tokenizer)
     document = document.rstrip()
-    head, _, _ = _pieces(tokenizer, mode, separator, system)
-    prefix = _encode(tokenizer, head + document, True)
+    head, _, _ = prompt_pieces(tokenizer, mode, separator, system)
+    prefix = encode_text(tokenizer, head + document, True)
     probe = "Is this split stable?"
     if prefix + question_tokens(tokenizer, probe, mode, separator, system) != full_prompt_tokens(
         tokenizer, document, probe, mode, separator, system
@@ -132,8 +152,8 @@ def question_tokens(tokenizer, question, mode, separator=SEPARATOR, system=None)
         InputError: if the question is empty.
     """
     check_text(question, "the question")
-    _, middle, tail = _pieces(tokenizer, mode, separator, system)
-    return _encode(tokenizer, middle + question + tail, False)
+    _, middle, tail = prompt_pieces(tokenizer, mode, separator, system)
+    return encode_text(tokenizer, middle + question + tail, False)
 
 
 def followup_tokens(tokenizer, question, mode, separator=SEPARATOR, last_token=None):
@@ -154,13 +174,13 @@ def followup_tokens(tokenizer, question, mode, separator=SEPARATOR, last_token=N
     """
     check_text(question, "the question")
     if mode == PLAIN:
-        return _encode(tokenizer, separator + "Question: " + question + "\nAnswer:", False)
+        return encode_text(tokenizer, separator + "Question: " + question + "\nAnswer:", False)
     messages = [{"role": "user", "content": _DOC}, {"role": "assistant", "content": _ANSWER},
                 {"role": "user", "content": _QUESTION}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if any(text.count(m) != 1 for m in (_DOC, _ANSWER, _QUESTION)) or not text.index(_ANSWER) < text.index(_QUESTION):
         raise InputError("the chat template does not render the conversation verbatim; cannot add a question")
-    ids = _encode(tokenizer, text.split(_ANSWER)[1].replace(_QUESTION, question), False)
+    ids = encode_text(tokenizer, text.split(_ANSWER)[1].replace(_QUESTION, question), False)
     return ids[1:] if ids and last_token is not None and ids[0] == last_token else ids
 
 
@@ -218,15 +238,15 @@ def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR, system=N
         text = separator
         for m in messages:
             text += (f"Question: {m['content']}\nAnswer:" if m["role"] == "user" else f" {m['content']}\n\n")
-        return _encode(tokenizer, text, False)
+        return encode_text(tokenizer, text, False)
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
     turns = [dict(m) for m in messages]
     turns[first_user]["content"] = _DOC + separator + turns[first_user]["content"]
     text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    head, _, _ = _pieces(tokenizer, mode, separator, system)
+    head, _, _ = prompt_pieces(tokenizer, mode, separator, system)
     if text.count(_DOC) != 1 or not text.startswith(head) or text.index(_DOC) != len(head):
         built = "no system message" if system is None else f"the system message {system[:60]!r}"
         raise InputError(f"this model's chat template puts the system message before the document, which the "
                          f"cartridge holds already prefilled with {built}; send that one (or none), or build a "
                          f"cartridge with `cartridge build --system`")
-    return _encode(tokenizer, text[len(head) + len(_DOC):], False)
+    return encode_text(tokenizer, text[len(head) + len(_DOC):], False)

@@ -4,7 +4,7 @@ codecs -> registry -> schema -> this package."""
 
 from .base import DTYPES, Component, TierCodec
 from .registry import DEFAULT_TIER, TIERS, get_tier
-from .schema import check_schema, check_tier_options, read_schema, schema_for
+from .schema import check_schema, check_tier_options, read_schema, read_tier_options, schema_for
 
 __all__ = ["TIERS", "DEFAULT_TIER", "DTYPES", "Component", "TierCodec", "get_tier", "schema_for", "read_schema",
-           "check_schema", "check_tier_options"]
+           "check_schema", "check_tier_options", "read_tier_options"]

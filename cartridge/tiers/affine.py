@@ -14,8 +14,16 @@ from . import bitpack, layout
 from .quantized import GroupQuantCodec
 
 
-def _f16_toward(x, up):
-    """Round float32 x to float16 toward +inf (up) or -inf (not up); returns float16."""
+def f16_toward(x, up):
+    """Round float32 to float16 toward +inf (`up`) or -inf (not `up`): the rounding of the affine tiers'
+    scale and bias (kivi's too), so that the stored float16 range still covers the group.
+
+    Args:
+        x (mx.array): float32, any shape. up (bool): the direction.
+
+    Returns:
+        mx.array: float16, x's shape; the nearest float16 on that side of x (x itself where exact).
+    """
     h = x.astype(mx.float16)
     hf = h.astype(mx.float32)
     bits = h.view(mx.uint16).astype(mx.int32)
@@ -43,8 +51,8 @@ def affine_encode(x, bits, group_size=32):
     levels = (1 << bits) - 1
     g = x.astype(mx.float32).reshape(*lead, d // group_size, group_size)  # (..., groups, 32)
     lo, hi = g.min(axis=-1), g.max(axis=-1)
-    bias = _f16_toward(lo, up=False)
-    scale = _f16_toward((hi - bias.astype(mx.float32)) / levels, up=True)
+    bias = f16_toward(lo, up=False)
+    scale = f16_toward((hi - bias.astype(mx.float32)) / levels, up=True)
     s, b = scale.astype(mx.float32)[..., None], bias.astype(mx.float32)[..., None]
     q = mx.round((g - b) / mx.where(s > 0, s, 1))
     q = mx.where(s > 0, mx.clip(q, 0, levels), 0).astype(mx.uint32).reshape(*lead, d)

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..errors import InputError
 from . import bitpack, layout
-from .affine import _f16_toward
+from .affine import f16_toward
 from .base import Component, FixedParamsCodec
 
 TOKEN_GROUP = 32
@@ -56,8 +56,8 @@ class Kivi4Codec(FixedParamsCodec):
         if t % g:
             raise InputError(f"tier {self.name}: {t} tokens are not whole groups of {g}")
         xg = x.astype(mx.float32).reshape(n, t // g, g, d)  # (n_kv, groups, G, D)
-        bias = _f16_toward(xg.min(axis=2), up=False)  # (n_kv, groups, D)
-        scale = _f16_toward((xg.max(axis=2) - bias.astype(mx.float32)) / levels, up=True)
+        bias = f16_toward(xg.min(axis=2), up=False)  # (n_kv, groups, D)
+        scale = f16_toward((xg.max(axis=2) - bias.astype(mx.float32)) / levels, up=True)
         s, b = scale.astype(mx.float32)[:, :, None, :], bias.astype(mx.float32)[:, :, None, :]
         q = mx.round((xg - b) / mx.where(s > 0, s, 1))
         q = mx.where(s > 0, mx.clip(q, 0, levels), 0).astype(mx.uint32).reshape(n, t, d)

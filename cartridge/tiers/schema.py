@@ -154,3 +154,30 @@ def _runs(values):
             out.append(str(start) if start == v else f"{start}-{v}")
             start = None
     return ", ".join(out)
+
+
+def read_tier_options(tier, k_tier, v_tier, boundary_protect, schema):
+    """Check the build's tier options that need no model (tier names, a schema file and its form), before
+    any model is loaded or token prefilled; `build` and `convert` both start here.
+
+    Args:
+        tier, k_tier, v_tier, boundary_protect: as `schema_for` takes them.
+        schema (list | str | Path | None): a per-layer schema (`read_schema`), or None.
+
+    Returns:
+        list[dict] | None: the schema read, or None when there is none (the options make it).
+
+    Raises:
+        InputError: an unknown tier or a bad N (`check_tier_options`), a bad schema, or a schema given
+            together with tier, k_tier, v_tier or boundary_protect.
+    """
+    check_tier_options(tier, k_tier, v_tier, boundary_protect)
+    if schema is None:
+        return None
+    others = {"tier": tier if tier != DEFAULT_TIER else None, "k_tier": k_tier, "v_tier": v_tier,
+              "boundary_protect": boundary_protect or None}
+    given = [k for k, v in others.items() if v is not None]
+    if given:
+        raise InputError(f"a schema sets the tier of every (layer, side); it cannot be combined with "
+                         f"{', '.join(given)}")
+    return read_schema(schema)

@@ -18,6 +18,7 @@ import mlx.core as mx
 from .. import calibration
 from ..cache import CartridgeCache, LayerPrefix
 from ..pages import make_prefix
+from ..timing import timeit
 
 TOL = 2e-3  # relative error, float16 queries (tests/test_kernels.py TOL_FP16)
 GROUP = 4  # query heads per KV head in the proof's case and timing (the layer's own is not known at load)
@@ -78,8 +79,6 @@ def _match(backend, prefix, head_dim):
 
 def _times(backend, prefix, head_dim, repeats=5):
     """µs of one decode step over the layer's pages: {"fused", "portable"} and MLX dense SDPA."""
-    from ...eval.bench import timeit
-
     n_kv = prefix.n_kv_heads
     q = mx.random.normal((1, n_kv * GROUP, 1, head_dim)).astype(mx.float16)
     tail = mx.random.normal((1, n_kv, 1, head_dim)).astype(mx.float16)
