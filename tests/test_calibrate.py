@@ -74,3 +74,31 @@ def test_budget_options_are_refused_with_tiers_or_without_calibration(tiny64, tm
     with pytest.raises(InputError, match="cannot be combined with tier"):
         cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, preset="compact", tier="int8")
     assert not (tmp_path / "x.cart").exists()
+
+
+def test_cli_build_with_a_target_ratio_and_inspect_show_the_measured_choice(tiny64, tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from cartridge.cli import main
+
+    monkeypatch.setattr(main, "model_ref", lambda m: None)
+    real = cartridge.build
+    monkeypatch.setattr(cartridge, "build", lambda *a, **kw: real(*a, **{**kw, "model": tiny64}))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    out = tmp_path / "r.cart"
+    r = CliRunner().invoke(main.cli, ["build", str(doc), "-o", str(out), "--target-ratio", "4x", "--reserve", "0",
+                                      "--page-size", "64"])
+    assert r.exit_code == 0, r.output
+    assert "calibrated in " in r.output and "smaller than fp16, predicted KL" in r.output
+    r = CliRunner().invoke(main.cli, ["inspect", str(out), "--json"])
+    c = json.loads(r.output)["calibration"]
+    assert c["target"] == {"target_ratio": 4.0} and c["bytes_per_token"] <= 1024 // 4
+    r = CliRunner().invoke(main.cli, ["inspect", str(out)])
+    assert "calibrated    target_ratio 4.0: " in r.output
+    r = CliRunner().invoke(main.cli, ["build", str(doc), "-o", str(tmp_path / "n.cart"), "--max-kl", "0.1",
+                                      "--no-calibrate"])
+    assert isinstance(r.exception, InputError)  # entry.py prints it as one error: line
+    assert str(r.exception) == "--max-kl needs calibration; drop --no-calibrate"
