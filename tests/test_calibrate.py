@@ -102,3 +102,14 @@ def test_cli_build_with_a_target_ratio_and_inspect_show_the_measured_choice(tiny
                                       "--no-calibrate"])
     assert isinstance(r.exception, InputError)  # entry.py prints it as one error: line
     assert str(r.exception) == "--max-kl needs calibration; drop --no-calibrate"
+
+
+def test_eval_table_shows_the_build_kl_of_a_measured_row():
+    from cartridge.cli.eval_report import COLUMNS, row_cells
+
+    row = {"label": "preset=balanced", "kind": "cartridge", "bytes_per_token": 7680, "compression": 3.0,
+           "build_kl": 0.01234, "perplexity": 5.0, "perplexity_change": 0.001,
+           "vs_fp16": {"first_token": 19, "exact": 10, "n": 20, "bleu": 0.8, "divergence": 30.0}}
+    cells = dict(zip(COLUMNS, row_cells(row)))
+    assert (cells["build KL"], cells["compression"], cells["first token"]) == ("0.0123", "3.00x", "19/20")
+    assert dict(zip(COLUMNS, row_cells({**row, "build_kl": None})))["build KL"] == "-"
