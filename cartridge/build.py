@@ -374,9 +374,10 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system)
     if budget is not None:
-        schema, extras[K.CALIBRATION] = calibrate_mod.calibrated_schema(lm, mode, caches, tokens, budget,
-                                                                         calibration_progress)
+        schema, extras[K.CALIBRATION], first = calibrate_mod.calibrated_schema(lm, mode, caches, tokens, budget,
+                                                                                calibration_progress)
         check_layer_tiers(plans, schema)
+        kept = protect.clamp(first, 0, len(tokens))
     path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force, extras, kept)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)

@@ -113,3 +113,15 @@ def test_eval_table_shows_the_build_kl_of_a_measured_row():
     cells = dict(zip(COLUMNS, row_cells(row)))
     assert (cells["build KL"], cells["compression"], cells["first token"]) == ("0.0123", "3.00x", "19/20")
     assert dict(zip(COLUMNS, row_cells({**row, "build_kl": None})))["build KL"] == "-"
+
+
+def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
+    import mlx.core as mx
+
+    from cartridge.calibrate.measure import heavy_hitters
+
+    t = 100
+    mass = [0.5, 0.001, 0.2] + [0.3 / 97] * 97  # a sink at 0, another at 2; the rest below 8x uniform
+    n, share = heavy_hitters(mx.array(mass))
+    assert (n, share) == (3, pytest.approx(0.701, abs=1e-6))
+    assert heavy_hitters(mx.full((t,), 1 / t)) == (0, 0.0)

@@ -94,7 +94,7 @@ def parse_ratio(text):
 
 
 def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
-    """Measure this document's sensitivity and choose the schema within `budget`.
+    """Measure this document's sensitivity and choose the schema (and protected first tokens) within `budget`.
 
     Args:
         lm (LoadedModel). mode (str): prompt mode. caches (list[KVCache]): the filled prefill caches.
@@ -102,20 +102,44 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
             progress(done, total) over the measured layer-sides.
 
     Returns:
-        tuple: (schema list[dict], record dict: the `cartridge.calibration` header value).
+        tuple: (schema list[dict], record dict: the `cartridge.calibration` header value, N int: leading
+        tokens to protect in fp16, 0 when protecting the heavy hitters did not win).
 
     Raises:
         InputError: a model calibration cannot measure, or a budget below every candidate schema.
     """
     sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, progress=progress)
-    k = caches[0].keys
-    shapes = {"k": (k.shape[1], k.shape[3]), "v": (caches[0].values.shape[1], caches[0].values.shape[3])}
+    k, v = caches[0].keys, caches[0].values
+    shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
     fp16_bpt = len(caches) * sum(TIERS["fp16"].bytes_per_token(*shapes[s]) for s in ("k", "v"))
-    choice = search.choose(sens.kl, len(caches), shapes, budget.bytes_bound(fp16_bpt), budget.max_kl)
-    kl, agree = measure.verify(lm.model, sens.probe, choice.schema)
+    first, choice = _best(sens, len(caches), shapes, budget.bytes_bound(fp16_bpt), budget.max_kl, len(tokens))
+    kl, agree = measure.verify(lm.model, sens.probe, choice.schema, first)
     record = {"target": budget.record(), "bytes_per_token": choice.bytes_per_token, "fp16_bytes_per_token": fp16_bpt,
               "predicted_kl": round(choice.predicted_kl, 6), "measured_kl": round(kl, 6),
-              "top1_agreement": round(agree, 4), "eval_tokens": sens.eval_tokens, "probe": measure.PROBE,
+              "top1_agreement": round(agree, 4), "protect_first": first,
+              "heavy_hitters": {"first": sens.protect_first, "attention_share": round(sens.lead_mass, 4)},
+              "eval_tokens": sens.eval_tokens, "probe": measure.PROBE,
               "candidates": ["fp16", *measure.CANDIDATES], "reference_tier": measure.REFERENCE_TIER,
               "forwards": sens.forwards + 1, "seconds": round(sens.seconds, 2)}
-    return choice.schema, record
+    return choice.schema, record, first
+
+
+def _best(sens, n_layers, shapes, max_bytes, max_kl, n_tokens):
+    """(N, Choice): the better of no protection and the measured heavy hitters kept in fp16 (their bytes
+    taken from the budget); bytes_per_token of the Choice includes the copies."""
+    from ..tiers import protect
+
+    plain = search.choose(sens.kl, n_layers, shapes, max_bytes, max_kl)
+    n = sens.protect_first
+    if not n:
+        return 0, plain
+    extra = protect.bytes_per_token(n, 0, n_tokens, [shapes[s] for _ in range(n_layers) for s in ("k", "v")])
+    try:
+        kept = search.choose(sens.kl_protected, n_layers, shapes, None if max_bytes is None else max_bytes - extra,
+                             max_kl)
+    except InputError:  # the copies leave too little of the budget
+        return 0, plain
+    kept = search.Choice(kept.schema, kept.bytes_per_token + extra, kept.predicted_kl)
+    wins = (kept.predicted_kl < plain.predicted_kl if max_bytes is not None
+            else kept.bytes_per_token < plain.bytes_per_token)
+    return (n, kept) if wins else (0, plain)

@@ -32,6 +32,8 @@ REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are
 PROBE = "What is this document about? Answer in one sentence."
 SLICE_TOKENS = 32  # document tokens teacher-forced at the end of the prefix
 ANSWER_TOKENS = 8  # fp16 greedy answer tokens to the probe, teacher-forced too
+LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
+HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
 
 
@@ -45,6 +47,9 @@ class Sensitivity:
         attn_err (dict): (layer, side, tier) -> squared relative attention-output error on E's queries.
         eval_tokens (int): positions of E. forwards (int): model passes run. seconds (float): wall time.
         probe (Probe): the reference pass, for `verify`.
+        protect_first (int): N leading heavy-hitter tokens (`heavy_hitters`), 0 if none.
+        kl_protected (dict): like `kl`, with the first N tokens kept in fp16 (empty when N is 0).
+        lead_mass (float): the share of the attention mass on those N tokens (mean over layers).
     """
 
     kl: dict = field(default_factory=dict)
@@ -54,6 +59,9 @@ class Sensitivity:
     forwards: int = 0
     seconds: float = 0.0
     probe: object = None
+    protect_first: int = 0
+    kl_protected: dict = field(default_factory=dict)
+    lead_mass: float = 0.0
 
 
 @dataclass
@@ -165,20 +173,26 @@ def fp16_rounded(x):
     return x.astype(mx.float16).astype(x.dtype)
 
 
-def verify(model, probe, schema):
+def verify(model, probe, schema, first=0):
     """KL and top-1 agreement vs fp16 on E with every (layer, side) replaced by its schema tier together.
 
     Args:
         probe (Probe): from `reference`. schema (list[dict]): {"layer", "k", "v"} rows.
+        first (int): leading prefix tokens kept in fp16 (protected). Default: 0.
 
     Returns:
         tuple: (mean KL nats float, top-1 agreement float in 0..1).
     """
-    kv = [tuple(round_trip(row[s], x, row["layer"], s) if row[s] != "fp16" else x for s, x in zip("kv", pair))
-          for row, pair in zip(schema, probe.kv)]
+    kv = [tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
+                for s, x in zip("kv", pair)) for row, pair in zip(schema, probe.kv)]
     logits = run_from(model, 0, probe.hidden[0], kv)
     agree = (mx.argmax(logits, axis=-1) == mx.argmax(probe.logprobs, axis=-1)).astype(mx.float32).mean().item()
     return max(0.0, kl_mean(probe.logprobs, logits)), agree
+
+
+def _protected(x2, x, first):
+    """x2 (1, n_kv, T, D) with its first `first` tokens put back from x."""
+    return mx.concatenate([x[:, :, :first], x2[:, :, first:]], axis=2) if first else x2
 
 
 def round_trip(name, x, layer, side):
@@ -211,8 +225,15 @@ class AttentionError:
     def _softmax(self, k):
         return mx.softmax(self.q @ k[0].astype(mx.float32).swapaxes(-1, -2), axis=-1)
 
-    def __call__(self, side, x2):
-        """The error with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D)."""
+    def mass(self):
+        """(T,) float32: the mean attention probability of each prefix token over heads and query rows."""
+        return self.p.mean(axis=(0, 1))
+
+    def __call__(self, side, x2, first=0):
+        """The error with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D), its first `first` tokens kept."""
+        if first:
+            ref = self.k if side == "k" else self.v
+            x2 = mx.concatenate([ref[:, :, :first], x2[:, :, first:]], axis=2)
         o2 = (self._softmax(x2) @ self.v[0].astype(mx.float32) if side == "k"
               else self.p @ x2[0].astype(mx.float32))
         return (((o2 - self.o) ** 2).sum() / self.norm).item()
@@ -243,22 +264,36 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     total = 2 * len(caches)
     if progress:
         progress(0, total)
+    errors = [AttentionError(probe.queries[i], *probe.kv[i]) for i in range(len(caches))]
+    mass = mx.stack([e.mass() for e in errors]).mean(axis=0)  # (T,)
+    out.protect_first, out.lead_mass = heavy_hitters(mass)
     for layer in range(len(caches)):
         for i, side in enumerate(("k", "v")):
-            _rate(model, probe, layer, side, candidates, out)
+            _rate(model, probe, layer, side, candidates, out, errors[layer])
             if progress:
                 progress(2 * layer + i + 1, total)
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _rate(model, probe, layer, side, candidates, out):
+def heavy_hitters(mass, lead=LEAD_TOKENS, factor=HEAVY_FACTOR):
+    """(N, share): N = 1 + the last of the first `lead` prefix tokens whose mean attention mass is at least
+    `factor` x uniform (attention sinks, Xiao et al. 2024; H2O's heavy hitters, Zhang et al. 2023), 0 if
+    none; share = the mass on tokens 0..N-1. mass (mx.array): (T,) summing to 1."""
+    t = mass.shape[0]
+    heavy = [j for j in range(min(lead, t - 1)) if mass[j].item() >= factor / t]
+    n = heavy[-1] + 1 if heavy else 0
+    return n, float(mass[:n].sum().item()) if n else 0.0
+
+
+def _rate(model, probe, layer, side, candidates, out, error):
     """Measure (layer, side) at REFERENCE_TIER by a forward; scale the other candidates by attention error."""
     k, v = probe.kv[layer]
-    error = AttentionError(probe.queries[layer], k, v)
     for name in candidates:
         x2 = round_trip(name, k if side == "k" else v, layer, side)
         out.attn_err[(layer, side, name)] = error(side, x2)
+        if out.protect_first:
+            out.attn_err[(layer, side, name, "protected")] = error(side, x2, out.protect_first)
         if name == REFERENCE_TIER:
             kv = [(x2, v) if side == "k" else (k, x2)] + probe.kv[layer + 1:]
             logits = run_from(model, layer, probe.hidden[layer], kv)
@@ -266,6 +301,10 @@ def _rate(model, probe, layer, side, candidates, out):
             out.forwards += 1
     ref = out.attn_err[(layer, side, REFERENCE_TIER)]
     for name in candidates:
-        ratio = out.attn_err[(layer, side, name)] / ref if ref > 0 else 0.0
-        out.kl[(layer, side, name)] = out.measured[(layer, side)] * ratio
+        scale = out.measured[(layer, side)] / ref if ref > 0 else 0.0
+        out.kl[(layer, side, name)] = scale * out.attn_err[(layer, side, name)]
+        if out.protect_first:
+            out.kl_protected[(layer, side, name)] = scale * out.attn_err[(layer, side, name, "protected")]
     out.kl[(layer, side, "fp16")] = 0.0
+    if out.protect_first:
+        out.kl_protected[(layer, side, "fp16")] = 0.0
