@@ -108,7 +108,7 @@ def inspect_dict(info, path):
 
 
 def calibration(info):
-    """The `cartridge.calibration` record (format 1.7: how the schema was chosen), or None if absent."""
+    """The `cartridge.calibration` record (format 1.8: how the schema was chosen), or None if absent."""
     raw = info.records.get(K.CALIBRATION)
     return None if raw is None else json.loads(raw)
 

@@ -170,7 +170,7 @@ class _Run:
         row.update(bytes_per_token=info.bytes_per_token(), fp16_bytes_per_token=info.fp16_bytes_per_token(),
                    bytes_on_disk=sum(f.stat().st_size for f in carts["qa"].path.iterdir() if f.is_file()))
         row["compression"] = row["fp16_bytes_per_token"] / row["bytes_per_token"]
-        calibration = info.records.get(CALIBRATION)  # format 1.7: the KL measured when the tiers were chosen
+        calibration = info.records.get(CALIBRATION)  # format 1.8: the KL measured when the tiers were chosen
         row["build_kl"] = None if calibration is None else json.loads(calibration)["measured_kl"]
         self._measure(row, spec.label, lambda role, q: (carts[role].question_prompt(q), carts[role].prompt_cache()),
                       lambda: carts["probe"].prompt_cache())

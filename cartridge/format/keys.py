@@ -45,7 +45,7 @@ REQUIRED = (
 PROTECT_FIRST = "cache.protect_first"  # JSON integer N: the first N prefix tokens are also kept in fp16
 PROTECT_LAST = "cache.protect_last"  # JSON integer M: the last M prefix tokens are also kept in fp16
 
-# Format 1.7 (issue 33): OPTIONAL; absent = the schema was not chosen by measurement.
+# Format 1.8 (issue 33): OPTIONAL; absent = the schema was not chosen by measurement.
 CALIBRATION = "cartridge.calibration"  # JSON object: target, bytes_per_token, predicted_kl, measured_kl, ...
 
 
