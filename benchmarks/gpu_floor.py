@@ -4,19 +4,28 @@ kernel (the fixed cost of one more call in a chain), and plain streaming reads o
 bytes (and of the dense K/V bytes) over launch shapes: 16-byte streaming loads (`__ldcs`), U of them in
 flight per thread, grid-stride. The fastest read of the prefix's bytes is what any kernel reading them
 once could approach, doing nothing else.
-                                           python3 benchmarks/gpu_floor.py OUT_DIR
+    python benchmarks/gpu_floor.py OUT_DIR         (writes OUT_DIR/h200-floor.json; needs a CUDA GPU)
 Results: results/h200-floor.json, results/h200-floor-2.json (a second run).
 """
 
+import argparse
 import json
-import sys
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 
 from cartridge.eval import bench
 
-sys.path.insert(0, "benchmarks")
-from gpu_check import session_start  # noqa: E402
+def session_start(**lists):
+    """A result dict (device, MLX version, copy bandwidth in bytes/s, printed, and `lists`) and a query
+    (1, 32, 1, 128) float16, standard normal."""
+    result = {"device": mx.device_info(), "mlx": mx.__version__, **lists}
+    result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
+    print(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
+    mx.eval(q)
+    return result, q
+
 
 READ_SRC = """
 const size_t n = n_vec[0];  // 16-byte vectors
@@ -87,4 +96,7 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description="The floor under the 128K decode-step target on a CUDA GPU: dense "
+                                     "SDPA, the fused mlx4g32 step and plain streaming reads of the same bytes.")
+    parser.add_argument("out", help="folder for h200-floor.json")
+    main(parser.parse_args().out)

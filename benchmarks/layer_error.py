@@ -12,7 +12,7 @@ protected first/last tokens (if any) put back in fp16, exactly as a cartridge st
 
     python benchmarks/layer_error.py DOC.txt QUESTIONS.jsonl [DOC2 Q2 ...] --json out.json [--only LABEL,...]
 
-Tables and plot: benchmarks/issue19_report.py --layers.
+Tables and plot in docs/evaluation.md: drawn by benchmarks/issue19_report.py --layers (removed; at a876215).
 
 Cheap (no generation): one prefill, one forward per question, then numpy/mlx arithmetic per config.
 """

@@ -188,11 +188,17 @@ def _check_context(lm, tokens, reserve):
         return None
     if len(tokens) >= limit:
         raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
-    left = limit - len(tokens)
+    return warn_context_left(len(tokens), limit, reserve, stacklevel=5)  # this, _check_context, plan, build
+
+
+def warn_context_left(n_tokens, limit, reserve, stacklevel=2):
+    """Warn (`ContextWarning`) when a document of `n_tokens` leaves fewer than `reserve` tokens of the
+    model's `limit`-token context for questions; returns the tokens left. `stacklevel` as warnings.warn's."""
+    left = limit - n_tokens
     if left < reserve:
-        warnings.warn(f"the document is {len(tokens):,} tokens of the model's {limit:,}-token context: only "
+        warnings.warn(f"the document is {n_tokens:,} tokens of the model's {limit:,}-token context: only "
                       f"{left:,} are left for each question and its answer (reserve {reserve})",
-                      ContextWarning, stacklevel=4)  # _check_context, plan, build: the caller
+                      ContextWarning, stacklevel=stacklevel)
     return left
 
 
@@ -213,6 +219,11 @@ def _check_options(page_size, prefill_step, reserve=0):
     if not 1 <= page_size <= 1 << 16:
         raise InputError(f"page size {page_size} tokens is out of range 1..65536")
     check_prefill_step(prefill_step)
+    check_reserve(reserve)
+
+
+def check_reserve(reserve):
+    """Refuse a `reserve` (tokens to leave for questions) that is not a whole number >= 0."""
     if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
         raise InputError(f"reserve is {reserve!r}; it must be an integer number of tokens >= 0")
 
@@ -385,7 +396,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
 
 
 def header_extras(document, source_name, system):
-    """The optional header keys of a build: source.* (spec 4.2.1) and prompt.system (spec 5.4)."""
+    """The optional header keys of a build: source.* (spec 4.5.1) and prompt.system (spec 5.4)."""
     return source_keys(document, source_name) | ({} if system is None else {K.PROMPT_SYSTEM: system})
 
 

@@ -24,6 +24,7 @@ from .format.header import require_attention_layers
 from .models.prompt import SEPARATOR, _encode, _pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
+MAX_BOUNDARY_SHIFT = 64  # stored tokens a seam may move on to find ids that tokenize back unchanged
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,54 @@ def separator_tokens(tokenizer, before, separator, after, context=8):
     return _encode(tokenizer, separator, False)
 
 
+def _common_length(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def boundary_tokens(tokenizer, head, before, separator, stored, recompute, context=8):
+    """Where a later document's stored tokens start to be read, and the token ids prefilled before them.
+
+    The stored cartridge opens with the chat template's header `head`, except that a document starting
+    with whitespace merges into the header's last token(s) (byte-level BPE joins "\n" + "\n"). The
+    document's first tokens are recomputed anyway: their text, without the header's, is re-tokenized with
+    the separator between the decoded last `context` tokens before it and the first `context` stored tokens
+    kept after it, so that the composed ids are those of the joined text. Where that context does not come
+    back unchanged (the joined whitespace splits otherwise), the seam moves on one stored token at a time (at
+    most `MAX_BOUNDARY_SHIFT`), and failing that the separator alone and the document's own tokens are used
+    (or their text re-encoded, where the header merged into them).
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or HF tokenizer. head (list[int]): the header's token ids.
+        before (list[int]): document tokens before the separator (without header).
+        separator (str): text between documents. stored (list[int]): the later cartridge's token ids.
+        recompute (int): document tokens after the header to prefill again. context (int): Default: 8.
+
+    Returns:
+        tuple: (start int: first stored token read from the pages, fresh list[int]: the separator's and the
+        document's ids to prefill in place of stored[:start] after `before`).
+
+    Raises:
+        InputError: the stored ids do not decode to the header's text followed by the document's.
+    """
+    common = _common_length(head, stored)
+    opened = len(head) if common == len(head) else common + 1  # a merged token holds header and document text
+    first = min(opened + recompute, len(stored))
+    header_text = tokenizer.decode(list(head[common:]))
+    left = list(before[-context:])
+    for start in range(first, min(first + MAX_BOUNDARY_SHIFT, len(stored)) + 1):  # until the seam is stable
+        text = tokenizer.decode(list(stored[common:start]))
+        if common == len(stored) or not text.startswith(header_text):
+            raise InputError("the cartridge's token ids do not open with the chat template's header followed by "
+                             "its document; cannot compose it")
+        text, right = text[len(header_text):], list(stored[start:start + context])
+        ids = _encode(tokenizer, tokenizer.decode(left) + separator + text + tokenizer.decode(right), False)
+        if ids[: len(left)] == left and ids[len(ids) - len(right):] == right and len(ids) > len(left) + len(right):
+            return start, ids[len(left): len(ids) - len(right)]
+    sep = separator_tokens(tokenizer, before, separator, stored[len(head):])
+    text = tokenizer.decode(list(stored[common:first]))[len(header_text):]
+    return first, sep + (stored[len(head):first] if common == len(head) else _encode(tokenizer, text, False))
+
+
 class ComposedCartridge:
     """Loaded cartridges laid out one after another; used like a `Cartridge`.
 
@@ -161,17 +210,12 @@ class ComposedCartridge:
     def _append(self, cart, separator):
         head = _encode(self.tokenizer, _pieces(self.tokenizer, cart.info.prompt_mode, cart.info.separator,
                                                cart.info.system)[0], True)
-        if cart.tokens[: len(head)] != head or len(cart.tokens) <= len(head):
-            raise InputError(f"cartridge {cart.path} does not open with the chat template's header as its own token "
-                             "ids (a document that starts with whitespace merges into the header's last token); "
-                             "cannot compose it")
-        sep = separator_tokens(self.tokenizer, self.tokens[len(head):], separator, cart.tokens[len(head):])
-        start = min(len(head) + self.recompute, len(cart.tokens))
-        fresh = sep + cart.tokens[len(head):start]
+        start, fresh = boundary_tokens(self.tokenizer, head, self.tokens[len(head):], separator, cart.tokens,
+                                       self.recompute)
         caches = self.prompt_cache()
         if fresh:
             self.model(mx.array(fresh)[None], cache=caches)  # recompute over everything before them
-        shift = len(self.tokens) + len(sep) - len(head)
+        shift = len(self.tokens) + len(fresh) - start  # true position - stored position of token `start`
         for layer, cache in enumerate(caches):
             if fresh:
                 self._patches[layer].append(cache.tail_kv())

@@ -3,8 +3,9 @@
     NAME.cart (fp16/bf16 pages) --reader--> per (layer, side) K/V (n_kv_heads, T, head_dim)
          --codec(tier of the new schema)--> page payloads --container writer--> NEW.cart (atomic)
 
-The header is the source's (model, fingerprint, tokens, prompt split, source document), with the
-tier keys of the new schema, so `convert` of an fp16 cartridge gives the same bytes as a direct
+The header is the source's (model, fingerprint, tokens, prompt split, source documents), with the
+tier keys of the new schema and its protection (the fp16 copies of the first/last tokens taken from
+the source's pages, spec/FORMAT.md 4.5.4), so `convert` of an fp16 cartridge gives the same bytes as a direct
 `build` in that tier whenever the direct build encoded the same values: when the model's K/V dtype is
 float16 (an fp16 source) or bfloat16 (a bf16 source). From a float32 model the direct build quantizes
 the float32 K/V, while `convert` starts from their fp16 rounding; the pages then differ where a value's
@@ -27,7 +28,7 @@ from .format.header import SIDES, require_attention_layers
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from .format.reader import open_cartridge
 from .format.writer import CartridgeWriter, check_output_path, check_space
-from .tiers import DEFAULT_TIER, check_schema, get_tier, schema_for
+from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, schema_for
 
 LOSSLESS_SOURCES = ("fp16", "bf16")  # tiers that hold the model's K/V closely enough to re-encode
 
@@ -41,6 +42,7 @@ class ConvertResult:
         seconds (float): total time (read + encode + write).
         bytes (int): total bytes on disk. bytes_per_token (int): K+V payload bytes per token.
         schema (list[dict]): the tier of every (layer, side).
+        protect_first, protect_last (int): first and last tokens also kept in fp16 (after clamping to the prefix).
     """
 
     path: str
@@ -49,6 +51,8 @@ class ConvertResult:
     bytes: int
     bytes_per_token: int
     schema: list = field(default_factory=list)
+    protect_first: int = 0
+    protect_last: int = 0
 
 
 def _check_source(info, path):
@@ -82,23 +86,30 @@ def _resolve_schema(info, tier, k_tier, v_tier, boundary_protect, schema):
 
 
 def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0, schema=None,
-            force=False, verify="pages", progress=None):
+            force=False, verify="pages", progress=None, protect_first=0, protect_last=0, preset=None):
     """Re-encode an fp16 or bf16 cartridge into other tiers, without the model and without prefill.
 
     Args:
         source (str | Path): the fp16/bf16 cartridge (directory or .cartz).
         output (str | Path): cartridge directory to create.
         tier, k_tier, v_tier, boundary_protect, schema: the new tiers, exactly as in `cartridge.build`.
+            Default: every layer fp16.
         force (bool): replace an existing cartridge at `output`. Default: False.
         verify (str): "pages" checks every source page checksum first (default); "header" skips them.
         progress (callable | None): progress(done_layers, total_layers) after each layer.
+        protect_first, protect_last (int): also keep the first N / last M prefix tokens of every (layer, side)
+            in fp16, copied from the source's pages, as `cartridge.build` keeps them from the prefill
+            (`cartridge.tiers.protect`). Default: 0.
+        preset (str | None): "exact", "safe", "balanced" or "compact" (`cartridge.tiers.presets`), as in
+            `cartridge.build`; excludes the tier and protection options. Default: None.
 
     Returns:
         ConvertResult
 
     Raises:
         InputError: a source layer stored in a lossy tier (int8, mlx4g32, fp8, ...), an unknown tier, a
-            bad schema, bad options, or `output` naming the source. OutputExistsError: `output` exists and
+            bad schema, bad options (a preset beside the options it sets), a preset whose tiers this
+            cartridge's geometry cannot store, or `output` naming the source. OutputExistsError: `output` exists and
             `force` is False.
         WriteError: too little free space, or a failed write (nothing is left behind).
         CartridgeError subclasses from reading the source (naming its path).
@@ -109,21 +120,36 @@ def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundar
     t0 = time.perf_counter()
     if Path(output).resolve() == Path(source).resolve():  # the lossy result could never be converted back
         raise InputError(f"convert writes a new cartridge; the output {output} is its source")
+    o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
+    protect.check_counts(o["protect_first"], o["protect_last"])
     check_output_path(output, force)
     info, data = open_cartridge(source, verify)
     try:
         _check_source(info, source)
-        rows = _resolve_schema(info, tier, k_tier, v_tier, boundary_protect, schema)
+        rows = _preset_schema(info, preset, o, source)
+        kept = protect.clamp(o["protect_first"], o["protect_last"], len(info.tokens))
         check_space(output, cartridge_bytes(rows, info.n_kv_heads, info.head_dim, len(info.tokens), info.page_size))
-        path = _write(info, data, rows, output, force, progress)
+        path = _write(info, data, rows, output, force, progress, kept)
     finally:
         data.close()
     total = sum(f.stat().st_size for f in Path(path).iterdir())
-    bpt = sum(get_tier(r[s]).bytes_per_token(info.n_kv_heads, info.head_dim) for r in rows for s in SIDES)
-    return ConvertResult(str(path), len(info.tokens), time.perf_counter() - t0, total, bpt, rows)
+    shape = (info.n_kv_heads, info.head_dim)
+    bpt = sum(get_tier(r[s]).bytes_per_token(*shape) for r in rows for s in SIDES)
+    bpt += protect.bytes_per_token(*kept, len(info.tokens), [shape] * (2 * info.n_layers))
+    return ConvertResult(str(path), len(info.tokens), time.perf_counter() - t0, total, bpt, rows, *kept)
 
 
-def _write(info, data, rows, output, force, progress):
+def _preset_schema(info, preset, o, source):
+    """The new schema from the resolved options `o`; a preset this geometry cannot store is refused naming it."""
+    try:
+        return _resolve_schema(info, *(o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect", "schema")))
+    except InputError as e:
+        if preset is None:
+            raise
+        raise InputError(f"preset {preset!r} cannot be applied to {source}: {e}") from None
+
+
+def _write(info, data, rows, output, force, progress, kept=(0, 0)):
     params = {}
     with CartridgeWriter(output, force) as writer:
         for layer in range(info.n_layers):
@@ -134,10 +160,13 @@ def _write(info, data, rows, output, force, progress):
                 parts = encode_pages(codec, x, params[(layer, side)], info.page_size)
                 for comp in codec.components(info.head_dim):
                     writer.add_extent(layer, side, comp.name, _to_numpy(parts[comp.name]))
+                if sum(kept):  # the fp16 copies build keeps: an fp16 source's pages are the prefill's fp16 K/V
+                    writer.add_record(K.layer_protected(layer, side), protect.take(x, *kept))
                 del x, parts  # the source mapping must have no views left when it is closed
             if progress:
                 progress(layer + 1, info.n_layers)
         header = _header(info, rows, params)
+        header.update(protect.header_keys(*kept))
         return writer.commit(header, info.tokens)
 
 

@@ -33,8 +33,9 @@ from .format.header import parse_header, require_attention_layers
 from .format.pack import is_pack, open_packed
 from .format.reader import name_cartridge
 from .format.writer import check_output_path, check_space
-from .load import Cartridge, _layer_prefix, _model_dtype, check_fingerprint
-from .models.loader import DEFAULT_MODEL, LoadedModel, fingerprint, load_model
+from .loaded import Cartridge
+from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
+from .stored import check_fingerprint, layer_prefix, model_dtype
 from .tiers import DEFAULT_TIER
 
 MODES = ("tensor", "pipeline")
@@ -190,7 +191,7 @@ def _open_slice(path, model, tokenizer, group, verify):
         require_attention_layers(info, "sharded loading (load it with cartridge.load)")
         part = slice_for(model, info.n_layers, info.n_kv_heads, group.rank(), group.size())
         whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
-        fp = fingerprint(model, tokenizer)
+        fp = model_fingerprint(model, tokenizer)
         try:
             check_fingerprint(info, fp, path)
         except ModelMismatchError as e:
@@ -251,8 +252,8 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
             opened[4].close()
         raise
     snap, info, model, tokenizer, data, _ = opened
-    prefixes = [_layer_prefix(info, data, i) for i in range(*data.part.layers)]
-    prefixes, plan = place(prefixes, policy, _model_dtype(model), [(info.head_dim, info.head_dim)] * len(prefixes))
+    prefixes = [layer_prefix(info, data, i) for i in range(*data.part.layers)]
+    prefixes, plan = place(prefixes, policy, model_dtype(model), [(info.head_dim, info.head_dim)] * len(prefixes))
     cart = ShardedCartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"],
                             plan)
     cart.part, cart.verified = data.part, data.verified

@@ -135,13 +135,14 @@ def test_bench_from_json_prints_the_gate_and_calibrates(tmp_path):
 def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(monkeypatch):
     """inspect's policy line (plan_header) knows the layer by its tier names: a tier with no fused kernel must
     not be planned as fused, or inspect would name a path load does not take."""
-    from cartridge.attention import policy
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention import backends, policy
+    from cartridge.tiers.affine import Int6Codec
 
     monkeypatch.setattr(policy, "backend", lambda: "cuda")
+    monkeypatch.setattr(backends.CUDA, "available", lambda: True)  # as on a CUDA device
     assert "fused" in policy._allowed_by_name(("mlx4g32+rot", "int8"))
     assert "fused" in policy._allowed_by_name(("kivi4", "int6+rot"))  # flash_pass1_tc reads both
-    monkeypatch.setattr(cuda, "FUSED_TIERS", {k: v for k, v in cuda.FUSED_TIERS.items() if k != "int6"})
+    monkeypatch.setattr(Int6Codec, "kernel_layout", None)  # as if no kernel read int6
     assert policy._allowed_by_name(("int6", "int6+rot")) == ("portable", "dequantize-once")
     assert policy._allowed_by_name(("kivi4", "int6")) == ("portable", "dequantize-once")
 

@@ -76,6 +76,19 @@ def test_inspect_of_a_format_1_0_cartridge_shows_dashes():
     assert "document      -, -, sha256 -\nfirst line    -" in r.stdout.decode()
     assert json.loads(run("inspect", vector, "--json").stdout)["source"] == {
         "name": None, "bytes": None, "sha256": None, "first_line": None}
+    assert json.loads(run("inspect", vector, "--json").stdout)["sources"] == []
+
+
+def test_inspect_after_extend_shows_every_source(built, tmp_path):
+    more = tmp_path / "annex.txt"
+    more.write_text("Annex A. Pets are allowed.\n")
+    r = run("extend", built[0], more, "-o", tmp_path / "ext.cart")
+    assert r.returncode == 0, r.stderr.decode()
+    digest = hashlib.sha256(b"Annex A. Pets are allowed.\n").hexdigest()
+    table = run("inspect", tmp_path / "ext.cart").stdout.decode()
+    assert f"document 2    annex.txt, 27 bytes, sha256 {digest}\nfirst line    'Annex A. Pets are allowed.'" in table
+    sources = json.loads(run("inspect", tmp_path / "ext.cart", "--json").stdout)["sources"]
+    assert [(s["name"], s["bytes"]) for s in sources] == [("doc.txt", len((DOC * 3).encode())), ("annex.txt", 27)]
 
 
 def test_inspect_takes_a_cartz(built, tmp_path, monkeypatch):
@@ -122,7 +135,7 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("too long", "the model's context is 512 tokens"),
     ("unknown tier", "unknown tier 'int3'"),
     ("output exists", "exists; pass --force"),
-    ("not a cartridge", "is not a cartridge"),
+    ("not a cartridge", "is a file, not a cartridge: a cartridge is a directory"),
     ("missing model", "model path does not exist"),
     ("empty question", "question is empty"),
     ("missing folder", "does not exist (or is not a folder)"),
@@ -219,7 +232,7 @@ def test_interrupt_while_importing_exits_130(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130
-    assert capsys.readouterr().err == "error: aborted\n"
+    assert capsys.readouterr().err == "error: interrupted\n"
 
 
 def test_inspect_folds_only_layers_of_the_same_size():
@@ -230,14 +243,15 @@ def test_inspect_folds_only_layers_of_the_same_size():
     assert [(r["layers"], r["bytes_each"]) for r in fold_layers(rows)] == [("0-1", 10), ("2-3", 20), ("4", 10)]
 
 
+@pytest.mark.parametrize("command", ["build", "convert"])
 @pytest.mark.parametrize("extra", [["--tier", "fp16"], ["--protect-first", "0"], ["--boundary-protect", "0"]])
-def test_preset_refuses_an_option_given_at_its_default_value(tmp_path, extra):
+def test_preset_refuses_an_option_given_at_its_default_value(tmp_path, extra, command):
     from click.testing import CliRunner
 
     from cartridge.cli.main import cli
 
     doc = tmp_path / "d.txt"
     doc.write_text("A short document.")
-    r = CliRunner().invoke(cli, ["build", str(doc), "-o", str(tmp_path / "x.cart"), "--preset", "safe", *extra])
+    r = CliRunner().invoke(cli, [command, str(doc), "-o", str(tmp_path / "x.cart"), "--preset", "safe", *extra])
     assert r.exit_code == 1 and f"cannot be combined with {extra[0]}" in r.output + str(r.exception)
     assert not (tmp_path / "x.cart").exists()

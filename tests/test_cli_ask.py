@@ -54,7 +54,9 @@ def test_chat_keeps_the_conversation_and_resets(built):
     turns = b"How much is the rent?\nAnd the notice?\n/reset\nHow much is the rent?\n/quit\n"
     r = run("chat", out, "--max-tokens", "4", stdin=turns)
     assert r.returncode == 0, r.stderr.decode()
-    answers = r.stdout.decode().splitlines()
+    lines = r.stdout.decode().splitlines()  # piped: each question echoed before its answer
+    assert lines[::2] == ["> How much is the rent?", "> And the notice?", "> How much is the rent?"]
+    answers = lines[1::2]
     assert len(answers) == 3
     assert answers[2] == answers[0]  # after /reset the first question is answered as at the start
     first = run("ask", out, "How much is the rent?", "--max-tokens", "4").stdout.decode().splitlines()
@@ -91,3 +93,36 @@ def test_chat_save_writes_the_conversation_and_ask_continues_it(built, tmp_path)
     err = again.stderr.decode().strip().splitlines()
     assert again.returncode == 1 and len(err) == 1 and "holds a saved conversation" in err[0], err
     assert run("ask", saved, "And the notice?", "--max-tokens", "3").returncode == 0
+
+
+def test_max_memory_below_the_stored_pages_and_a_dequantize_once_it_changed_are_said(built):
+    import cartridge
+    from cartridge.attention.budget import MemoryBudgetWarning
+
+    out, _ = built
+    with pytest.warns(MemoryBudgetWarning) as caught:
+        cart = cartridge.load(out, attention="dequantize-once", max_memory=1000)
+    m, mb = cart.plan["memory"], 1e6
+    assert [str(w.message) for w in caught] == [
+        f"doc.cart: the memory budget of {1000 / mb:,.1f} MB is below the {m['stored_bytes'] / mb:,.1f} MB of stored "
+        f"pages, which are always held (the budget cannot go lower); {m['resident_bytes'] / mb:,.1f} MB are held",
+        f"doc.cart: attention dequantize-once: within the memory budget of {1000 / mb:,.1f} MB, 2 of 2 layers take "
+        "another path (portable on 2) instead of dense pages"]
+    r = run("ask", out, "Who?", "--max-tokens", "2", "--max-memory", "1000", "--attention", "dequantize-once")
+    warnings = [line for line in r.stderr.decode().splitlines() if line.startswith("warning:")]
+    assert r.returncode == 0 and warnings == [f"warning: {w.message}" for w in caught], r.stderr.decode()
+    r = run("ask", out, "Who?", "--max-tokens", "2", "--max-memory", "1G", "--attention", "dequantize-once")
+    assert r.returncode == 0 and "warning:" not in r.stderr.decode()  # room for every layer: nothing to say
+
+
+def test_ask_over_two_cartridges_prints_the_memory_of_each(built, tmp_path):
+    import shutil
+
+    out, _ = built
+    shutil.copytree(out, tmp_path / "second.cart")
+    r = run("ask", out, tmp_path / "second.cart", "Who?", "--max-tokens", "2")
+    err = r.stderr.decode().splitlines()
+    assert r.returncode == 0, r.stderr.decode()
+    for name in ("doc.cart", "second.cart"):
+        assert [line.split(" ", 2)[1] for line in err if line.startswith(f"{name}: ")] == ["attention", "memory:"]
+    assert err[-1].startswith("MLX active ") and sum(line.count("MLX active") for line in err) == 1

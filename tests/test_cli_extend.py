@@ -64,3 +64,20 @@ def test_ask_over_two_cartridges(tiny_dir, tmp_path):
     assert f"over {len(c.tokens)} cached" in r.stderr
     r = run("ask", a, b, "Who?", "--save-as", tmp_path / "x.cart")
     assert r.returncode == 1 and "--save-as takes one cartridge" in r.stderr
+
+
+def test_extend_warns_when_little_context_is_left(tiny_dir, tmp_path):
+    """As build does (tests/test_cli.py): the tiny model's context is 512 tokens; the extended document ~440."""
+    cart = tmp_path / "doc.cart"
+    cartridge.build(DOC * 4, cart, model=str(tiny_dir))
+    (tmp_path / "more.txt").write_text(DOC * 12)
+    r = run("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext.cart")
+    assert r.returncode == 0, r.stderr
+    n = len(cartridge.open_cartridge(tmp_path / "ext.cart")[0].tokens)
+    warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert warning == [f"warning: the document is {n:,} tokens of the model's 512-token context: only {512 - n:,} "
+                       "are left for each question and its answer (reserve 256)"]
+    r = run("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext2.cart", "--reserve", 512 - n)
+    assert r.returncode == 0 and "warning:" not in r.stderr, r.stderr
+    r = run("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext3.cart", "--reserve", 513 - n)
+    assert r.returncode == 0 and f"only {512 - n:,} are left" in r.stderr and "(reserve " in r.stderr, r.stderr

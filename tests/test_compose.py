@@ -115,3 +115,46 @@ def test_conversation_cartridge_is_not_composed(pair, tiny, tmp_path):
         with pytest.raises(InputError, match="holds a conversation after its document") as e:
             compose(carts)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("lead", ["\n", "  ", "\n\n  "])
+def test_later_document_opening_with_whitespace_is_retokenized(pair, tiny, tmp_path, lead):
+    """A document split off at a newline or an indent merges its whitespace into the chat template's last
+    header token when built alone; composed, the boundary is re-tokenized: the ids are the joined text's."""
+    a = pair[0]
+    tok = tiny.tokenizer
+    cartridge.build(lead + DOC_B, tmp_path / "b.cart", model=tiny, page_size=16)
+    b = cartridge.load(tmp_path / "b.cart", model=tiny)
+    joined = prefix_tokens(tok, DOC_A.rstrip() + SEPARATOR + lead + DOC_B)
+    for n in (0, 5, 10_000):
+        c = compose([a, b], recompute=n)
+        assert c.tokens == joined
+        assert c.tokens[30 - len(b.tokens):] == b.tokens[30:]  # after the boundary, b's own stored ids
+    assert len(c._layers[0]) == 1  # recompute 10_000: nothing of b read from its pages
+    q = c.question_prompt(Q)
+    np.testing.assert_allclose(_logits(tiny.model, q, c.prompt_cache()),
+                               _logits(tiny.model, c.tokens + q, make_prompt_cache(tiny.model)), atol=2e-3)
+
+
+@pytest.mark.parametrize("lead", ["  ", "\n\n  "])
+def test_whitespace_merge_the_stored_header_shows(pair, tiny, tmp_path, lead):
+    """What made compose refuse before: the stored ids do not open with the header's own ids (its last token,
+    "\n", and the indent are one token; a lone "\n" before a word is not merged)."""
+    tok = tiny.tokenizer
+    head = _encode(tok, _pieces(tok, pair[1].info.prompt_mode, pair[1].info.separator)[0], True)
+    cartridge.build(lead + DOC_B, tmp_path / "b.cart", model=tiny, page_size=16)
+    b = cartridge.load(tmp_path / "b.cart", model=tiny)
+    assert b.tokens[: len(head)] != head
+
+
+def test_recompute_zero_with_merged_header_reads_b_shifted(pair, tiny, tmp_path):
+    """recompute 0: only the merged token(s) and the separator are prefilled; b's stored tokens after them are
+    attended at their true positions (shift = composed position - stored position)."""
+    a = pair[0]
+    cartridge.build("  " + DOC_B, tmp_path / "b.cart", model=tiny, page_size=16)
+    b = cartridge.load(tmp_path / "b.cart", model=tiny)
+    c = compose([a, b], recompute=0)
+    part = c._layers[0][1]
+    fresh = c._patches[0][0][0].shape[1]
+    assert c.tokens[len(a.tokens) + fresh:] == b.tokens[part.start:]
+    assert part.shift == len(a.tokens) + fresh - part.start

@@ -151,3 +151,35 @@ def test_header_matches_json_schema(tmp_path):
     header[K.N_KV_HEADS] = 0
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(header, schema)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_threaded_page_check_names_the_first_bad_page(tmp_path, threads):
+    """Pages split over threads: every page is hashed, and the error names the first bad one in extent
+    order whichever thread found it (here two bad pages: layer 0 k page 1 and layer 1 v page 0)."""
+    from cartridge.format.container import PageData, check_index, open_snapshot
+
+    path = write(tmp_path / "a.cart")
+    page_bytes = N_KV * PAGE * HEAD_DIM * 2
+    _flip(path / DATA_NAME, 3 * ALIGN + 7)  # layer 1 v, page 0
+    _flip(path / DATA_NAME, page_bytes + 2)  # layer 0 k, page 1
+    snap = open_snapshot(path)
+    data = PageData(snap.data)
+    info = parse_header(check_index(snap.index, snap.manifest), snap.manifest)
+    extents = [e for ex in info.extents.values() for e in ex]
+    with pytest.raises(ChecksumError, match="layer 0, side k, component values, page 1") as e:
+        data.verify_all(extents, threads)
+    assert (e.value.layer, e.value.side, e.value.page) == (0, "k", 1)
+    data.verify_all(extents[1:3], threads)  # the two good extents pass
+    data.close()
+
+
+def test_page_runs_cover_every_page_once_in_order():
+    from cartridge.format.container import _runs
+
+    items = list(range(10))
+    for n in (1, 2, 3, 4, 10, 20):
+        runs = _runs(items, [1] * 10, n)
+        assert [x for r in runs for x in r] == items
+        assert len(runs) == min(n, 10) and all(runs)
+    assert _runs([], [], 4) == [[]]

@@ -157,3 +157,62 @@ def test_cli_convert_and_one_line_refusal(tiny32, tmp_path):
     assert r.returncode == 1 and not (tmp_path / "s.cart").exists()
     assert r.stderr.decode() == (f"error: cartridge {tmp_path / 'r.cart'} stores layer 0 K as int8; convert "
                                  "re-encodes fp16 or bf16 pages only (rebuild from the document for another tier)\n")
+
+
+@pytest.mark.parametrize("preset", ["safe", "balanced", "compact"])
+def test_preset_equals_direct_build_bytes_protected_copies_included(tiny16, tmp_path, preset):
+    """An fp16 model: the fp16 pages hold the prefill's K/V exactly, so the preset's tiers and its fp16 copies
+    of the first/last tokens are the direct build's, byte for byte."""
+    direct, conv = _build_and_convert(tiny16, tmp_path, "fp16", preset=preset)
+    assert _files(tmp_path / "conv.cart") == _files(tmp_path / "direct.cart")
+    assert conv.bytes_per_token == direct.bytes_per_token and conv.schema == direct.schema
+    info, _ = cartridge.open_cartridge(conv.path)
+    want = cartridge.tiers.presets.resolve(preset)
+    assert (conv.protect_first, conv.protect_last) == (info.protect_first, info.protect_last) == (
+        want["protect_first"], want["protect_last"])
+    assert info.tiers[0] == {"layer": 0, "k": want["k_tier"], "v": want["v_tier"]}
+
+
+def test_protect_options_copy_the_source_tokens(tiny16, tmp_path):
+    direct, conv = _build_and_convert(tiny16, tmp_path, "fp16", tier="mlx4g32", protect_first=3, protect_last=5)
+    assert _files(tmp_path / "conv.cart") == _files(tmp_path / "direct.cart")
+    src, data = cartridge.open_cartridge(tmp_path / "src.cart")
+    (extent,) = src.extents[(1, "v")]
+    pages = np.array(data.view(extent, "float16"))  # (n_pages, n_kv, P, D)
+    data.close()
+    v = pages.transpose(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3])[:, : conv.tokens]  # (n_kv, T, D)
+    info, _ = cartridge.open_cartridge(conv.path)
+    np.testing.assert_array_equal(info.protected[(1, "v")], np.concatenate([v[:, :3], v[:, -5:]], axis=1))
+
+
+@pytest.mark.parametrize("extra, flag", [({"tier": "int8"}, "tier"), ({"protect_last": 2}, "protect_last")])
+def test_preset_beside_an_option_it_sets_refused(tiny16, tmp_path, extra, flag):
+    src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny16, page_size=32)
+    with pytest.raises(InputError) as e:
+        cartridge.convert(src.path, tmp_path / "o.cart", preset="safe", **extra)
+    assert str(e.value) == f"preset 'safe' sets the tiers and protection; it cannot be combined with {flag}"
+    with pytest.raises(InputError, match="unknown preset 'tiny'; known presets: exact, safe, balanced, compact"):
+        cartridge.convert(src.path, tmp_path / "o.cart", preset="tiny")
+    assert not (tmp_path / "o.cart").exists()
+
+
+def test_preset_the_geometry_cannot_store_refused_naming_it(tiny, tmp_path):
+    """The tiny model's head_dim 16 is not a whole group of mlx4g32's 32."""
+    src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny, page_size=32)
+    with pytest.raises(InputError) as e:
+        cartridge.convert(src.path, tmp_path / "o.cart", preset="balanced")
+    assert str(e.value).startswith(f"preset 'balanced' cannot be applied to {src.path}: tier mlx4g32")
+    assert not (tmp_path / "o.cart").exists()
+
+
+def test_cli_convert_preset(tiny16, tmp_path):
+    from click.testing import CliRunner
+
+    from cartridge.cli.main import cli
+
+    src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny16, page_size=32)
+    r = CliRunner().invoke(cli, ["convert", src.path, "-o", str(tmp_path / "b.cart"), "--preset", "balanced"])
+    assert r.exit_code == 0, r.output
+    assert r.output.rstrip().endswith("layers 0-1 K mlx4g32+rot V mlx4g32+rot; first 4 and last 28 tokens also fp16)")
+    info, _ = cartridge.open_cartridge(tmp_path / "b.cart")
+    assert (info.protect_first, info.protect_last) == (4, 28)

@@ -135,9 +135,9 @@ def test_slice_for_reads_the_sharding_off_the_model(smol_tokenizer):
 
 def test_pipeline_cache_keys_chain_onto_the_newest_tail_chunk(tmp_path):
     info, data = open_cartridge(write(tmp_path / "b.cart"))
-    from cartridge.load import _layer_prefix
+    from cartridge.stored import layer_prefix
 
-    c = _PipelineCache(_layer_prefix(info, data, 0), chunk_size=4)
+    c = _PipelineCache(layer_prefix(info, data, 0), chunk_size=4)
     k = mx.ones((1, 2, 5, 8))
     c.update_and_fetch(k, k)
     assert c.keys is c._k_chunks[1]

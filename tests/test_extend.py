@@ -1,6 +1,7 @@
 """extend(): only the new text is prefilled; the result holds the tokens, pages and answers of a one-shot
 build of the joined text; it is written atomically and records its parts."""
 
+import hashlib
 import json
 import shutil
 
@@ -169,6 +170,64 @@ def test_extend_twice_records_three_parts(tiny, tmp_path):
     one = cartridge.build(OLD + "\n\n" + NEW + "\n\nSection 3. Pets are allowed.", tmp_path / "one.cart", model=tiny)
     assert info.tokens.tolist() == cartridge.open_cartridge(one.path)[0].tokens.tolist()
     assert [p["kind"] for p in info.parts] == ["build", "extend", "extend"]
+
+
+def _entry(text, name):
+    raw = text.encode()
+    first = next(line.strip() for line in text.splitlines() if line.strip())
+    return {"name": name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "first_line": first[:120]}
+
+
+def test_every_source_kept_in_order_and_shown_by_inspect(tiny, tmp_path):
+    """source.documents (format 1.7): build writes one source, each extend appends one; inspect shows each."""
+    from cartridge.cli.report import inspect_dict, inspect_table
+
+    path, third = tmp_path / "doc.cart", "Section 3. Pets are allowed."
+    cartridge.build(OLD, path, model=tiny, page_size=PAGE, source_name="dir/lease.txt")
+    cartridge.extend(path, NEW, model=tiny, source_name="rent.txt")
+    cartridge.extend(path, third, model=tiny)
+    info = cartridge.open_cartridge(path)[0]
+    want = [_entry(OLD, "lease.txt"), _entry(NEW, "rent.txt"), _entry(third, "")]
+    assert info.sources == want
+    assert info.source == {"name": "lease.txt", "bytes": None, "sha256": None, "first_line": want[0]["first_line"]}
+    table = inspect_table(inspect_dict(info, path))
+    assert (f"document      lease.txt, {want[0]['bytes']:,} bytes, sha256 {want[0]['sha256']}\n"
+            f"first line    {want[0]['first_line']!r}\n"
+            f"document 2    rent.txt, {want[1]['bytes']:,} bytes, sha256 {want[1]['sha256']}\n"
+            f"first line    {want[1]['first_line']!r}\n"
+            f"document 3    -, {want[2]['bytes']:,} bytes, sha256 {want[2]['sha256']}\n") in table
+    assert inspect_dict(info, path)["sources"] == want
+
+
+def test_cartridge_without_the_sources_list_shows_its_one_source(tiny, tmp_path):
+    """A 1.6 cartridge (single source keys only) keeps loading; extended, its first source keeps what it recorded."""
+    path = tmp_path / "old.cart"
+    cartridge.build(OLD, path, model=tiny, page_size=PAGE, source_name="lease.txt")
+    forge_records(path, lambda r: {k: v for k, v in r.items() if k != "source.documents"})
+    assert cartridge.open_cartridge(path)[0].sources == [_entry(OLD, "lease.txt")]
+    forge_records(path, lambda r: {k: v for k, v in r.items() if k not in ("source.bytes", "source.sha256")})
+    cartridge.extend(path, NEW, model=tiny, source_name="rent.txt")  # as a 1.6 extend left it, extended again
+    first = {"name": "lease.txt", "bytes": None, "sha256": None, "first_line": _entry(OLD, "")["first_line"]}
+    assert cartridge.open_cartridge(path)[0].sources == [first, _entry(NEW, "rent.txt")]
+
+
+@pytest.mark.parametrize("value", [b"[1, 2]", b"{}", b"[]", b"not json"])
+def test_malformed_sources_list_reads_as_the_single_keys(tiny, tmp_path, value):
+    path = tmp_path / "doc.cart"
+    cartridge.build(OLD, path, model=tiny, page_size=PAGE, source_name="lease.txt")
+    forge_records(path, lambda r: {**r, "source.documents": value})
+    assert cartridge.open_cartridge(path)[0].sources == [_entry(OLD, "lease.txt")]
+
+
+def test_conversation_keeps_the_documents_sources(tiny, tmp_path):
+    path = tmp_path / "doc.cart"
+    cartridge.build(OLD, path, model=tiny, page_size=PAGE, source_name="lease.txt")
+    cart = cartridge.load(path, model=tiny)
+    cache = cart.prompt_cache()
+    prompt = cart.question_prompt("When may the lessee terminate?")
+    cart.model(mx.array(prompt)[None], cache=cache)
+    cart.save(tmp_path / "conv.cart", cache, tokens=prompt)
+    assert cartridge.open_cartridge(tmp_path / "conv.cart")[0].sources == [_entry(OLD, "lease.txt")]
 
 
 def test_seam_that_retokenizes_reprefills_the_changed_tokens(tiny, tmp_path):

@@ -1,4 +1,4 @@
-"""Protected tokens (`cartridge.tiers.protect`, spec/FORMAT.md 4.5), kivi4 (6.5) and presets: the stored
+"""Protected tokens (`cartridge.tiers.protect`, spec/FORMAT.md 4.5.4), kivi4 (6.5) and presets: the stored
 fp16 copies are the model's K/V, attention over compressed pages + copies equals dense attention over
 the decoded pages with those positions replaced, on the portable and dequantize-once paths."""
 
@@ -130,7 +130,7 @@ def test_reader_refuses_a_protected_record_of_the_wrong_length():
 
 def test_only_layers_that_store_every_token_hold_protected_copies():
     """A window layer (its last `window` tokens only) has no protected record; a dense layer's copies
-    follow its own shapes (format 1.5, spec 4.6)."""
+    follow its own shapes (format 1.5, spec 4.5.4)."""
     window = LayerInfo("window", (1, 4), (1, 4), 6, 4)
     dense = LayerInfo("dense", (1, 8), (2, 4), 0, 10)
     records = {"cache.protect_first": b"1", "cache.protect_last": b"0",
@@ -177,7 +177,7 @@ def test_presets_resolve_to_a_stored_schema_and_exclude_tier_options(tiny64, tmp
 
 
 def test_extend_refuses_a_protected_cartridge_in_one_line(tiny64, tmp_path):
-    """Extend would move the last M positions away from their fp16 copies (spec 4.6): refused, nothing written."""
+    """Extend would move the last M positions away from their fp16 copies (spec 4.5.4): refused, nothing written."""
     r = cartridge.build(DOC, tmp_path / "p.cart", model=tiny64, reserve=0, tier="mlx4g32", protect_first=2,
                         protect_last=3, page_size=64)
     with pytest.raises(InputError, match="keeps 2 first and 3 last tokens in fp16 .format 1.5.; extend takes"):

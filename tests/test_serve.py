@@ -411,6 +411,20 @@ def test_pool_finds_cartridges_and_refuses_what_cannot_fit(shelf):
     assert (e.value.status, e.value.code, pool.loaded_bytes) == (422, "cartridge_too_large", 0)
 
 
+def test_pool_loading_its_nth_cartridge_computes_no_fingerprint(shelf, monkeypatch):
+    """The server's model was fingerprinted once, by load_model: loading cartridges through the pool adds none."""
+    from cartridge.models import loader
+    from cartridge.serve.pool import Pool
+
+    folder, lm = shelf
+    calls = []
+    compute = loader.fingerprint
+    monkeypatch.setattr(loader, "fingerprint", lambda model, tok: calls.append(1) or compute(model, tok))
+    pool = Pool({"lease": folder / "lease.cart", "other": folder / "other.cart"}, lm)
+    assert pool.get("lease").info.document_tokens > 0 and pool.get("other") is not pool.get("lease")
+    assert len(calls) == 0
+
+
 def test_pool_verifies_again_when_the_files_change(shelf, tmp_path):
     """A refusal is forgotten once any file of the cartridge changes (here: the bad byte mended), and a loaded
     cartridge whose pages change on disk is read and verified again before it answers."""

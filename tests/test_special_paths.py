@@ -55,7 +55,7 @@ def test_output_file_folder_must_be_writable(tmp_path):
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        with pytest.raises(cartridge.CartridgeError, match="cannot write in folder"):
+        with pytest.raises(cartridge.CartridgeError, match="is not writable"):
             check_output_file(str(ro / "x.json"), "--json", False)
     finally:
         ro.chmod(0o755)

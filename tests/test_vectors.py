@@ -46,7 +46,7 @@ from make_vectors import (  # noqa: E402
 TINY_10 = VECTORS / "tiny-1.0.cart"  # format 1.0, as written before any optional key: must keep loading
 TINY = VECTORS / "tiny.cart"  # format 1.2 (per-head checksums), as written before per-layer keys: must keep loading
 TINY_14 = VECTORS / "tiny-1.4.cart"  # format 1.4: per-layer kind and shapes, as written before 1.5: must keep loading
-TINY_15 = VECTORS / "tiny-1.5.cart"  # format 1.5: protected tokens 0 and 2 (spec 4.6)
+TINY_15 = VECTORS / "tiny-1.5.cart"  # format 1.5: protected tokens 0 and 2 (spec 4.5.4)
 PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the OS page: bytes pinned at 4 KiB
 
 
@@ -85,7 +85,7 @@ def test_vector_parses_to_known_values(path, version):
         assert (info.protect_first, info.protect_last, info.protected) == (0, 0, {})
 
 
-PROTECT_CORRUPTIONS = {  # format 1.5 protected tokens (spec 4.6) -> FieldError
+PROTECT_CORRUPTIONS = {  # format 1.5 protected tokens (spec 4.5.4) -> FieldError
     "protected record too short": lambda r: {**r, K.layer_protected(0, "v"): r[K.layer_protected(0, "v")][:-2]},
     "protected record missing": lambda r: {k: v for k, v in r.items() if k != K.layer_protected(0, "k")},
     "protected counts cover every token": lambda r: {**r, K.PROTECT_LAST: b"2"},

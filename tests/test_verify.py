@@ -52,7 +52,9 @@ def test_cli_verify_good_bad_and_json(tmp_path):
 def test_cli_verify_not_a_cartridge(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     r = run(tmp_path / "x.txt")
-    assert r.returncode == 1 and r.stderr.splitlines() == [f"error: {tmp_path / 'x.txt'} is not a cartridge (no MANIFEST file)"]
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: {tmp_path / 'x.txt'} is a file, not a cartridge: a cartridge is a directory (holding MANIFEST, "
+        "index.lmdb and pages.bin) or a packed .cartz file"]
 
 
 def test_schema_checked_against_tier_formula(tmp_path, monkeypatch):

@@ -19,6 +19,10 @@ from . import pages
 STORED_FACTOR = 1.25
 
 
+class MemoryBudgetWarning(UserWarning):
+    """A memory budget asked for could not be kept as asked (`notes`)."""
+
+
 @dataclass(frozen=True)
 class Side:
     """One (layer, side) a plan may decode.
@@ -137,3 +141,29 @@ def plan_unpacked(sides, held, budget):
     left = [(s.layer, s.side) for s in candidates if (s.layer, s.side) not in set(decoded)]
     step = max((s.step for s in candidates if (s.layer, s.side) in set(left)), default=0)
     return decoded, left, resident, max(peak, dense_peak, resident + step)
+
+
+def notes(report, policy):
+    """What a memory budget did against what was asked, one line each: a budget below the stored bytes
+    (they are always held, so the budget cannot go lower), and an explicit dequantize-once that the budget
+    turned into another path on some layers.
+
+    Args:
+        report (dict): `policy.place`'s report ("memory", "layers"). policy (str): the policy asked for.
+
+    Returns:
+        list[str]: empty when the budget was kept and the policy taken everywhere.
+    """
+    m, mb = report.get("memory") or {}, 1e6
+    budget, lines = m.get("budget_bytes"), []
+    if budget is not None and budget < m["stored_bytes"]:
+        lines.append(f"the memory budget of {budget / mb:,.1f} MB is below the {m['stored_bytes'] / mb:,.1f} MB of "
+                     f"stored pages, which are always held (the budget cannot go lower); "
+                     f"{m['resident_bytes'] / mb:,.1f} MB are held")
+    rows = [x for x in report.get("layers", []) if x]
+    other = [x["policy"] for x in rows if x["policy"] != "dequantize-once"]
+    if policy == "dequantize-once" and other and budget is not None:
+        paths = ", ".join(f"{name} on {other.count(name)}" for name in sorted(set(other)))
+        lines.append(f"attention dequantize-once: within the memory budget of {budget / mb:,.1f} MB, {len(other)} of "
+                     f"{len(rows)} layers take another path ({paths}) instead of dense pages")
+    return lines

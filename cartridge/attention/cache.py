@@ -39,8 +39,8 @@ class LayerPrefix:
         k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
         n_tokens (int): valid tokens (the last page may be padded).
         k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
-        kernel (callable | None): fused attention of this layer, called as
-            kernel(cache, queries, scale) -> output or None (`cartridge.attention.kernels.cuda.FusedAttention`);
+        kernel (callable | None): fused attention of this layer, called as kernel(cache, queries, scale,
+            sinks) -> output or None (built by a backend: `cartridge.attention.backends`);
             None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
         protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
             their compressed pages (`cartridge.tiers.protect`).
@@ -115,6 +115,16 @@ class CartridgeCache(_BaseCache):
         self._write(self._v_chunks, values, self.tail_len)
         self.tail_len += keys.shape[2]
         return self.state
+
+    @property
+    def tail_chunks(self):
+        """The tail's preallocated chunks, for kernels that read the tail in place.
+
+        Returns:
+            tuple: (k_chunks, v_chunks), lists of (1, n_kv_heads, chunk_size, head_dim) arrays in the K/V
+            dtype; the first `tail_len` tokens across the chunks are the tail, the rest is unused.
+        """
+        return self._k_chunks, self._v_chunks
 
     def _tail_parts(self):
         """[(k, v)] per used chunk, each (n_kv_heads, tokens_in_chunk, head_dim)."""

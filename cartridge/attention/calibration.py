@@ -12,19 +12,26 @@ result (`table_from_bench`), so a bench run on any machine becomes a table. The 
 measured on the project's machines (`auto_tables/*.json`); a user table (`user_table_path()`, written by
 `cartridge bench --calibrate`) replaces the shipped entries of every (backend, tier, head_dim, mode) it
 measures. `choose` looks a layer up: the nearest head_dim, then the nearest context (log scale).
+
+The user table also keeps the proofs of kernels that need one (`backends.proof`): {"proofs": [{"backend",
+"tiers", "head_dim", "ok", "error", "rel_err", "context", "us", "dense_us", "measured"}, ...]}; a proof that
+passed adds its times as decode entries for the cases no bench run measured.
 """
 
 import json
 import math
 import os
+import platform
 import time
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import CartridgeError, InputError
+from . import backends
 
 SHIPPED = Path(__file__).with_name("auto_tables")
 TABLE_VERSION = 1
-FALLBACK = {"cpu": "dequantize-once", "cuda": "fused", "metal": "portable"}  # no measurement for a case
+FALLBACK = backends.devices()  # device -> the policy where the table has no measurement for a case
+_SESSION_PROOFS = []  # proofs this process could not write to the user table (read-only home)
 
 
 def user_table_path():
@@ -126,7 +133,7 @@ def choose(entries, backend, tiers, head_dim, n_tokens, mode="decode", allowed=N
 
     Args:
         entries (list[dict]): table entries (`merged_entries`).
-        backend (str): "cpu", "cuda" or "metal". tiers (tuple[str]): the layer's K and V tiers.
+        backend (str): a device name (`backends.devices`). tiers (tuple[str]): the layer's K and V tiers.
         head_dim (int): the layer's head_dim. n_tokens (int): prefix tokens. mode (str): "decode" or
             "multi-token". allowed (set | None): policies this backend runs (None: any in the table).
 
@@ -168,6 +175,15 @@ def _reason(best, total, picked):
             f"{e['measured']} on {e['machine']}")
 
 
+def write_calibrated(table, path):
+    """Write a full table (`table_from_bench`) to `path`, keeping the kernel proofs already there."""
+    try:
+        kept = _document(path)["proofs"]
+    except InputError:  # an unreadable old table is replaced whole
+        kept = []
+    return write_table({**table, "proofs": kept} if kept else table, path)
+
+
 def write_table(table, path):
     """Write `table` as JSON to `path` atomically (its folder is created)."""
     from ..format.atomic import write_file
@@ -176,6 +192,56 @@ def write_table(table, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file(path, lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))
     return path
+
+
+def _document(path):
+    """The whole user table document ({"version", "entries", "proofs"}), empty where the file is absent."""
+    if not Path(path).exists():
+        return {"version": TABLE_VERSION, "entries": [], "proofs": []}
+    entries = read_table(path)
+    doc = json.loads(Path(path).read_text())
+    return {"version": TABLE_VERSION, "entries": entries, "proofs": [p for p in doc.get("proofs", [])
+                                                                     if isinstance(p, dict)]}
+
+
+def proofs(path=None):
+    """The proof records of the user table (`path`, default `user_table_path()`) and of this process."""
+    return _document(user_table_path() if path is None else path)["proofs"] + _SESSION_PROOFS
+
+
+def find_proof(backend, tiers, head_dim, path=None):
+    """The proof record of (backend name, (K tier, V tier), head_dim), or None."""
+    want = (backend, list(tiers), head_dim)
+    return next((p for p in reversed(proofs(path)) if (p.get("backend"), p.get("tiers"), p.get("head_dim")) == want),
+                None)
+
+
+def _proof_entries(rec, device, have):
+    """Decode entries of a passed proof's times, one per tier no entry in `have` measures."""
+    if not rec["ok"] or not rec.get("us"):
+        return []
+    us = rec["us"]
+    return [{"backend": device, "tier": tier, "head_dim": rec["head_dim"], "mode": "decode", "context": rec["context"],
+             "policy": min(us, key=us.get), "us": us, "dense_us": rec.get("dense_us"),
+             "machine": f"{platform.machine()} {device} (kernel proof)", "measured": rec["measured"]}
+            for tier in dict.fromkeys(rec["tiers"]) if (device, tier, rec["head_dim"], "decode") not in have]
+
+
+def add_proof(rec, path=None):
+    """Keep a proof record (`backends.proof.check`) in the user table, replacing one of the same key; where the
+    table cannot be written, for this process only. Returns the path written, or None."""
+    rec = {**rec, "measured": rec.get("measured") or today()}
+    path = user_table_path() if path is None else Path(path)
+    doc = _document(path)
+    key = (rec["backend"], rec["tiers"], rec["head_dim"])
+    doc["proofs"] = [p for p in doc["proofs"] if (p.get("backend"), p.get("tiers"), p.get("head_dim")) != key] + [rec]
+    device = backends.get(rec["backend"]).device
+    doc["entries"] += _proof_entries(rec, device, {_key(e) for e in doc["entries"]})
+    try:
+        return write_table(doc, path)
+    except (OSError, CartridgeError):
+        _SESSION_PROOFS.append(rec)
+        return None
 
 
 def today():

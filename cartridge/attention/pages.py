@@ -45,19 +45,25 @@ def make_prefix(k_codec, k, v_codec, v, page_size, layer=0):
                        v_codec, encode_pages(v_codec, v, v_params, page_size), k.shape[1], k_params, v_params)
 
 
-def decode_pages(codec, parts, params, dtype, protected=None, side="k", n_tokens=0):
+def decode_pages(codec, parts, params, dtype, protected=None, side="k", n_tokens=0, lazy=False):
     """Dense pages of one side, decoded a chunk of pages at a time into one buffer (updated in place), so the
     decode holds the dense pages and one chunk's temporaries rather than a float32 copy of the whole side.
+    With `lazy`, the whole side's decode as one unevaluated graph instead: MLX runs it where the pages are
+    first read (the first forward pass) and keeps the result, so a load decodes nothing.
 
     Args:
         codec (TierCodec): the side's tier. parts (dict[str, mx.array]): its components (n_pages, n_kv, P, W).
         params (dict): the tier's parameters. dtype (mx.Dtype): of the dense pages.
         protected (Protected | None): fp16 copies of protected tokens, written over their positions. Default: None.
         side (str): "k" or "v" (which copies). n_tokens (int): the prefix's tokens (where the last ones are).
+        lazy (bool): return the decode unevaluated (no chunking: its peak is the whole side's). Default: False.
 
     Returns:
-        mx.array: (n_pages, n_kv, P, head_dim) of `dtype`, evaluated.
+        mx.array: (n_pages, n_kv, P, head_dim) of `dtype`, evaluated unless `lazy`.
     """
+    if lazy:
+        out = codec.decode(dict(parts), params).astype(dtype)
+        return out if protected is None else protect.overwrite_in_place(out, protected, side, n_tokens)
     n_pages, n_kv, page, _ = next(iter(parts.values())).shape
     out = None
     a, step = 0, 1

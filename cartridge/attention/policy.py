@@ -1,7 +1,8 @@
 """Attention policies: how decode steps read the prefix pages (issue 4; docs/performance.md "Attention paths").
 
-- "portable": MLX ops over the stored pages (`kernels/portable.py`); CPU, Metal and CUDA.
-- "fused": one flash-decoding kernel per backend reading the stored pages (`kernels/cuda.py`); CUDA.
+- "portable": MLX ops over the stored pages (`kernels/portable.py`); every device.
+- "fused": the device's flash-decoding kernel reading the stored pages, where the registry has one
+  (`cartridge.attention.backends`; a kernel that `needs_proof` is taken by "auto" only once proven here).
 - "dequantize-once": decode the prefix into dense pages of the model's dtype at load (more memory,
   no per-step decode work), then attend with the backend's dense path.
 - "auto": per layer, the policy measured fastest for its tiers, head_dim and context on this backend
@@ -15,7 +16,8 @@ import mlx.core as mx
 from ..errors import InputError
 from ..tiers import get_tier
 from ..tiers.float16 import Float16Codec
-from . import budget, calibration, unpacked
+from . import backends, budget, calibration, unpacked
+from .backends import proof
 from .cache import LayerPrefix
 from .layers import ListLayer
 from .pages import decode_pages
@@ -26,16 +28,16 @@ AUTO = calibration.FALLBACK  # the choice where the table has no measurement
 
 
 def backend():
-    """"cpu", "cuda" or "metal": where the default device runs."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    return "cuda" if mx.cuda.is_available() else "metal"
+    """The device the default stream runs on, by its registry name (`backends.device`)."""
+    return backends.device()
 
 
 class DequantizedCodec(Float16Codec):
     """Dense pages in the model's dtype, made once at load by the "dequantize-once" policy."""
 
     name = "dequantized"
+    kernel_layout = None  # by the pages' dtype instead (`layout.layout_of`)
+    dense_pages = True
 
     def scores(self, q, parts, params):
         if mx.default_device() != mx.cpu:
@@ -52,36 +54,35 @@ def resolve(policy):
     """Check a policy name for this backend: "auto" stays "auto" (chosen per layer by `place`).
 
     Raises:
-        InputError: unknown policy, or "fused" where no fused kernel exists for the backend.
+        InputError: unknown policy, or "fused" where this device has no fused kernel (`backends.kernel`).
     """
     if policy not in POLICIES:
         raise InputError(f"attention policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
-    if policy == "fused" and backend() != "cuda":
-        raise InputError(f"the fused attention kernels need the CUDA backend; this device is {backend()}")
+    if policy == "fused" and backends.kernel(backend()) is None:
+        have = ", ".join(b.device for b in backends.REGISTRY if b.policy == "fused")
+        raise InputError(f"no fused attention kernel runs on this device ({backend()}); they run on: {have}")
     return policy
 
 
-def allowed(prefix=None, head_dim=None):
+def allowed(prefix=None, head_dim=None, prove=False):
     """The concrete policies this backend runs (for `prefix`, a layer's pages of `head_dim`: "fused" only where
-    a fused kernel reads its tiers)."""
-    if backend() != "cuda":
-        return ("portable", "dequantize-once")
-    if prefix is not None:
-        from .kernels import cuda
-
-        if not cuda.supported(prefix, head_dim):
-            return ("portable", "dequantize-once")
-    return ("fused", "portable", "dequantize-once")
+    the device's kernel reads it, and with `prove` only once a kernel that needs proof has passed it here:
+    `backends.proof.proven`, which runs the check on first use)."""
+    fused = backends.kernel(backend())
+    if fused is not None and prefix is not None:
+        if not fused.supports(prefix, head_dim, "decode") or (prove and not proof.proven(fused, prefix, head_dim)):
+            fused = None
+    return backends.policies(fused is not None)
 
 
-def _allowed_by_name(tiers):
-    """`allowed()` for a layer known by its tier names only (a header): "fused" where a kernel reads both."""
-    if backend() != "cuda":
-        return allowed()
-    from .kernels import cuda
-
-    fused = all(getattr(get_tier(t), "base", get_tier(t)).name in cuda.FUSED_TIERS for t in tiers)
-    return allowed() if fused else ("portable", "dequantize-once")
+def _allowed_by_name(tiers, head_dim=None):
+    """`allowed()` for a layer known by its tier names only (a header): "fused" where the kernel reads both and,
+    for a kernel that needs proof, a stored proof for them at `head_dim` passed."""
+    fused = backends.kernel(backend())
+    if fused is not None and not (fused.reads([get_tier(t) for t in tiers])
+                                  and proof.proven_by_name(fused, tiers, head_dim)):
+        fused = None
+    return backends.policies(fused is not None)
 
 
 def dequantize(prefix, dtype):
@@ -96,13 +97,19 @@ def dequantize(prefix, dtype):
 def kernel_for(policy, prefix, head_dim):
     """The fused attention of one layer for a concrete policy, or None for the portable path.
 
+    "fused" and "dequantize-once" layers take the device's kernel where it reads them (dense pages too). A
+    kernel that needs proof runs under "fused" even if never checked here (it warns once:
+    `proof.warn_unchecked`); under the other policies only once proven for these pages (`proof.proven`).
     The fused kernel takes one head_dim for K and V; a layer whose widths differ takes the portable path.
     """
-    if policy == "portable" or backend() != "cuda":
+    fused = backends.kernel(backend()) if policy != "portable" else None
+    if fused is None or not fused.supports(prefix, head_dim, "decode"):
         return None
-    from .kernels import cuda
-
-    return cuda.FusedAttention(prefix) if cuda.supported(prefix, head_dim) else None
+    if policy == "fused":
+        proof.warn_unchecked(fused, prefix, head_dim)
+    elif not proof.proven(fused, prefix, head_dim):
+        return None
+    return fused.build(prefix)
 
 
 def _held(layer):
@@ -124,7 +131,8 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
             continue
         k_dim = dims[0]
         tiers = (p.k_codec.name, p.v_codec.name)
-        out.append(calibration.choose(entries, backend(), tiers, k_dim, p.n_tokens, "decode", allowed(p, k_dim)))
+        out.append(calibration.choose(entries, backend(), tiers, k_dim, p.n_tokens, "decode",
+                                      allowed(p, k_dim, prove=True)))
     return out
 
 
@@ -142,11 +150,12 @@ def _sides(prefixes, choices, head_dims, dtype, unpack):
     return sides
 
 
-def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
+def _decoded(p, sides, dtype, unpack=(), via_unpacked=False, lazy=False):
     """`p` with the sides in `sides` decoded to dense pages of `dtype` and those in `unpack` unpacked
     (`unpacked.unpack`), each side evaluated before the next (one side's buffers at a time). With
     `via_unpacked`, an affine side is decoded from its unpacked codes: the same values, and on the CPU
-    half the temporaries of `mx.dequantize` (int8, 6,450 tokens: 29 MB against 56 MB for 27 MB of values)."""
+    half the temporaries of `mx.dequantize` (int8, 6,450 tokens: 29 MB against 56 MB for 27 MB of values).
+    With `lazy` (no memory budget), the decode is left to the first forward pass (`decode_pages`)."""
     out = {"k": (p.k_codec, p.k_parts), "v": (p.v_codec, p.v_parts)}
     for side in sorted(set(sides) | set(unpack)):
         codec, parts = out[side]
@@ -154,10 +163,12 @@ def _decoded(p, sides, dtype, unpack=(), via_unpacked=False):
         if side in sides:  # a dense side takes the protected tokens' fp16 copies in place
             if via_unpacked and unpacked.can_unpack(codec):
                 codec, parts = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
-            out[side] = DEQUANTIZED, {"values": decode_pages(codec, parts, params, dtype, p.protected, side, p.n_tokens)}
+            values = decode_pages(codec, parts, params, dtype, p.protected, side, p.n_tokens, lazy)
+            out[side] = DEQUANTIZED, {"values": values}
         else:
             out[side] = unpacked.UnpackedCodec(codec), unpacked.unpack(codec, parts)
-        mx.eval(list(out[side][1].values()))
+        if not lazy:
+            mx.eval(list(out[side][1].values()))
     # a side still compressed reads the protected copies on the portable path; two dense sides do not
     protected = None if set(sides) == {"k", "v"} else p.protected
     return LayerPrefix(*out["k"], *out["v"], p.n_tokens, p.k_params, p.v_params, None, protected)
@@ -242,12 +253,13 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             continue
         q = p
         if c[0] == "dequantize-once":
-            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack)
+            q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack, lazy=limit is None)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
                              q.protected)
-        mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
+        if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
+            mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
     return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
 
 
@@ -294,7 +306,8 @@ def plan_header(info, dtype, max_memory=None, entries=None):
             choices.append(None)
             continue
         tiers = (info.tiers[i]["k"], info.tiers[i]["v"])
-        c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode", _allowed_by_name(tiers))
+        c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode",
+                               _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):

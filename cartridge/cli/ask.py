@@ -1,5 +1,5 @@
-"""`cartridge ask` (one question, a question from stdin, or a file of questions after one load) and
-`cartridge chat` (an interactive conversation on one cache). Thin: parse, call the library, print."""
+"""`cartridge ask`: one question, a question from stdin, or a file of questions after one load (`chat`,
+the conversation, is in chat.py). Thin: parse, call the library, print."""
 
 import json
 import sys
@@ -9,10 +9,10 @@ from pathlib import Path
 import click
 
 import cartridge
-from cartridge.errors import CartridgeError, InputError
+from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus
+from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus, warnings_as_lines
 from .serve import MAX_MEMORY_HELP, parse_bytes
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
@@ -32,14 +32,32 @@ def _load(path, model, attention, parallel=None, recompute=16, max_memory=None):
         cart = cartridge.load(path, model=lm, attention=attention, group=group)
     else:
         lm = cartridge.load_model(model_ref(model)) if model is not None else None
-        cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory)
+        with warnings_as_lines():  # a budget below the stored pages, a dequantize-once it changed
+            cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory)
     return cart, time.perf_counter() - t0
 
 
 def memory_lines(cart):
-    """Two lines: the attention policy and why; the prefix's bytes as held, planned and measured (MLX peak)."""
+    """The attention policy and why, and the prefix's bytes as held and planned, for each cartridge
+    (named when several are composed); then the bytes MLX measured (active, peak)."""
     import mlx.core as mx
 
+    parts, mb = getattr(cart, "carts", None) or [cart], 1e6
+    lines = []
+    for part in parts:
+        name = f"{Path(part.path).name}: " if len(parts) > 1 else ""
+        lines += [name + line for line in _prefix_lines(part)]
+    measured = (f"MLX active {mx.get_active_memory() / mb:,.1f} MB (model included), peak "
+                f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (model loading included)")
+    if len(parts) == 1 and len(lines) == 2:
+        lines[1] += f"; {measured}"
+    else:
+        lines.append(measured)
+    return lines
+
+
+def _prefix_lines(cart):
+    """attention POLICY (why); memory: prefix resident, stored, budget, planned peak (one cartridge)."""
     plan, mb = cart.plan, 1e6
     m = plan.get("memory") or {}
     budget = f"{m['budget_bytes'] / mb:,.1f} MB" if m.get("budget_bytes") else "none"
@@ -47,8 +65,7 @@ def memory_lines(cart):
     if m:
         lines.append(f"memory: prefix resident {m['resident_bytes'] / mb:,.1f} MB (stored {m['stored_bytes'] / mb:,.1f} "
                      f"MB, budget {budget}, planned peak while loading or decoding {m['planned_peak_bytes'] / mb:,.1f} "
-                     f"MB); MLX active {mx.get_active_memory() / mb:,.1f} MB (model included), peak "
-                     f"{mx.get_peak_memory() / mb:,.1f} MB since the process started (model loading included)")
+                     f"MB)")
     return lines
 
 
@@ -70,13 +87,17 @@ def _check_room(cart, cache, prompt, max_tokens, what):
                      f"{held:,} cached + {len(prompt)} prompt tokens leave {room:,}")
 
 
-def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
-    """Stream the model's answer to `prompt` (fed into `cache`); returns a dict of text and timings."""
+def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop=None):
+    """Stream the model's answer to `prompt` (fed into `cache`); returns a dict of text and timings.
+
+    `stop` (a callable) is asked after each token; True ends the answer there ("stopped": True). The
+    cache then holds the prompt and every token of "token_ids" (mlx-lm feeds a token before yielding it).
+    """
     import mlx_lm
 
     _check_room(cart, cache, prompt, max_tokens, what)
     t0 = time.perf_counter()
-    ttft, n, pieces, ids = None, 0, [], []
+    ttft, n, pieces, ids, stopped = None, 0, [], [], False
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
         ttft = time.perf_counter() - t0 if ttft is None else ttft
         n = r.generation_tokens
@@ -85,13 +106,16 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True):
         if echo:
             click.echo(r.text, nl=False)
             sys.stdout.flush()
+        if stop is not None and stop():
+            stopped = True
+            break
     if echo:
         click.echo()
         sys.stdout.flush()
     decode_s = time.perf_counter() - t0 - (ttft or 0)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     return {"answer": "".join(pieces), "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
-            "prompt_tokens": len(prompt), "token_ids": ids}
+            "prompt_tokens": len(prompt), "token_ids": ids, "stopped": stopped}
 
 
 def _questions(question, questions_file):
@@ -164,6 +188,7 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         cache = cart.prompt_cache()
         r = answer(cart, prompt, cache, max_tokens)
         ids = r.pop("token_ids")
+        del r["stopped"]  # ask has no stop
         rows.append({"question": q, **r})
         click.echo(f"{'' if len(qs) == 1 else f'Q{i + 1}: '}TTFT {r['ttft_s']:.3f} s ({r['prompt_tokens']} question "
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
@@ -176,72 +201,3 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     if save_as is not None:
         saved = cart.save(save_as, cache, tokens=prompts[0] + ids, force=force)
         click.echo(f"saved {saved.path}: {saved.tokens} tokens ({saved.new_tokens} of this conversation)", err=True)
-
-
-def _save(cart, cache, line, saved):
-    """/save FILE: the document + the conversation so far as a new cartridge; errors stay one line."""
-    target = line[len("/save"):].strip()
-    if not target or not saved:
-        click.echo("error: /save FILE needs a file name and at least one answered turn", err=True)
-        return
-    try:
-        r = cart.save(target, cache, tokens=list(saved))
-    except CartridgeError as e:
-        click.echo(f"error: {e}", err=True)
-        return
-    click.echo(f"saved {r.path}: {r.tokens} tokens", err=True)
-
-
-@click.command()
-@click.argument("path")
-@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
-@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
-@click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
-@click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
-def chat(path, max_tokens, model, attention, max_memory):
-    """Talk about the document in the cartridge at PATH: one line a turn, answers streamed.
-
-    /reset starts over from the bare document; /save FILE writes the document and the conversation so far
-    as a new cartridge (continue it with `cartridge ask FILE QUESTION`); /quit (or end of input) leaves."""
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
-    cart, load_s = _load(path, model, attention, max_memory=max_memory)
-    if cart.info.document_tokens < len(cart.tokens):
-        raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
-    _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
-    tty = sys.stdin.isatty()
-    click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; /reset, /save FILE, /quit",
-               err=True)
-    for line in memory_lines(cart):
-        click.echo(line, err=True)
-    cache, messages, saved = cart.prompt_cache(), [], []  # saved: the tokens after the document so far
-    while True:
-        if tty:
-            click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/quit":
-            return
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("/save"):
-            _save(cart, cache, line, saved)
-            continue
-        if line.startswith("/") and line != "/reset":
-            click.echo(f"unknown command {line.split()[0]}; /reset, /save FILE, /quit", err=True)
-            continue
-        if line == "/reset":
-            cart.reset(cache)
-            messages, saved[:] = [], []
-            click.echo("(conversation reset)", err=True)
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            r = answer(cart, cart.chat_prompt(messages, cache), cache, max_tokens, "this turn")
-        except InputError as e:
-            messages.pop()
-            click.echo(f"error: {e} (/reset to start over)", err=True)
-            continue
-        messages.append({"role": "assistant", "content": r["answer"]})
-        saved[:] = cache.tokens + r["token_ids"]
-        click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} tokens", err=True)

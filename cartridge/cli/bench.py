@@ -146,12 +146,32 @@ def _gate_lines(result):
     return lines
 
 
+def _check_lines(records):
+    from cartridge.attention.backends import proof
+
+    return proof.lines(records)
+
+
+def _kernel_checks(tiers, shape, n_tokens, table_path):
+    """With --calibrate, before timing: check every tier the device's kernel reads, where that kernel needs
+    proof (`cartridge.attention.backends.proof`), at the run's shape and longest context."""
+    from cartridge.attention import backends
+    from cartridge.attention.backends import proof
+
+    fused = backends.kernel(backends.device())
+    if fused is None or not fused.needs_proof:
+        return []
+    click.echo(f"bench: checking the {fused.name} kernel of each tier against the portable path", err=True)
+    _, n_kv, head_dim = shape
+    return proof.check_tiers(fused, tiers, n_kv, head_dim, n_tokens, table_path or None)
+
+
 def _calibrate(result, table_path):
     """Write the table of `result` (`cartridge.attention.calibration`) and say where."""
     from cartridge.attention import calibration as C
 
     table = C.table_from_bench(result)
-    path = C.write_table(table, table_path or C.user_table_path())
+    path = C.write_calibrated(table, table_path or C.user_table_path())
     click.echo(f"calibrate: {len(table['entries'])} measured cases written to {path}; cartridge.load(attention=\"auto\") "
                "uses them", err=True)
 
@@ -245,10 +265,11 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
 
             e2e = (cartridge.load_model().model, mx.float32)
         _check_memory(B, *e2e, e2e_ctx or ctx)
+    checks = _kernel_checks(names, B.SHAPES[shape], max(ctx), table_path) if calibrate else []
     result = B.run(ctx, names, shape, e2e, e2e_ctx, repeats,
                    progress=lambda msg: click.echo(f"bench: {msg}", err=True), e2e_tiers=e2e_names,
                    query_tokens=questions)
-    click.echo(_table(result))
+    click.echo("\n".join([_table(result), *_check_lines(checks)]))
     # the plot first: it can fail (matplotlib, a folder removed meanwhile) where the JSON text cannot
     if plot_path:
         write_file(plot_path, lambda tmp: _plot(B, result, tmp))

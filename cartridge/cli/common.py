@@ -1,4 +1,5 @@
-"""Helpers shared by the CLI commands: reading a corpus, checking an output file before any work."""
+"""Helpers shared by the CLI commands: reading a corpus, checking an output file before any work, the tier
+options of build and convert, a progress bar."""
 
 import contextlib
 import sys
@@ -76,6 +77,8 @@ def warnings_as_lines():
         warnings.simplefilter("always")
         # transformers' notes about a model's config (e.g. `rope_scaling` renamed) are for its developers
         warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)  # Python hides these by default: for developers
         warnings.showwarning = lambda message, *_a, **_k: click.echo(f"warning: {message}", err=True)
         yield
 
@@ -106,3 +109,67 @@ def refuse_beside(what, names):
              if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
     if given:
         raise InputError(f"{what}; it cannot be combined with {', '.join(given)}")
+
+
+PRESETS = ("exact", "safe", "balanced", "compact")  # cartridge.tiers.presets.PRESETS, listed for --help
+_TIER_OPTIONS = (
+    click.option("--tier", default="fp16", show_default=True, help="Storage tier of every layer's K and V."),
+    click.option("--k-tier", default=None, help="Tier of K (overrides --tier for keys)."),
+    click.option("--v-tier", default=None, help="Tier of V (overrides --tier for values)."),
+    click.option("--boundary-protect", default=0, show_default=True, metavar="N", type=click.IntRange(0),
+                 help="Keep K fp16 on every layer and V fp16 on the first N and last N layers."),
+    click.option("--schema", "schema", default=None, metavar="FILE.json",
+                 help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier '
+                      'options.'),
+    click.option("--protect-first", default=0, show_default=True, metavar="N", type=click.IntRange(0, 1 << 16),
+                 help="Also keep the first N prefix tokens of every layer (K and V) in fp16."),
+    click.option("--protect-last", default=0, show_default=True, metavar="M", type=click.IntRange(0, 1 << 16),
+                 help="Also keep the last M prefix tokens of every layer (K and V) in fp16."),
+    click.option("--preset", default=None, type=click.Choice(PRESETS),
+                 help="A named outcome (docs/tiers.md): sets the tiers and protection; excludes those options."),
+)
+
+
+def tier_options(command):
+    """Click decorator: the tier and protection options of build and convert (--tier, --k-tier, --v-tier,
+    --boundary-protect, --schema, --protect-first, --protect-last, --preset), passed as keywords of those names."""
+    for option in reversed(_TIER_OPTIONS):
+        command = option(command)
+    return command
+
+
+def refuse_tier_clashes(preset, schema):
+    """Refuse, naming the flags, tier options given beside the --preset or --schema that sets them (an option
+    given on the command line clashes even at its default value, e.g. --tier fp16)."""
+    if preset:
+        refuse_beside(f"--preset {preset} sets the tiers and protection",
+                      ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last"))
+    if schema:
+        refuse_beside("--schema sets the tier of every (layer, side)", ("tier", "k_tier", "v_tier", "boundary_protect"))
+
+
+@contextlib.contextmanager
+def progress_bar(unit, desc, **options):
+    """A tqdm bar on stderr, made at the first progress call (so an error before the work prints nothing else).
+
+    Args:
+        unit (str): what is counted ("tok", "layer", "B"). desc (str): the bar's label.
+        **options: more tqdm keywords (e.g. unit_scale=True for bytes).
+
+    Yields:
+        callable: progress(done, total), the callback the library's long operations take.
+    """
+    from tqdm import tqdm
+
+    bars = []
+
+    def progress(done, total):
+        if not bars:
+            bars.append(tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True, **options))
+        bars[0].update(done - bars[0].n)
+
+    try:
+        yield progress
+    finally:
+        for bar in bars:
+            bar.close()

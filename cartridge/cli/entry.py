@@ -9,6 +9,6 @@ def main():
     try:
         from .main import main as run
     except KeyboardInterrupt:
-        sys.stderr.write("error: aborted\n")
+        sys.stderr.write("error: interrupted\n")
         sys.exit(130)
     run()

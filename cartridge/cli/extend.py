@@ -1,10 +1,8 @@
 """`cartridge extend`: append text to a cartridge's document, prefilling only the new text."""
 
-import sys
-
 import click
 
-from .common import read_corpus
+from .common import model_ref, progress_bar, read_corpus, warnings_as_lines
 
 
 @click.command()
@@ -16,30 +14,19 @@ from .common import read_corpus
 @click.option("--separator", default="\\n\\n", show_default=True,
               help="Text between the stored document and MORE (backslash escapes \\n and \\t are read).")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
+@click.option("--reserve", default=256, show_default=True, metavar="N",
+              help="Warn when fewer than N tokens of the model's context are left for questions.")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
-def extend(path, more, output, model, separator, prefill_step, force):
+def extend(path, more, output, model, separator, prefill_step, reserve, force):
     """Extend the document of the cartridge at PATH with MORE (a UTF-8 text file, or - for stdin)."""
-    from tqdm import tqdm
-
     import cartridge
-    from cartridge.errors import InputError
 
-    if model is not None and not model.strip():
-        raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+    model_ref(model)
     text = read_corpus(more, "text")
     sep = separator.replace("\\n", "\n").replace("\\t", "\t")
-    bars = []
-
-    def progress(done, total):
-        if not bars:
-            bars.append(tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, dynamic_ncols=True))
-        bars[0].update(done - bars[0].n)
-
-    try:
+    with progress_bar("tok", "prefill") as progress, warnings_as_lines():
         r = cartridge.extend(path, text, output=output, model=model, separator=sep, prefill_step=prefill_step,
-                             force=force, progress=progress)
-    finally:
-        for bar in bars:
-            bar.close()
+                             force=force, progress=progress, source_name="stdin" if more == "-" else more,
+                             reserve=reserve)
     click.echo(f"extended {r.path}: {r.tokens} tokens ({r.reused_tokens} stored kept, {r.new_tokens} prefilled), "
                f"{r.seconds:.1f} s (prefill {r.prefill_seconds:.1f} s), {r.bytes:,} bytes")

@@ -5,29 +5,15 @@ Thin: parse options, call `cartridge.format.verify` / `cartridge.format.pack`, p
 
 import json
 import sys
-from contextlib import contextmanager
 
 import click
 
+from .common import progress_bar
 
-@contextmanager
+
 def _progress(desc):
-    """A progress(done, total) callback drawing one tqdm bar in bytes on stderr."""
-    from tqdm import tqdm
-
-    bars = []
-
-    def update(done, total):
-        if not bars:
-            bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                             file=sys.stderr, dynamic_ncols=True))
-        bars[0].update(done - bars[0].n)
-
-    try:
-        yield update
-    finally:
-        for bar in bars:
-            bar.close()
+    """A progress(done, total) callback drawing one tqdm bar in bytes on stderr (a context manager)."""
+    return progress_bar("B", desc, unit_scale=True, unit_divisor=1024)
 
 
 @click.command()

@@ -12,9 +12,10 @@ import click
 import cartridge
 from cartridge.errors import CartridgeError, InputError
 
-from .ask import ask, chat
+from .ask import ask
 from .bench import bench as bench_command
-from .common import PARALLEL_HELP, launched_group, model_ref, read_corpus, refuse_beside, warnings_as_lines
+from .chat import chat
+from .common import (PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
 from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
@@ -23,7 +24,27 @@ from .report import fp16_ratio, inspect_dict, inspect_table
 from .serve import serve
 
 
-@click.group()
+WRITERS = ("build", "extend", "convert", "pack", "unpack")  # commands whose Ctrl-C leaves nothing written
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a command (`command`, e.g. "build"); main prints one line and exits 130."""
+
+    def __init__(self, command):
+        super().__init__(command)
+        self.command = command
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        """Run the subcommand; a Ctrl-C is caught here, before click turns it into an "Aborted!" with a blank line."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(ctx.invoked_subcommand) from None
+
+
+@click.group(cls=_Group)
 @click.version_option(cartridge.__version__, prog_name="cartridge")
 def cli():
     """Persistent, memory-mappable KV caches for MLX language models."""
@@ -33,20 +54,7 @@ def cli():
 @click.argument("corpus")
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
 @click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
-@click.option("--tier", default="fp16", show_default=True, help="Storage tier of every layer's K and V.")
-@click.option("--k-tier", default=None, help="Tier of K (overrides --tier for keys).")
-@click.option("--v-tier", default=None, help="Tier of V (overrides --tier for values).")
-@click.option("--boundary-protect", default=0, show_default=True, metavar="N", type=click.IntRange(0),
-              help="Keep K fp16 on every layer and V fp16 on the first N and last N layers.")
-@click.option("--schema", "schema", default=None, metavar="FILE.json",
-              help='Per-layer tiers: a JSON list of {"layer": i, "k": tier, "v": tier}; excludes the tier options.')
-@click.option("--protect-first", default=0, show_default=True, metavar="N", type=click.IntRange(0, 1 << 16),
-              help="Also keep the first N prefix tokens of every layer (K and V) in fp16.")
-@click.option("--protect-last", default=0, show_default=True, metavar="M", type=click.IntRange(0, 1 << 16),
-              help="Also keep the last M prefix tokens of every layer (K and V) in fp16.")
-@click.option("--preset", default=None, type=click.Choice(["exact", "safe", "balanced", "compact"]),
-              help="A named outcome (docs/tiers.md): safe/balanced/compact are budgets of 1/2, 1/3, 1/4.5 of "
-                   "fp16's bytes filled by measuring the document (docs/calibration.md); excludes tier options.")
+@tier_options
 @click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token.")
 @click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",
               help="Measured schema of at most N K+V bytes per token.")
@@ -67,19 +75,13 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
           target_ratio, max_bytes_per_token, max_kl, no_calibrate, prefill_step, page_size, reserve, system, force,
           parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
-    from tqdm import tqdm
-
     from cartridge.format.writer import check_output_path
     from cartridge.tiers import check_tier_options, presets
 
     from .report import fold_tiers
 
     budget = _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
-    if preset:  # an option given on the command line clashes even at its default value (--tier fp16)
-        refuse_beside(f"--preset {preset} sets the tiers and protection",
-                      ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last"))
-    if schema:
-        refuse_beside("--schema sets the tier of every (layer, side)", ("tier", "k_tier", "v_tier", "boundary_protect"))
+    refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
@@ -89,34 +91,22 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
         check_output_path(output, force)
     text = read_corpus(corpus)
-    bars = []  # made at the first progress call, so errors before prefill print nothing else
-
-    def progress(done, total, desc="prefill", unit="tok"):
-        if not bars or bars[-1].desc != desc:
-            bars.append(tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True))
-        bars[-1].update(done - bars[-1].n)
-
-    def calibration_progress(done, total):
-        progress(done, total, "calibrate", "layer-side")
-
     options = dict(tier=tier, k_tier=k_tier, v_tier=v_tier, boundary_protect=boundary_protect, schema=schema,
                    page_size=page_size, prefill_step=prefill_step, force=force,
                    source_name="stdin" if corpus == "-" else corpus, reserve=reserve, system=system)
-    try:
-        with warnings_as_lines():
-            if group is None:
-                r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
-                                    protect_last=protect_last, preset=preset, budget=budget,
-                                    calibrate=not no_calibrate, calibration_progress=calibration_progress, **options)
-            else:
-                from cartridge.distributed import build_sharded, load_sharded_model
+    with progress_bar("tok", "prefill") as progress, \
+            progress_bar("layer-side", "calibrate") as calibration_progress, warnings_as_lines():
+        if group is None:
+            r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
+                                protect_last=protect_last, preset=preset, budget=budget,
+                                calibrate=not no_calibrate, calibration_progress=calibration_progress,
+                                **options)
+        else:
+            from cartridge.distributed import build_sharded, load_sharded_model
 
-                lm = load_sharded_model(model, group, parallel)
-                r = build_sharded(text, output, lm, group, progress=progress if group.rank() == 0 else None,
-                                  **options)
-    finally:
-        for bar in bars:
-            bar.close()
+            lm = load_sharded_model(model, group, parallel)
+            r = build_sharded(text, output, lm, group, progress=progress if group.rank() == 0 else None,
+                              **options)
     if r is None:  # a rank other than 0 under --parallel: rank 0 wrote and reports
         return
     tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
@@ -174,8 +164,9 @@ def main(argv=None):
     """Entry point: run the CLI, turning every expected error into one stderr line."""
     try:
         cli.main(args=argv, prog_name="cartridge", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("error: aborted", err=True)
+    except (Interrupted, click.exceptions.Abort) as e:  # writers remove their temporaries as the interrupt unwinds
+        written = "; nothing was written" if getattr(e, "command", None) in WRITERS else ""
+        click.echo(f"error: interrupted{written}", err=True)
         sys.exit(130)
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}", err=True)

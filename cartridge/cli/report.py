@@ -102,6 +102,7 @@ def inspect_dict(info, path):
         "system": info.system,
         "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"]},
         "source": info.source,
+        "sources": info.sources,
         "attention": _auto(info),
         "calibration": calibration(info),
     }
@@ -149,13 +150,19 @@ def _memory_line(m):
             f"weights not included)")
 
 
-def source_lines(source):
+def source_lines(source, label="document"):
     """The document lines of `inspect`: file name, size, SHA-256, first line ("-" where not recorded)."""
     src = {k: source.get(k) for k in ("name", "bytes", "sha256", "first_line")}
     size = "-" if src["bytes"] is None else f"{src['bytes']:,} bytes"
     first = "-" if src["first_line"] is None else repr(src["first_line"][:120])
-    return [f"document      {src['name'] or '-'}, {size}, sha256 {src['sha256'] or '-'}",
+    return [f"{label:<14}{src['name'] or '-'}, {size}, sha256 {src['sha256'] or '-'}",
             f"first line    {first}"]
+
+
+def sources_lines(sources):
+    """`source_lines` of every source in order ("document", then "document 2", ...); one "-" line if none."""
+    return [line for i, src in enumerate(sources or [{}])
+            for line in source_lines(src, "document" if i == 0 else f"document {i + 1}")]
 
 
 def inspect_table(d):
@@ -169,7 +176,7 @@ def inspect_table(d):
         f"bytes/token   {d['bytes_per_token']:,} (fp16 would be {d['fp16_bytes_per_token']:,}; "
         + _versus_fp16(d['bytes_per_token'], d['fp16_bytes_per_token']),
         f"on disk       {d['total_bytes']:,} bytes",
-        *source_lines(d["source"]),
+        *sources_lines(d["sources"]),
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
         f"also kept in fp16",
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),

@@ -67,8 +67,8 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens, ma
     _check_port(host, port)  # before the model load, and before anything says "serving"
 
     def ready(pool):
-        names = ", ".join(pool.entries) or "none"
-        click.echo(f"serving {len(pool.entries)} cartridges ({names}) and the base model {pool.base_id!r} "
+        n, names = len(pool.entries), ", ".join(pool.entries) or "none"
+        click.echo(f"serving {n} cartridge{'' if n == 1 else 's'} ({names}) and the base model {pool.base_id!r} "
                    f"on http://{host}:{port}/v1", err=True)
 
     run(list(paths) or ["."], host=host, port=port, model=model,

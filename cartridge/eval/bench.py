@@ -10,6 +10,7 @@ import time
 
 import mlx.core as mx
 
+from ..attention import backends
 from ..attention.cache import CartridgeCache
 from ..attention.pages import make_prefix
 from ..attention.policy import backend, dequantize, kernel_for
@@ -88,7 +89,7 @@ POLICIES = None  # restrict the policies measured (None: every policy this backe
 
 
 def _policies():
-    found = ["fused", "portable", "dequantize-once"] if backend() == "cuda" else ["portable", "dequantize-once"]
+    found = backends.policies(backends.kernel(backend()) is not None)
     return [p for p in found if POLICIES is None or p in POLICIES]
 
 

@@ -17,6 +17,7 @@ import mmap
 import os
 import stat
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,9 +214,7 @@ def open_snapshot(path, attempts=3):
         except FileNotFoundError:
             raise NotACartridgeError(f"{path} does not exist") from None
         except NotADirectoryError:
-            packed = path.suffix == ".cartz" and path.is_file()
-            hint = "; it is a .cartz pack: unpack it, or load it directly" if packed else ""
-            raise NotACartridgeError(f"{path} is not a cartridge (no {MANIFEST_NAME} file){hint}") from None
+            raise NotACartridgeError(_file_not_cartridge(path)) from None
         try:
             return _snapshot(path, dfd)
         except _Moved:
@@ -223,6 +222,16 @@ def open_snapshot(path, attempts=3):
         finally:
             os.close(dfd)
     raise CorruptCartridgeError(f"{path} was replaced {attempts} times while being opened; try again")
+
+
+def _file_not_cartridge(path):
+    """Why the plain file `path` is no cartridge directory, saying what a cartridge is."""
+    from .pack import is_pack  # pack builds on this module
+
+    if is_pack(path):
+        return f"{path} is a .cartz pack (a file), not a cartridge directory: unpack it (cartridge unpack), or load it"
+    return (f"{path} is a file, not a cartridge: a cartridge is a directory (holding {MANIFEST_NAME}, "
+            f"{INDEX_NAME} and {DATA_NAME}) or a packed .cartz file")
 
 
 def read_manifest(path):
@@ -327,6 +336,36 @@ class PageData:
                     bad.append(i)
         return bad
 
+    def verify_all(self, extents, threads=None):
+        """Check every page checksum of `extents`, hashing from the mapping (no copies) on `threads` threads:
+        hashlib releases the GIL while it hashes a buffer, so the pages are split into that many runs of
+        about equal bytes.
+
+        Args:
+            extents (list[Extent]): the extents to check, in the order their errors are reported.
+            threads (int | None): hashing threads. Default: None (`HASH_THREADS`).
+
+        Raises:
+            ChecksumError: naming the first bad (layer, side, component, page) in `extents` order.
+        """
+        pages = [(n, i) for n, e in enumerate(extents) for i in range(len(e.checksums))]
+        runs = _runs(pages, [extents[n].page_bytes for n, _ in pages], threads or HASH_THREADS)
+        with memoryview(self._map) if self._map is not None else memoryview(b"") as mv:
+
+            def bad(run):
+                return [(n, i) for n, i in run
+                        if hashlib.sha256(mv[extents[n].offset + i * extents[n].page_bytes:][:extents[n].page_bytes])
+                        .digest() != extents[n].checksums[i]]
+
+            if len(runs) == 1:
+                found = bad(runs[0])
+            else:
+                with ThreadPoolExecutor(len(runs)) as pool:
+                    found = [x for r in pool.map(bad, runs) for x in r]
+        if found:
+            n, i = min(found)
+            raise page_error(extents[n], i)
+
     def verify(self, extent):
         """Check every page checksum of `extent`.
 
@@ -342,6 +381,21 @@ class PageData:
         if self._map is not None:
             self._map.close()
         self._file.close()
+
+
+HASH_THREADS = min(4, os.cpu_count() or 1)  # page hashing threads (`PageData.verify_all`)
+
+
+def _runs(items, sizes, n):
+    """`items` cut into at most `n` consecutive runs of about equal total `sizes` (none empty)."""
+    total, runs, run, acc = sum(sizes), [], [], 0
+    for item, size in zip(items, sizes):
+        run.append(item)
+        acc += size
+        if acc * n >= total * (len(runs) + 1) and len(runs) < n - 1:
+            runs.append(run)
+            run = []
+    return runs + [run] if run or not runs else runs
 
 
 def page_error(extent, page):

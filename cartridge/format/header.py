@@ -15,7 +15,7 @@ from ..tiers import DTYPES, TIERS, protect
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
 from .layout import ALIGN, FORMAT_MAJOR, align_up
-from .source import read_source
+from .source import read_source, read_sources
 
 LIMITS = {  # key -> (min, max), inclusive
     K.N_LAYERS: (1, 4096),
@@ -82,7 +82,10 @@ class CartridgeInfo:
             cache j of a "list" layer i (`units`); extents are keyed the same way.
         unit_tiers (dict): path -> {"k": tier, "v": tier} of every stored cache with K/V.
         source (dict): the source document's "name", "bytes", "sha256", "first_line" (None where a
-            format 1.0 cartridge lacks them). records (dict[str, bytes]): every raw index record.
+            format 1.0 cartridge lacks them): the format 1.1 keys, which after an extend describe its first source.
+        sources (list[dict]): every source document, in order, each as `source` (`format.source.read_sources`):
+            one from a build, one more per extend; [] for format 1.0. records (dict[str, bytes]): every raw
+            index record.
         document_tokens (int): leading tokens that are the document (format 1.3; all tokens if absent);
             a conversation cartridge holds turns after them.
         parts (list[dict]): lineage.parts, [{kind, start, end, tokens_sha256}] ([] if built at once).
@@ -108,6 +111,7 @@ class CartridgeInfo:
     params: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
     source: dict = field(default_factory=dict)
+    sources: list = field(default_factory=list)
     records: dict = field(default_factory=dict, repr=False)
     document_tokens: int = 0
     parts: list = field(default_factory=list)
@@ -162,7 +166,7 @@ def require_attention_layers(info, what):
 
     Extend, save, compose, convert and sharded loading handle paged attention layers of one shape
     only; dense, window and state layers (format 1.4, section 5.5) and protected tokens (1.5, section
-    4.6) are refused in one line.
+    4.5.4) are refused in one line.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
@@ -426,7 +430,7 @@ def parse_header(records, manifest):
         params=_params(records, unit_tiers, layers),
         unit_tiers=unit_tiers,
         layers=layers,
-        source=read_source(records),
+        source=read_source(records), sources=read_sources(records),
         records=records,
         **_lineage(records, ids, n_tokens),
         protect_first=first, protect_last=last, protected=protected,
@@ -457,7 +461,7 @@ def _hex64(value):
 
 
 def _lineage(records, ids, n_tokens):
-    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5)."""
+    """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5.3)."""
     doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
     if not 1 <= doc <= n_tokens:
         raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")

@@ -29,7 +29,7 @@ N_PAGES = "cache.n_pages"
 SOURCE_DTYPE = "cache.source_dtype"
 ROPE = "cache.rope"
 
-# format 1.3 (OPTIONAL; spec/FORMAT.md 4.5): where the document ends, and what the cartridge was made of
+# format 1.3 (OPTIONAL; spec/FORMAT.md 4.5.3): where the document ends, and what the cartridge was made of
 DOCUMENT_TOKENS = "prompt.document_tokens"  # int: leading tokens that are the document; absent: tokens.count
 LINEAGE_PARTS = "lineage.parts"  # array of {kind, start, end, tokens_sha256}; absent: built at once
 LINEAGE_SOURCE = "lineage.source"  # hex SHA-256 of the MANIFEST of the cartridge this one was written from
@@ -84,8 +84,11 @@ SOURCE_BYTES = "source.bytes"  # integer: bytes of the document's UTF-8 text as 
 SOURCE_SHA256 = "source.sha256"  # string: lowercase hex SHA-256 of those bytes
 SOURCE_FIRST_LINE = "source.first_line"  # string: first non-blank line, stripped, at most 120 characters
 SOURCE_KEYS = (SOURCE_NAME, SOURCE_BYTES, SOURCE_SHA256, SOURCE_FIRST_LINE)
+# format 1.7 (OPTIONAL): every document the cartridge holds, in order (build: one; extend appends one)
+SOURCE_DOCUMENTS = "source.documents"  # array of {"name", "bytes", "sha256", "first_line"}
+MAX_SOURCES = 65536
 
-# --- per-head checksums (issue 22, format 1.2; spec/FORMAT.md 4.3.1) ---------------------------------
+# --- per-head checksums (issue 22, format 1.2; spec/FORMAT.md 4.5.2) ---------------------------------
 HEAD_RECORD_BYTES = 32  # one SHA-256 per (page, KV head)
 
 

@@ -59,9 +59,7 @@ def _open_dir(path, verify):
     try:
         info = parse_header(check_index(snap.index, snap.manifest), snap.manifest)
         if verify == "pages":
-            for extents in info.extents.values():
-                for extent in extents:
-                    data.verify(extent)
+            data.verify_all([e for extents in info.extents.values() for e in extents])
     except BaseException:
         data.close()
         raise

@@ -196,8 +196,9 @@ def check_output_folder(dest):
         raise InputError(f"folder {parent} does not exist (or is not a folder); create it first")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".cartridge-probe-", dir=parent))
-    except OSError as e:
-        raise WriteError(f"cannot write in folder {parent}: {e.strerror or e}") from None
+    except OSError as e:  # /proc: ENOENT, a read-only mount: EROFS; the system's words, for what they are worth
+        raise WriteError(f"folder {parent} is not writable (creating a directory in it failed: "
+                         f"{e.strerror or e})") from None
 
 
 def check_space(dest, nbytes):

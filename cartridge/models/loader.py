@@ -11,6 +11,7 @@ at about 3 GFLOP/s on CPU, float32 matmul with OpenBLAS at 237-435 GFLOP/s (meas
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +145,7 @@ def load_model(ref=None, dtype="auto"):
     if want_f32:
         dequantize_to_float32(model)
     model.cartridge_weights_digest = fp["weights"]
+    _remember(model, tok, fp)  # the fingerprint of the stored weights, for the dequantized arrays too
     return LoadedModel(model=model, tokenizer=tok, ref=canonical, fingerprint=fp)
 
 
@@ -223,3 +225,67 @@ def fingerprint(model, tokenizer):
     }
     parts["id"] = _digest(parts)
     return parts
+
+
+class _Memo:
+    """A model's fingerprint and what it was computed from (`model_fingerprint`)."""
+
+    __slots__ = ("tokenizer", "weights", "fp")
+
+    def __init__(self, tokenizer, weights, fp):
+        self.tokenizer, self.weights, self.fp = weakref.ref(tokenizer), weights, fp
+
+
+def parameter_arrays(tree):
+    """The arrays of a model's parameter tree (modules are dicts; names starting with "_" are not
+    parameters), depth first in insertion order: `model.parameters()`'s arrays without building its tree.
+
+    Args:
+        tree (nn.Module | dict | list | tuple | mx.array): a model or part of one.
+
+    Yields:
+        mx.array
+    """
+    if isinstance(tree, mx.array):
+        yield tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            if not k.startswith("_"):
+                yield from parameter_arrays(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from parameter_arrays(v)
+
+
+def _weight_ids(model):
+    """The identities of the model's parameter arrays, in order."""
+    return tuple(id(w) for w in parameter_arrays(model))
+
+
+def _remember(model, tokenizer, fp):
+    model.cartridge_fingerprint_memo = _Memo(tokenizer, _weight_ids(model), fp)  # a plain attribute, not a child
+
+
+def model_fingerprint(model, tokenizer):
+    """`fingerprint(model, tokenizer)`, computed once per loaded model and remembered on it.
+
+    The rule: the remembered fingerprint is used while `tokenizer` is the same object it was computed
+    with and the model holds the same parameter arrays (same objects, in the same order). Replacing
+    weights (`model.update`, `load_weights`, a quantize or dtype change) makes new arrays, so the next
+    call computes it again. Writing into an array in place (`w[...] = x`) keeps the object and is not
+    seen: load the model again after that. A model from `load_model` carries the fingerprint of its
+    stored weights (taken before CPU dequantization).
+
+    Args:
+        model (nn.Module): an mlx-lm model. tokenizer (TokenizerWrapper): its tokenizer.
+
+    Returns:
+        dict: as `fingerprint` (the same dict object while it is remembered: do not mutate it).
+    """
+    memo = getattr(model, "cartridge_fingerprint_memo", None)
+    weights = _weight_ids(model)
+    if memo is not None and memo.tokenizer() is tokenizer and memo.weights == weights:
+        return memo.fp
+    fp = fingerprint(model, tokenizer)
+    model.cartridge_fingerprint_memo = _Memo(tokenizer, weights, fp)
+    return fp

@@ -16,8 +16,9 @@ from ..errors import CartridgeError, InputError
 from ..format.layout import MANIFEST_NAME
 from ..format.pack import is_pack
 from ..format.reader import open_cartridge
-from ..load import check_fingerprint, load
+from ..load import load
 from ..models.loader import DEFAULT_MODEL, default_gguf_path
+from ..stored import check_fingerprint
 
 SUFFIXES = (".cartz", ".cart")
 
@@ -157,7 +158,8 @@ class Pool:
         entry = self.entries.get(name)
         if entry is None:
             raise Refused(404, "model_not_found", f"the model {name!r} does not exist; GET /v1/models lists "
-                          f"{len(self.entries)} cartridges and the base model {self.base_id!r}")
+                          f"{len(self.entries)} cartridge{'' if len(self.entries) == 1 else 's'} and the base "
+                          f"model {self.base_id!r}")
         if name in self._loaded:
             with self._lock:
                 if entry.loaded_at == _signature(entry.path):

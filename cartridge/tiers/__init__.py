@@ -1,38 +1,10 @@
-"""Tier registry: tier name -> codec instance. Unknown names are refused (never looked up by reflection)."""
+"""Tiers: one codec per tier (encode, reference decode, bytes/token, kernel layout), the registry that
+names them (`registry`) and per-(layer, side) schemas (`schema`). Imports flow one way:
+codecs -> registry -> schema -> this package."""
 
-from ..errors import InputError
-from .affine import Int6Codec, Int8Codec, Mlx4G32Codec
 from .base import DTYPES, Component, TierCodec
-from .float16 import BFloat16Codec, Float16Codec
-from .kivi import Kivi4Codec
-from .mxfp import Fp8Codec, Mxfp4Codec, Nvfp4Codec
-from .rotation import RotatedCodec
-from .turbo import Turbo2Codec, Turbo3Codec, Turbo4Codec
-
-TIERS = {
-    codec.name: codec
-    for codec in (
-        Float16Codec(), BFloat16Codec(), Int8Codec(), Int6Codec(), Mlx4G32Codec(), Fp8Codec(), Mxfp4Codec(), Nvfp4Codec(),
-        Turbo4Codec(), Turbo3Codec(), Turbo2Codec(), Kivi4Codec(),
-        *(RotatedCodec(base()) for base in (Int8Codec, Int6Codec, Mlx4G32Codec, Mxfp4Codec, Nvfp4Codec)),
-    )
-}
-DEFAULT_TIER = "fp16"
-
-
-def get_tier(name):
-    """Return the codec registered as `name`.
-
-    Raises:
-        InputError: if `name` is not a known tier.
-    """
-    codec = TIERS.get(name)
-    if codec is None:
-        raise InputError(f"unknown tier {name!r}; known tiers: {', '.join(TIERS)}")
-    return codec
-
-
-from .schema import check_schema, check_tier_options, read_schema, schema_for  # noqa: E402  (uses get_tier above)
+from .registry import DEFAULT_TIER, TIERS, get_tier
+from .schema import check_schema, check_tier_options, read_schema, schema_for
 
 __all__ = ["TIERS", "DEFAULT_TIER", "DTYPES", "Component", "TierCodec", "get_tier", "schema_for", "read_schema",
            "check_schema", "check_tier_options"]

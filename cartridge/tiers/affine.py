@@ -10,7 +10,7 @@ down to fp16 and the scale is rounded up, so the grid covers [min, max] and no v
 
 import mlx.core as mx
 
-from . import bitpack
+from . import bitpack, layout
 from .quantized import GroupQuantCodec
 
 
@@ -68,6 +68,7 @@ class Int8Codec(AffineCodec):
     """int8: 8-bit affine, group 32: kv_dim + kv_dim/8 bytes per token per layer-side."""
 
     name = "int8"
+    kernel_layout = layout.KernelLayout(layout.AFF8, 0, layout.AFFINE)
     bits = 8
     formula = "kv_dim + kv_dim/8"
 
@@ -76,6 +77,7 @@ class Int6Codec(AffineCodec):
     """int6: 6-bit affine, group 32: 3 * kv_dim/4 + kv_dim/8 bytes per token per layer-side."""
 
     name = "int6"
+    kernel_layout = layout.KernelLayout(layout.AFF6, 0, layout.AFFINE)
     bits = 6
     formula = "3 * kv_dim/4 + kv_dim/8"
 
@@ -84,5 +86,6 @@ class Mlx4G32Codec(AffineCodec):
     """mlx4g32: 4-bit affine, group 32 (MLX's quantized-cache layout): kv_dim/2 + kv_dim/8 bytes."""
 
     name = "mlx4g32"
+    kernel_layout = layout.KernelLayout(layout.AFF4, 0, layout.AFFINE)
     bits = 4
     formula = "kv_dim/2 + kv_dim/8"

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..errors import CorruptCartridgeError
+
 
 @dataclass(frozen=True)
 class Component:
@@ -51,6 +53,8 @@ class TierCodec:
     name = ""
     codec_version = 1
     formula = ""  # bytes/token/layer-side in kv_dim and H = n_kv_heads (spec/FORMAT.md section 6)
+    kernel_layout = None  # layout.KernelLayout where a fused attention kernel reads the tier
+    dense_pages = False  # True: pages of the model's dtype made at load (their layout is their dtype's)
 
     def components(self, head_dim):
         """The stored components for one KV head of `head_dim` elements.
@@ -141,3 +145,20 @@ class TierCodec:
         """
         return (p @ self.decode(parts, params)).sum(axis=0)
 
+
+
+class FixedParamsCodec(TierCodec):
+    """Base of the tiers whose params are fixed by the tier itself (mode, bits, group, scale rule, packing):
+    written as `fixed_params()` and refused on read unless every one of those fields is as written."""
+
+    def fixed_params(self):
+        """The params every (layer, side) of this tier records (dict, JSON-serializable)."""
+        raise NotImplementedError
+
+    def make_params(self, x, layer, side):
+        return self.fixed_params()
+
+    def check_params(self, params, n_kv_heads, head_dim):
+        for key, value in self.fixed_params().items():
+            if params.get(key) != value:
+                raise CorruptCartridgeError(f"tier {self.name}: params.{key} is {params.get(key)!r}; expected {value!r}")

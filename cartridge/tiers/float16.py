@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 
+from . import layout
 from .base import Component, TierCodec
 
 
@@ -9,6 +10,7 @@ class Float16Codec(TierCodec):
     """IEEE half precision, round to nearest even from the model's K/V dtype."""
 
     name = "fp16"
+    kernel_layout = layout.KernelLayout(layout.FP16, 0, layout.VALUES)
     dtype = "float16"
     formula = "2 * kv_dim"
 
@@ -35,4 +37,5 @@ class BFloat16Codec(Float16Codec):
     """bfloat16 (8 exponent bits, 7 mantissa bits), round to nearest even."""
 
     name = "bf16"
+    kernel_layout = layout.KernelLayout(layout.BF16, 0, layout.VALUES)
     dtype = "bfloat16"

@@ -14,23 +14,24 @@ chosen as mlx4g32's (bias = group minimum rounded down to fp16, scale rounded up
 
 import mlx.core as mx
 
-from ..errors import CorruptCartridgeError, InputError
-from . import bitpack
+from ..errors import InputError
+from . import bitpack, layout
 from .affine import _f16_toward
-from .base import Component, TierCodec
+from .base import Component, FixedParamsCodec
 
 TOKEN_GROUP = 32
 
 
-class Kivi4Codec(TierCodec):
+class Kivi4Codec(FixedParamsCodec):
     """kivi4: 4-bit codes, fp16 scale and bias per (channel, 32 tokens): kv_dim/2 + kv_dim/8 bytes."""
 
     name = "kivi4"
+    kernel_layout = layout.KernelLayout(layout.KIVI4, 0, layout.AFFINE)
     formula = "kv_dim/2 + kv_dim/8"
     bits = 4
     token_group = TOKEN_GROUP
 
-    def _fixed_params(self):
+    def fixed_params(self):
         return {"mode": "affine_per_channel", "bits": self.bits, "token_group": self.token_group,
                 "scale_rule": "fp16_bias_down_scale_up", "packing": "lsb_first"}
 
@@ -48,14 +49,6 @@ class Kivi4Codec(TierCodec):
         if page_size % self.token_group:
             raise InputError(f"tier {self.name}: page size {page_size} is not a multiple of its token group "
                              f"{self.token_group}")
-
-    def make_params(self, x, layer, side):
-        return self._fixed_params()
-
-    def check_params(self, params, n_kv_heads, head_dim):
-        for key, value in self._fixed_params().items():
-            if params.get(key) != value:
-                raise CorruptCartridgeError(f"tier {self.name}: params.{key} is {params.get(key)!r}; expected {value!r}")
 
     def encode(self, x, params):
         n, t, d = x.shape

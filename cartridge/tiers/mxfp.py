@@ -10,6 +10,7 @@ Formats: OCP MX v1.0 and NVIDIA NVFP4; MLX's scale rule in shared/reference/kv-q
 import mlx.core as mx
 
 from ..errors import CorruptCartridgeError
+from . import layout
 from .quantized import GroupQuantCodec
 
 NVFP4_RANGE = 448.0 * 6.0  # E4M3 max * E2M1 max: MLX's nvfp4 global scale divisor
@@ -34,6 +35,7 @@ class Fp8Codec(MxCodec):
     """fp8: MX FP8 (E4M3 elements, E8M0 scale per 32): kv_dim + kv_dim/32 bytes."""
 
     name = "fp8"
+    kernel_layout = layout.KernelLayout(layout.MXFP8, 0, ("codes", "scales"))
     formula = "kv_dim + kv_dim/32"
     mode = "mxfp8"
     bits = 8
@@ -44,6 +46,7 @@ class Mxfp4Codec(MxCodec):
     """mxfp4: MX FP4 (E2M1 elements, E8M0 scale per 32): kv_dim/2 + kv_dim/32 bytes."""
 
     name = "mxfp4"
+    kernel_layout = layout.KernelLayout(layout.MXFP4, 0, ("codes", "scales"))
     formula = "kv_dim/2 + kv_dim/32"
     mode = "mxfp4"
     bits = 4
@@ -54,6 +57,7 @@ class Nvfp4Codec(MxCodec):
     """nvfp4: NV FP4 (E2M1 elements, E4M3 scale per 16, float32 global scale): kv_dim/2 + kv_dim/16 bytes."""
 
     name = "nvfp4"
+    kernel_layout = layout.KernelLayout(layout.NVFP4, 0, ("codes", "scales"))
     formula = "kv_dim/2 + kv_dim/16"
     mode = "nvfp4"
     bits = 4

@@ -4,7 +4,7 @@ The first tokens draw a large share of attention in every layer (attention sinks
 the last ones sit nearest the question, so their quantization error costs the most. The compressed pages
 still hold every token (so the page layout is unchanged and a reader of format 1.4 still reads a valid,
 less precise cache); the fp16 copies are stored in the index beside them (`layer.{i}.{side}.protected`,
-spec/FORMAT.md 4.6, format 1.5), for the layers that store every token ("attention", "dense"). Attention reads the compressed pages directly with the protected positions masked
+spec/FORMAT.md 4.5.4, format 1.5), for the layers that store every token ("attention", "dense"). Attention reads the compressed pages directly with the protected positions masked
 out, attends the fp16 copies as one more part, and merges the parts by log-sum-exp; the
 dequantize-once path instead overwrites the protected positions of its dense pages.
 """

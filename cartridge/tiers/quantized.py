@@ -9,11 +9,11 @@ prefix: scores are `mx.quantized_matmul(q, codes, transpose=True)` batched over 
 
 import mlx.core as mx
 
-from ..errors import CorruptCartridgeError, InputError
-from .base import Component, TierCodec
+from ..errors import InputError
+from .base import Component, FixedParamsCodec
 
 
-class GroupQuantCodec(TierCodec):
+class GroupQuantCodec(FixedParamsCodec):
     """Base of the tiers quantized in groups along head_dim; subclasses set the class attributes.
 
     Attributes:
@@ -45,17 +45,9 @@ class GroupQuantCodec(TierCodec):
 
     scale_rule = ""
 
-    def _fixed_params(self):
+    def fixed_params(self):
         return {"mode": self.mode, "bits": self.bits, "group_size": self.group_size, "scale_rule": self.scale_rule,
                 "packing": "lsb_first"}
-
-    def make_params(self, x, layer, side):
-        return self._fixed_params()
-
-    def check_params(self, params, n_kv_heads, head_dim):
-        for key, value in self._fixed_params().items():
-            if params.get(key) != value:
-                raise CorruptCartridgeError(f"tier {self.name}: params.{key} is {params.get(key)!r}; expected {value!r}")
 
     def post_scale(self, params):
         """A factor every dequantized value is multiplied by (nvfp4's global scale), or None."""

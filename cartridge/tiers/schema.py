@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-from . import DEFAULT_TIER, get_tier
+from .registry import DEFAULT_TIER, get_tier
 
 PROTECTED_TIER = "fp16"  # what boundary_protect keeps
 

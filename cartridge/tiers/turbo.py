@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptCartridgeError, InputError
-from . import bitpack
+from . import bitpack, layout
 from .base import Component, TierCodec
 from .codebook import lloyd_max, thresholds
 
@@ -166,6 +166,7 @@ class Turbo4Codec(TurboCodec):
     """turbo4: 4 bits per coordinate: kv_dim/2 + 2 * n_kv_heads bytes per token per layer-side."""
 
     name = "turbo4"
+    kernel_layout = layout.KernelLayout(layout.TURBO, 4, ("codes", "norms"))
     bits = 4
     formula = "kv_dim/2 + 2 * H"
 
@@ -174,6 +175,7 @@ class Turbo3Codec(TurboCodec):
     """turbo3: 3 bits per coordinate (codes may straddle words): 3 * kv_dim/8 + 2 * n_kv_heads bytes."""
 
     name = "turbo3"
+    kernel_layout = layout.KernelLayout(layout.TURBO, 3, ("codes", "norms"))
     bits = 3
     formula = "3 * kv_dim/8 + 2 * H"
 
@@ -182,5 +184,6 @@ class Turbo2Codec(TurboCodec):
     """turbo2: 2 bits per coordinate: kv_dim/4 + 2 * n_kv_heads bytes."""
 
     name = "turbo2"
+    kernel_layout = layout.KernelLayout(layout.TURBO, 2, ("codes", "norms"))
     bits = 2
     formula = "kv_dim/4 + 2 * H"

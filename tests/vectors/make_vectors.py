@@ -28,7 +28,7 @@ FINGERPRINT = {"id": "1" * 64, "config": "2" * 64, "weights": "3" * 64, "tokeniz
                "chat_template": "5" * 64}
 
 
-PROTECT = (1, 1)  # format 1.5: token 0 and token 2 also kept in fp16 (spec 4.6)
+PROTECT = (1, 1)  # format 1.5: token 0 and token 2 also kept in fp16 (spec 4.5.4)
 
 
 def vector_header():

@@ -1,8 +1,8 @@
 """Fused flash-decoding attention over compressed pages on MLX's CUDA backend (`mx.fast.cuda_kernel`).
 
 The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
-in `FUSED_TIERS` directly and dequantizes in registers, split over tokens; the finish merges the splits,
-attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
+with a `kernel_layout` (`cartridge.tiers.layout`) directly and dequantizes in registers, split over
+tokens; the finish merges the splits, attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
 rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch (`SINGLE_LAUNCH`):
 the block of the last split also attends over the tail, as one more partial, and the last block of each
 KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
@@ -27,31 +27,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+# the kernel tier ids are the codecs' (`KernelLayout.tier_id`); re-exported for tests and benchmarks
+from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO  # noqa: F401
+from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
 from . import dense
 
-FP16, BF16, F32, AFF8, AFF4, MXFP8, TURBO, MXFP4, NVFP4, AFF6, KIVI4 = range(11)
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
-# tier name -> (kernel tier id, bits per code for TurboQuant, stored components in kernel order)
-FUSED_TIERS = {
-    "fp16": (FP16, 0, ("values",)),
-    "bf16": (BF16, 0, ("values",)),
-    "int8": (AFF8, 0, ("codes", "scales", "biases")),
-    "int6": (AFF6, 0, ("codes", "scales", "biases")),
-    "mlx4g32": (AFF4, 0, ("codes", "scales", "biases")),
-    "fp8": (MXFP8, 0, ("codes", "scales")),
-    "turbo4": (TURBO, 4, ("codes", "norms")),
-    "turbo3": (TURBO, 3, ("codes", "norms")),
-    "turbo2": (TURBO, 2, ("codes", "norms")),
-    "mxfp4": (MXFP4, 0, ("codes", "scales")),
-    "nvfp4": (NVFP4, 0, ("codes", "scales")),
-    "kivi4": (KIVI4, 0, ("codes", "scales", "biases")),
-}
 TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
-DENSE_IDS = {mx.float16: FP16, mx.bfloat16: BF16, mx.float32: F32}
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
-# Launch shape, tuned on an H200 (benchmarks/gpu_check.py, 2026-11-30): 8 head_dim elements per lane,
+# Launch shape, tuned on an H200 (benchmarks/gpu_check.py at a876215, 2026-11-30): 8 head_dim elements per lane,
 # 4 tokens fetched at once per lane, about 4 blocks per SM.
 TARGET_BLOCKS = 528  # pass-1 blocks to aim for (132 SMs x 4)
 UNROLL = 4  # tokens each lane fetches at once in pass 1 (bytes in flight)
@@ -224,12 +210,11 @@ def has_tensor_cores():
 
 
 def tier_spec(codec, parts):
-    """(kernel tier id, bits, component names) for a stored side, or None if no fused kernel reads it. A
-    rotated tier (`mlx4g32+rot`) is read as its base tier; `rotation` gives its rotation."""
-    if codec.name == "dequantized":
-        tid = DENSE_IDS.get(parts["values"].dtype)
-        return None if tid is None else (tid, 0, ("values",))
-    return FUSED_TIERS.get(getattr(codec, "base", codec).name)
+    """(kernel tier id, bits, component names) of a stored side from its codec's `kernel_layout`
+    (`cartridge.tiers.layout.layout_of`), or None if no fused kernel reads it. A rotated tier (`mlx4g32+rot`)
+    is read as its base tier; `rotation` gives its rotation."""
+    found = layout_of(codec, parts)
+    return None if found is None else (found.tier_id, found.bits, found.components)
 
 
 def rotation(codec, params):
@@ -316,7 +301,7 @@ class FusedAttention:
     """Fused attention of one layer: the prefix pages as stored, plus the cache's dense tail.
 
     Args:
-        prefix (LayerPrefix): the layer's pages (tiers in `FUSED_TIERS`, or dense pages).
+        prefix (LayerPrefix): the layer's pages (tiers with a `kernel_layout`, or dense pages).
     """
 
     def __init__(self, prefix):
@@ -442,7 +427,7 @@ class FusedAttention:
                 other: each decode step's queries depend on the previous step's output, so mlx-lm's
                 generate loop always orders them; two independent calls in one graph could overlap on
                 the device and share the buffer. (An explicit edge, the previous output as an input,
-                cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py.)
+                cost more host time per step than the single launch saves: benchmarks/gpu_e2e_variants.py at a876215.)
             queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
             scale (float): softmax scale.
             sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), merged by the two-kernel finish
@@ -452,6 +437,7 @@ class FusedAttention:
         if n_q // self.n_kv * L >= DENSE_MIN_ROWS.get(self.k_spec[0], DENSE_MIN_ROWS_OTHER):
             return dense.prefill_attention(self.prefix, cache, queries, scale, sinks)
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
+        k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
         if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
             return None
@@ -470,7 +456,7 @@ class FusedAttention:
             if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
                 work = cache.scratch[plan] = mx.array(np.zeros(plan.work_size, dtype=np.float32))
             return plan.kernel(
-                inputs=[queries, *plan.inputs, prm, work, cache._k_chunks[0], cache._v_chunks[0]],
+                inputs=[queries, *plan.inputs, prm, work, k_chunks[0], v_chunks[0]],
                 grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
                 output_dtypes=[queries.dtype], init_value=POISON)[0]
         partial = [(plan.n_splits, self.n_kv, plan.R)]
@@ -478,7 +464,7 @@ class FusedAttention:
             inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
             output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
             init_value=POISON)
-        tails = [c for pair in zip(cache._k_chunks[:n_chunks], cache._v_chunks[:n_chunks]) for c in pair]
+        tails = [c for pair in zip(k_chunks[:n_chunks], v_chunks[:n_chunks]) for c in pair]
         return plan.finish(
             inputs=[O, M, Lsum, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
                     *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, plan.R),

@@ -51,7 +51,7 @@ def prefix_partial(q, prefix, n_tokens):
         tuple: o (n_kv_heads, R, head_dim), m (n_kv_heads, R), l (n_kv_heads, R), all float32.
     """
     n_pages = next(iter(prefix.k_parts.values())).shape[0]
-    dense = prefix.k_codec.name == prefix.v_codec.name == "dequantized"  # BLAS uses every core already
+    dense = prefix.k_codec.dense_pages and prefix.v_codec.dense_pages  # BLAS uses every core already
     if not dense and mx.default_device() == mx.cpu and n_pages >= CPU_SPLIT_PAGES and len(_cpu_streams()) > 1:
         return _split_partial(q, prefix, n_tokens, n_pages)
     return _partial(q, prefix, n_tokens)

@@ -1,0 +1,140 @@
+"""`cartridge chat`: an interactive conversation about a cartridge's document on one cache. Thin: read a
+line, call the library, print."""
+
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from cartridge.errors import CartridgeError, InputError
+
+from .ask import ATTENTION_HELP, _check_room, _load, answer, memory_lines
+from .serve import MAX_MEMORY_HELP
+
+COMMANDS = "/reset, /save FILE, /quit"
+
+
+@click.command()
+@click.argument("path")
+@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
+@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
+@click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
+@click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
+def chat(path, max_tokens, model, attention, max_memory):
+    """Talk about the document in the cartridge at PATH: one line a turn, answers streamed.
+
+    /reset starts over from the bare document; /save FILE writes the document and the conversation so far
+    as a new cartridge (continue it with `cartridge ask FILE QUESTION`); /quit, end of input (Ctrl-D) or
+    Ctrl-C at the prompt leaves. Ctrl-C during an answer stops it and returns to the prompt: the part
+    shown stays in the conversation as the answer (an answer stopped before any text is dropped with its
+    question). With piped input each question is echoed ("> QUESTION") before its answer."""
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
+    cart, load_s = _load(path, model, attention, max_memory=max_memory)
+    if cart.info.document_tokens < len(cart.tokens):
+        raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
+    _check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
+    tty = sys.stdin.isatty()
+    click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; {COMMANDS}", err=True)
+    for line in memory_lines(cart):
+        click.echo(line, err=True)
+    cache, messages, saved = cart.prompt_cache(), [], []  # saved: the tokens after the document so far
+    while (line := _read_line(tty)) is not None and line != "/quit":
+        if line.startswith("/"):
+            messages = _command(cart, cache, line, messages, saved)
+        elif line:
+            if not tty:
+                click.echo(f"> {line}")  # the transcript on stdout reads as a conversation
+            _turn(cart, cache, messages, saved, line, max_tokens)
+
+
+def _read_line(tty):
+    """The next line, stripped; None at the end of input or on Ctrl-C at the prompt (the chat ends)."""
+    try:
+        if tty:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        line = ""
+    if not line:
+        if tty:
+            click.echo(err=True)  # the shell's prompt on a line of its own
+        return None
+    return line.strip()
+
+
+def _command(cart, cache, line, messages, saved):
+    """Run /reset or /save FILE (anything else is refused in one line); returns the conversation after it."""
+    if line.startswith("/save"):
+        _save(cart, cache, line, saved)
+    elif line == "/reset":
+        cart.reset(cache)
+        saved[:] = []
+        click.echo("(conversation reset)", err=True)
+        return []
+    else:
+        click.echo(f"unknown command {line.split()[0]}; {COMMANDS}", err=True)
+    return messages
+
+
+def _turn(cart, cache, messages, saved, line, max_tokens):
+    """Answer `line` after the conversation so far and add both to `messages`; Ctrl-C stops the answer."""
+    messages.append({"role": "user", "content": line})
+    try:
+        prompt = cart.chat_prompt(messages, cache)
+    except InputError as e:
+        messages.pop()
+        click.echo(f"error: {e} (/reset to start over)", err=True)
+        return
+    kept = len(cache.tokens) - len(prompt)  # tokens of the turns before that the cache still holds
+    try:
+        with _ctrl_c_stops() as stop:
+            r = answer(cart, prompt, cache, max_tokens, "this turn", stop=stop)
+    except InputError as e:  # no room for this turn: the cache was trimmed for it, and claims its tokens
+        _drop_turn(cache, messages, kept)
+        click.echo(f"error: {e} (/reset to start over)", err=True)
+        return
+    if r["stopped"] and not r["answer"].strip():
+        _drop_turn(cache, messages, kept)
+        click.echo("(stopped before the answer began; the question is dropped)", err=True)
+        return
+    messages.append({"role": "assistant", "content": r["answer"]})
+    saved[:] = cache.tokens + r["token_ids"]  # what the cache holds after the document
+    stopped = "; stopped, the answer so far stays in the conversation" if r["stopped"] else ""
+    click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} tokens{stopped}", err=True)
+
+
+def _drop_turn(cache, messages, kept):
+    """Forget the last question: the cache back to the `kept` tokens it shared with the turns before."""
+    messages.pop()
+    cache.trim_tail(kept)
+    cache.tokens = cache.tokens[:kept]
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops():
+    """Within it Ctrl-C (SIGINT) only sets a flag, asked between two tokens: the answer stops with the cache
+    holding exactly what was fed, not with an exception inside the model's forward pass (some layers fed,
+    others not). Yields the callable that says whether Ctrl-C came."""
+    came = []
+    previous = signal.signal(signal.SIGINT, lambda *_: came.append(True))
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _save(cart, cache, line, saved):
+    """/save FILE: the document + the conversation so far as a new cartridge; errors stay one line."""
+    target = line[len("/save"):].strip()
+    if not target or not saved:
+        click.echo("error: /save FILE needs a file name and at least one answered turn", err=True)
+        return
+    try:
+        r = cart.save(target, cache, tokens=list(saved))
+    except CartridgeError as e:
+        click.echo(f"error: {e}", err=True)
+        return
+    click.echo(f"saved {r.path}: {r.tokens} tokens", err=True)

@@ -1,0 +1,108 @@
+"""A cartridge's stored layers as MLX arrays, and the model facts a loader checks: what `load`, `distributed`
+and `extend` share, below all three (none of them is imported here).
+
+    prefixes = [stored_layer(info, data, i) for i in range(info.n_layers)]   # as stored, nothing decoded
+"""
+
+import mlx.core as mx
+
+from .attention.cache import LayerPrefix
+from .attention.layers import DenseLayer, ListLayer, StateLayer, WindowLayer
+from .errors import ModelMismatchError
+from .format import keys as K
+from .format.header import SIDES
+from .models.loader import parameter_arrays
+from .tiers import DTYPES, TIERS, protect
+
+
+def check_fingerprint(info, fp, path=None, model_ref=None):
+    """Refuse a model whose fingerprint differs from the cartridge's, in one line that says what to do.
+
+    Args:
+        info (CartridgeInfo): the cartridge's header. fp (dict): the model's `fingerprint()`.
+        path (str | Path | None): the cartridge, named in the message. Default: None.
+        model_ref (str | None): how the model was given ("default", a path), named in the message.
+
+    Raises:
+        ModelMismatchError: naming the cartridge, the model it was built with, the parts that differ
+            (config, weights, tokenizer, chat_template) and the two ways out.
+    """
+    if fp["id"] == info.fingerprint.get("id"):
+        return
+    differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
+    which = f"cartridge {path}" if path is not None else "the cartridge"
+    given = f" {model_ref}" if model_ref else ""
+    ref = info.model_ref
+    raise ModelMismatchError(
+        f"{which} was built with model {ref} (fingerprint {info.fingerprint.get('id', '')[:12]}); this "
+        f"model{given} (fingerprint {fp['id'][:12]}) differs in {', '.join(differ) or 'id'}: answer with "
+        f"--model {ref} (Python: model={ref!r}), or rebuild the cartridge with this model"
+    )
+
+
+def stored_array(data, extent):
+    """One extent of pages.bin as an MLX array of its stored dtype, shaped `extent.shape`.
+
+    Args:
+        data (PageData | SliceData): the mapped pages. extent (Extent): from the header's page tables.
+
+    Returns:
+        mx.array: zero-copy where MLX can wrap host memory (Apple silicon), one copy otherwise; never a decode.
+    """
+    view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
+    arr = mx.asarray(view)
+    return arr.view(mx.bfloat16) if extent.dtype == "bfloat16" else arr
+
+
+def layer_prefix(info, data, layer, meta=None):
+    """The stored K and V pages of one page-attended layer.
+
+    Args:
+        info (CartridgeInfo): the header. data (PageData | SliceData): the mapped pages.
+        layer (int | str): a layer index, or "i.j" for cache j of a list layer. meta (LayerMeta | None): that
+            layer's header record (default `info.layers[layer]`).
+
+    Returns:
+        LayerPrefix: the tiers' codecs and components (n_pages, n_kv_heads, P, width), as stored.
+    """
+    meta = meta or info.layers[layer]
+    parts = {side: {e.component: stored_array(data, e) for e in info.extents[(layer, side)]} for side in SIDES}
+    tier = info.unit_tiers[layer]
+    return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], meta.count,
+                       info.params[(layer, "k")], info.params[(layer, "v")],
+                       protected=protect.layer_protected(info, layer))
+
+
+def stored_layer(info, data, layer, meta=None):
+    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State/List layer (`attention.layers`).
+
+    Args:
+        info, data, layer, meta: as in `layer_prefix`.
+
+    Returns:
+        LayerPrefix | DenseLayer | WindowLayer | StateLayer | ListLayer
+    """
+    meta = meta or info.layers[layer]
+    if meta.kind == "list":
+        return ListLayer([stored_layer(info, data, K.part(layer, j), u) for j, u in enumerate(meta.parts)])
+    if meta.kind == "state":
+        ids = (a[0] for a in meta.arrays)
+        return StateLayer(meta.state_size, {i: stored_array(data, e)[0]
+                                            for i, e in zip(ids, info.extents[(layer, K.STATE_SIDE)])})
+    prefix = layer_prefix(info, data, layer, meta)
+    dtype = DTYPES[info.source_dtype]
+    if meta.kind == "window":
+        return WindowLayer(prefix, dtype, meta.window, len(info.tokens))
+    return DenseLayer(prefix, dtype) if meta.kind == "dense" else prefix
+
+
+def model_dtype(model):
+    """Activation dtype of an mlx-lm model: the dtype of its first floating-point parameter (float32 if none).
+
+    Args:
+        model (nn.Module): the model.
+
+    Returns:
+        mx.Dtype: float32, float16 or bfloat16.
+    """
+    return next((w.dtype for w in parameter_arrays(model) if w.dtype in (mx.float32, mx.float16, mx.bfloat16)), mx.float32)

@@ -1,0 +1,73 @@
+"""Subprocess used by tests/test_cli_interrupt.py: run the `cartridge` command line with a pause at one
+stage, so the parent can send SIGINT there. At the pause it writes "ready" to the file $INTERRUPT_FLAG.
+
+    python tests/interrupt_worker.py prefill|write|answer|none cartridge-arguments...
+
+prefill: after the first prefill chunk (build, extend; give a small --prefill-step). write: after the
+first extent is written into the temporary directory (build, extend, convert). answer: every generated
+token of `chat` takes 50 ms, and the pause is the third token of each answer (it goes on, slowly). none:
+no pause.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+
+FLAG = Path(os.environ["INTERRUPT_FLAG"])
+
+
+def pause():
+    FLAG.write_text("ready")
+    time.sleep(60)  # SIGINT raises KeyboardInterrupt here
+
+
+def pause_in_prefill():
+    build = sys.modules["cartridge.build"]  # the module (`cartridge.build` is the function)
+    feed = build._feed
+
+    def paused(model, tokens, step, progress, caches):
+        def report(done, total):
+            if progress:
+                progress(done, total)
+            if done:
+                pause()
+        return feed(model, tokens, step, report, caches)
+
+    build._feed = paused
+
+
+def pause_in_write():
+    from cartridge.format.writer import CartridgeWriter
+
+    add = CartridgeWriter.add_extent
+
+    def paused(self, *args):
+        add(self, *args)
+        pause()
+
+    CartridgeWriter.add_extent = paused
+
+
+def slow_answers():
+    import mlx_lm
+
+    generate = mlx_lm.stream_generate
+
+    def slow(*args, **kwargs):
+        for i, r in enumerate(generate(*args, **kwargs)):
+            yield r
+            if i == 2:
+                FLAG.write_text("ready")
+            time.sleep(0.05)
+
+    mlx_lm.stream_generate = slow
+
+
+if __name__ == "__main__":
+    {"prefill": pause_in_prefill, "write": pause_in_write, "answer": slow_answers, "none": lambda: None}[sys.argv[1]]()
+    from cartridge.cli.main import main
+
+    main(sys.argv[2:])

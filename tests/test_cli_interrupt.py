@@ -1,0 +1,107 @@
+"""Ctrl-C (SIGINT) during `build`, `extend` and `convert` (issue 31): one line, exit status 130, no
+traceback, no temporary left and an existing cartridge kept as it was. The command runs in
+tests/interrupt_worker.py, which pauses at a stage (after the first prefill chunk, or after the first
+extent written into the temporary directory) so the signal lands there."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+
+WORKER = Path(__file__).resolve().parent / "interrupt_worker.py"
+DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
+LINE = "error: interrupted; nothing was written"
+
+
+def start(stage, *args, flag, stdin=subprocess.DEVNULL):
+    """The worker running `cartridge ARGS...` with a pause at `stage`; it writes `flag` when there."""
+    env = dict(os.environ, INTERRUPT_FLAG=str(flag))
+    return subprocess.Popen([sys.executable, str(WORKER), stage, *map(str, args)], env=env, stdin=stdin,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(flag, proc, timeout=120):
+    """Wait until the worker reached its pause (`flag` written), then remove the flag."""
+    end = time.monotonic() + timeout
+    while not flag.exists():
+        assert proc.poll() is None, proc.communicate()[1].decode()
+        assert time.monotonic() < end, "the worker never reached its pause"
+        time.sleep(0.02)
+    flag.unlink()
+
+
+def interrupt(stage, *args, flag):
+    """Run the worker to its pause, send SIGINT; returns (exit status, stderr)."""
+    proc = start(stage, *args, flag=flag)
+    wait_for(flag, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err.decode()
+
+
+def snapshot(folder):
+    """{name: bytes} of every file under `folder` (relative names), to show nothing changed."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def check_one_line(rc, err):
+    assert rc == 130, err
+    assert "Traceback" not in err and err.splitlines()[-1] == LINE, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [LINE], err
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "work" / "doc.txt"
+    path.parent.mkdir()
+    path.write_text(DOC * 4)
+    return path
+
+
+@pytest.mark.parametrize("stage", ["prefill", "write"])
+def test_build_interrupted_writes_nothing(tiny_dir, corpus, tmp_path, stage):
+    folder = corpus.parent
+    before = snapshot(folder)
+    rc, err = interrupt(stage, "build", corpus, "-o", folder / "doc.cart", "--model", tiny_dir, "--prefill-step", 8,
+                        "--page-size", 16, flag=tmp_path / "flag")
+    check_one_line(rc, err)
+    assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.txt"]  # no .doc.cart.tmp-* either
+
+
+def test_build_force_interrupted_keeps_the_existing_cartridge(tiny_dir, corpus, tmp_path):
+    folder = corpus.parent
+    cartridge.build("Another document.", folder / "doc.cart", model=str(tiny_dir))
+    before = snapshot(folder)
+    rc, err = interrupt("write", "build", corpus, "-o", folder / "doc.cart", "--model", tiny_dir, "--force",
+                        flag=tmp_path / "flag")
+    check_one_line(rc, err)
+    assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]
+
+
+@pytest.mark.parametrize("stage, output", [("prefill", "in place"), ("write", "in place"), ("prefill", "-o"),
+                                           ("write", "-o")])
+def test_extend_interrupted_keeps_the_cartridge(tiny_dir, corpus, tmp_path, stage, output):
+    folder = corpus.parent
+    cartridge.build(DOC, folder / "doc.cart", model=str(tiny_dir), page_size=16)
+    before = snapshot(folder)
+    dest = [] if output == "in place" else ["-o", folder / "more.cart"]
+    rc, err = interrupt(stage, "extend", folder / "doc.cart", corpus, *dest, "--prefill-step", 8,
+                        flag=tmp_path / "flag")
+    check_one_line(rc, err)
+    assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]
+
+
+def test_convert_interrupted_writes_nothing(tiny_dir, corpus, tmp_path):
+    folder = corpus.parent
+    cartridge.build(DOC, folder / "doc.cart", model=str(tiny_dir), page_size=16)
+    before = snapshot(folder)
+    rc, err = interrupt("write", "convert", folder / "doc.cart", "-o", folder / "q.cart", "--tier", "nvfp4",
+                        flag=tmp_path / "flag")
+    check_one_line(rc, err)
+    assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]

@@ -1,0 +1,61 @@
+"""Wording of issue 31 item 10: one cartridge in the singular, a plain file that is no cartridge, a folder
+that cannot be written."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+from cartridge.cli.main import main
+
+
+def cli(capsys, *args):
+    """Run `cartridge ARGS...` in this process: (exit status, stdout, stderr lines)."""
+    try:
+        main(list(map(str, args)))
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err.strip().splitlines()
+
+
+def test_serve_says_one_cartridge(monkeypatch, capsys):
+    import cartridge.serve
+
+    def serve(paths, ready, **options):
+        ready(SimpleNamespace(entries={"lease": None}, base_id="tiny"))
+
+    monkeypatch.setattr(cartridge.serve, "serve", serve)
+    status, _, err = cli(capsys, "serve", "lease.cart", "--port", 0)
+    assert status == 0 and err == ["serving 1 cartridge (lease) and the base model 'tiny' on http://127.0.0.1:0/v1"]
+
+
+def test_unknown_model_id_lists_one_cartridge(tiny, tmp_path):
+    from cartridge.serve.pool import Pool, Refused, find_cartridges
+
+    cartridge.build("A lease.", tmp_path / "lease.cart", model=tiny)
+    with pytest.raises(Refused, match="GET /v1/models lists 1 cartridge and the base model 'tiny-seed0'$"):
+        Pool(find_cartridges([tmp_path]), tiny).get("nope")
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("notes.txt", "is a file, not a cartridge: a cartridge is a directory (holding MANIFEST, index.lmdb and "
+                  "pages.bin) or a packed .cartz file"),
+    ("x.cartz", "is a file, not a cartridge: a cartridge is a directory (holding MANIFEST, index.lmdb and "
+                "pages.bin) or a packed .cartz file"),  # not a pack: no zstandard frame
+])
+def test_a_plain_file_is_named_a_file(capsys, tmp_path, name, expect):
+    (tmp_path / name).write_text("hello")
+    for command in ("inspect", "verify", "ask", "extend"):
+        status, _, err = cli(capsys, command, tmp_path / name, *{"ask": ["Who?"], "extend": [tmp_path / name]}.get(command, []))
+        assert status == 1 and err == [f"error: {tmp_path / name} {expect}"], (command, err)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_a_folder_that_cannot_be_written_is_named_not_writable(capsys, tmp_path):
+    (tmp_path / "doc.txt").write_text("A lease.")
+    status, _, err = cli(capsys, "build", tmp_path / "doc.txt", "-o", "/proc/doc.cart")
+    assert status == 1 and err == ["error: folder /proc is not writable (creating a directory in it failed: No such "
+                                   "file or directory)"], err
