@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import calibrate as calibrate_mod
 from .attention.store import check_layer_tiers, write_layer
 from .errors import InputError
 from .format import keys as K
@@ -46,6 +47,7 @@ class BuildResult:
         schema (list[dict]): the tier of every (layer, side): [{"layer": i, "k": tier, "v": tier}].
         context_left (int | None): tokens of the model's context left after the document (None if the
             model does not say).
+        calibration (dict | None): the `cartridge.calibration` record of a measured schema, else None.
     """
 
     path: str
@@ -56,6 +58,7 @@ class BuildResult:
     bytes_per_token: int
     schema: list = field(default_factory=list)
     context_left: int | None = None
+    calibration: dict | None = None
 
     @property
     def tokens_per_second(self):
@@ -291,7 +294,7 @@ def check_page_size(schema, page_size):
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None, protect_first=0, protect_last=0,
-          preset=None):
+          preset=None, budget=None, calibrate=True, calibration_progress=None):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -319,8 +322,15 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         protect_first, protect_last (int): also keep the first N / last M prefix tokens of every
             (layer, side) of the layers that store every token in fp16 (`cartridge.tiers.protect`, format
             1.5); clamped to leave one token. Default: 0.
-        preset (str | None): "exact", "safe", "balanced" or "compact" (`cartridge.tiers.presets`);
-            excludes the tier and protection options. Default: None.
+        preset (str | None): "exact", "safe", "balanced" or "compact"; excludes the tier and protection
+            options. With `calibrate`, safe/balanced/compact are byte budgets (1/2, 1/3, 1/4.5 of fp16's
+            bytes/token) filled by measurement (`cartridge.calibrate`); without, the fixed recipes of
+            `cartridge.tiers.presets`. Default: None.
+        budget (cartridge.calibrate.Budget | None): a target ratio, bytes/token or KL bound for a
+            measured schema; excludes `preset` and the tier options. Default: None.
+        calibrate (bool): measure budget presets on the document (False: today's fixed recipes, no
+            extra cost; a `budget` then is refused). Default: True.
+        calibration_progress (callable | None): progress(done, total) over the measured layer-sides.
 
     Returns:
         BuildResult
@@ -340,6 +350,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
+    budget, preset = calibrate_mod.resolve_budget(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect,
+                                                  schema, protect_first, protect_last)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     options = tuple(o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect", "schema"))
     protect.check_counts(o["protect_first"], o["protect_last"])
@@ -354,9 +366,16 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force,
-                        header_extras(document, source_name, system), kept)
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
+    extras = header_extras(document, source_name, system)
+    if budget is not None:
+        schema, extras[K.CALIBRATION], first = calibrate_mod.calibrated_schema(lm, mode, caches, tokens, budget,
+                                                                                calibration_progress)
+        check_layer_tiers(plans, schema)
+        kept = protect.clamp(first, 0, len(tokens))
+    path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force, extras, kept)
+    result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
+    result.calibration = extras.get(K.CALIBRATION)
+    return result
 
 
 def header_extras(document, source_name, system):

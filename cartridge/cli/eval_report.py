@@ -1,6 +1,6 @@
 """What `cartridge eval` prints and draws: one table (text or markdown) and a fidelity/bytes plot."""
 
-COLUMNS = ("tier / schema", "bytes/token", "compression", "first token", "exact answer", "mean BLEU",
+COLUMNS = ("tier / schema", "bytes/token", "compression", "build KL", "first token", "exact answer", "mean BLEU",
            "tokens to divergence", "held-out ppl", "ppl vs fp16", "needles")
 
 
@@ -28,6 +28,7 @@ def row_cells(row):
         row["label"] + (" (no cartridge)" if not cart else ""),
         f"{row['bytes_per_token']:,}" if cart else "-",
         f"{row['compression']:.2f}x" if cart else "-",
+        "-" if row.get("build_kl") is None else f"{row['build_kl']:.4f}",
         _vs(row, "first_token", _count),
         _vs(row, "exact", _count),
         _vs(row, "bleu", lambda c, k: f"{c[k]:.3f}"),
@@ -44,7 +45,8 @@ def _caption(report):
     return [
         f"model {report['model']['ref']}; {d['questions']} questions x {s['max_tokens']} greedy tokens; "
         f"document {d['qa_tokens']:,} tokens",
-        "compression: fp16 bytes/token / these bytes/token; "
+        "compression: fp16 bytes/token / these bytes/token; build KL: nats/token vs fp16 measured on the document "
+        "when the build chose the tiers (- where they were given); "
         f"first token / exact answer / BLEU / tokens to divergence: each answer against the fp16 cartridge's; "
         f"BLEU = {report['bleu']}; tokens to divergence = leading tokens shared with the fp16 answer "
         "(its whole length when identical)",

@@ -20,7 +20,7 @@ from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
-from .report import inspect_dict, inspect_table
+from .report import fp16_ratio, inspect_dict, inspect_table
 from .serve import serve
 
 
@@ -55,6 +55,12 @@ def cli():
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
 @click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
 @tier_options
+@click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token.")
+@click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",
+              help="Measured schema of at most N K+V bytes per token.")
+@click.option("--max-kl", default=None, type=click.FloatRange(0), metavar="NATS",
+              help="Smallest measured schema whose predicted KL vs fp16 is at most NATS per token.")
+@click.option("--no-calibrate", is_flag=True, help="No measurement: presets are today's fixed recipes (no extra time).")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -66,18 +72,20 @@ def cli():
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
               help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
 def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last, preset,
-          prefill_step, page_size, reserve, system, force, parallel):
+          target_ratio, max_bytes_per_token, max_kl, no_calibrate, prefill_step, page_size, reserve, system, force,
+          parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     from cartridge.format.writer import check_output_path
     from cartridge.tiers import check_tier_options, presets
 
     from .report import fold_tiers
 
+    budget = _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
-    if parallel and (preset or protect_first or protect_last):
+    if parallel and (preset or budget or protect_first or protect_last):
         raise InputError("--parallel builds take tier options only, not --preset or --protect-first/--protect-last")
     group = launched_group(parallel)
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
@@ -86,10 +94,13 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     options = dict(tier=tier, k_tier=k_tier, v_tier=v_tier, boundary_protect=boundary_protect, schema=schema,
                    page_size=page_size, prefill_step=prefill_step, force=force,
                    source_name="stdin" if corpus == "-" else corpus, reserve=reserve, system=system)
-    with progress_bar("tok", "prefill") as progress, warnings_as_lines():
+    with progress_bar("tok", "prefill") as progress, \
+            progress_bar("layer-side", "calibrate") as calibration_progress, warnings_as_lines():
         if group is None:
             r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
-                                protect_last=protect_last, preset=preset, **options)
+                                protect_last=protect_last, preset=preset, budget=budget,
+                                calibrate=not no_calibrate, calibration_progress=calibration_progress,
+                                **options)
         else:
             from cartridge.distributed import build_sharded, load_sharded_model
 
@@ -101,9 +112,30 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
     click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s ({r.tokens_per_second:.0f} tokens/s prefill), "
                f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
+    if r.calibration:
+        c = r.calibration
+        click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16, predicted KL "
+                   f"{c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, top-1 agreement "
+                   f"{c['top1_agreement']:.0%} over {c['eval_tokens']} tokens")
     if page_size > r.tokens:
         click.echo(f"note: --page-size {page_size} is larger than the document ({r.tokens} tokens); the padded "
                    f"last page makes the file {r.bytes:,} bytes on disk", err=True)
+
+
+def _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
+    """The Budget of the budget options (None when none is given; a budget preset is resolved by build)."""
+    from cartridge.calibrate import Budget, parse_ratio
+
+    given = {"--target-ratio": target_ratio, "--max-bytes-per-token": max_bytes_per_token, "--max-kl": max_kl}
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) > 1 or (named and preset):
+        raise InputError(f"give one budget: {', '.join(named + (['--preset'] if preset else []))} were given")
+    if not named:
+        return None
+    if no_calibrate:
+        raise InputError(f"{named[0]} needs calibration; drop --no-calibrate")
+    ratio = parse_ratio(target_ratio) if target_ratio is not None else None
+    return Budget(target_ratio=ratio, max_bytes_per_token=max_bytes_per_token, max_kl=max_kl).check()
 
 
 @cli.command()

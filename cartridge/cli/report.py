@@ -1,8 +1,10 @@
 """What `cartridge inspect` shows: a JSON-able dict and a human table."""
 
+import json
 from pathlib import Path
 
 from cartridge.attention.policy import backend, plan_header
+from cartridge.format import keys as K
 from cartridge.tiers import TIERS
 
 
@@ -102,7 +104,29 @@ def inspect_dict(info, path):
         "source": info.source,
         "sources": info.sources,
         "attention": _auto(info),
+        "calibration": calibration(info),
     }
+
+
+def calibration(info):
+    """The `cartridge.calibration` record (format 1.8: how the schema was chosen), or None if absent."""
+    raw = info.records.get(K.CALIBRATION)
+    return None if raw is None else json.loads(raw)
+
+
+def fp16_ratio(c):
+    """'3.02x' of a calibration record: fp16's bytes/token over the chosen schema's."""
+    return f"{c['fp16_bytes_per_token'] / max(1, c['bytes_per_token']):.2f}x"
+
+
+def calibration_lines(c):
+    """The `inspect` lines of a calibration record (none when the schema was not measured)."""
+    if not c:
+        return []
+    target = ", ".join(f"{k} {v}" for k, v in c["target"].items())
+    return [f"calibrated    {target}: {c['bytes_per_token']:,} bytes/token ({fp16_ratio(c)} smaller than fp16), "
+            f"predicted KL {c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, top-1 "
+            f"{c.get('top1_agreement', 0):.0%} over {c.get('eval_tokens', 0)} tokens"]
 
 
 def _auto(info):
@@ -156,6 +180,7 @@ def inspect_table(d):
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
         f"also kept in fp16",
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
+        *calibration_lines(d.get("calibration")),
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device: "
         f"{d['attention']['reason']}",
         _memory_line(d["attention"]["memory"]),

@@ -13,6 +13,7 @@ the same three measurements with no cartridge: mlx-lm on the full prompt, and a 
 KVCache prefill for perplexity. Every answer is compared with the fp16 cartridge's (`metrics`).
 """
 
+import json
 import os
 import platform
 import time
@@ -24,6 +25,7 @@ import mlx_lm
 from .. import __version__
 from ..build import context_length, prefill
 from ..errors import InputError
+from ..format.keys import CALIBRATION
 from ..load import load
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import SEPARATOR, full_prompt_tokens, prefix_tokens
@@ -168,6 +170,8 @@ class _Run:
         row.update(bytes_per_token=info.bytes_per_token(), fp16_bytes_per_token=info.fp16_bytes_per_token(),
                    bytes_on_disk=sum(f.stat().st_size for f in carts["qa"].path.iterdir() if f.is_file()))
         row["compression"] = row["fp16_bytes_per_token"] / row["bytes_per_token"]
+        calibration = info.records.get(CALIBRATION)  # format 1.8: the KL measured when the tiers were chosen
+        row["build_kl"] = None if calibration is None else json.loads(calibration)["measured_kl"]
         self._measure(row, spec.label, lambda role, q: (carts[role].question_prompt(q), carts[role].prompt_cache()),
                       lambda: carts["probe"].prompt_cache())
         row["seconds"] = time.perf_counter() - t0

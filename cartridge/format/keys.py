@@ -45,6 +45,9 @@ REQUIRED = (
 PROTECT_FIRST = "cache.protect_first"  # JSON integer N: the first N prefix tokens are also kept in fp16
 PROTECT_LAST = "cache.protect_last"  # JSON integer M: the last M prefix tokens are also kept in fp16
 
+# Format 1.8 (issue 33): OPTIONAL; absent = the schema was not chosen by measurement.
+CALIBRATION = "cartridge.calibration"  # JSON object: target, bytes_per_token, predicted_kl, measured_kl, ...
+
 
 def layer_protected(layer, side):
     """Binary: float16 little-endian (n_kv_heads, N + M, head_dim), tokens 0..N-1 then T-M..T-1."""

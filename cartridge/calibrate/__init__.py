@@ -1,0 +1,146 @@
+"""Tier schemas chosen by measuring the document at build (issue 33): `measure` rates every candidate
+(layer, side, tier) on the model's own predictions, `search` picks the schema of least damage within a
+budget, and `calibrated_schema` does both and returns the header record (`cartridge.calibration`,
+spec/FORMAT.md 4.7).
+"""
+
+from dataclasses import dataclass
+
+from ..errors import InputError
+from ..tiers import TIERS
+from . import measure, search
+
+CALIBRATION_VERSION = 1  # bump when the measurement or search changes what a budget preset builds
+BUDGETS = {"safe": 2.0, "balanced": 3.0, "compact": 4.5}  # preset -> at most 1/ratio of fp16's bytes/token
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a calibrated build aims at; one of the three bounds.
+
+    Attributes:
+        preset (str | None): a BUDGETS name (sets `target_ratio`). target_ratio (float | None): fp16
+            bytes/token over at most this. max_bytes_per_token (int | None): K+V payload bytes/token.
+        max_kl (float | None): least bytes whose predicted KL (nats/token) vs fp16 is at most this.
+    """
+
+    preset: str | None = None
+    target_ratio: float | None = None
+    max_bytes_per_token: int | None = None
+    max_kl: float | None = None
+
+    def check(self):
+        """Raise InputError unless exactly one bound is given and it is in range; returns self."""
+        given = [n for n in ("preset", "target_ratio", "max_bytes_per_token", "max_kl") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise InputError(f"give one of preset, target_ratio, max_bytes_per_token, max_kl; got {given or 'none'}")
+        if self.preset is not None and self.preset not in BUDGETS:
+            raise InputError(f"preset {self.preset!r} is not a budget; budget presets: {', '.join(BUDGETS)}")
+        if self.target_ratio is not None and not 1.0 <= self.target_ratio <= 64.0:
+            raise InputError(f"target ratio {self.target_ratio!r} is out of range 1..64 (x smaller than fp16)")
+        if self.max_bytes_per_token is not None and (isinstance(self.max_bytes_per_token, bool) or
+                                                     not isinstance(self.max_bytes_per_token, int)
+                                                     or self.max_bytes_per_token < 1):
+            raise InputError(f"max bytes per token {self.max_bytes_per_token!r} must be an integer >= 1")
+        if self.max_kl is not None and not self.max_kl >= 0:
+            raise InputError(f"max KL {self.max_kl!r} must be a number >= 0 (nats per token)")
+        return self
+
+    def bytes_bound(self, fp16_bpt):
+        """The byte budget in K+V bytes/token, or None for a KL bound."""
+        ratio = BUDGETS.get(self.preset, self.target_ratio)
+        return int(fp16_bpt // ratio) if ratio else self.max_bytes_per_token
+
+    def record(self):
+        """This budget as the header record's "target" object."""
+        return {k: getattr(self, k) for k in ("preset", "target_ratio", "max_bytes_per_token", "max_kl")
+                if getattr(self, k) is not None}
+
+
+def resolve_budget(preset, budget, calibrate, *given):
+    """(budget, fixed preset): a budget preset becomes a Budget when calibrating; the other preset stays.
+
+    Args:
+        preset (str | None), budget (Budget | None), calibrate (bool): as `cartridge.build` takes them.
+        given: build's tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last.
+
+    Raises:
+        InputError: a budget with a preset or with a tier or protection option, or without calibration.
+    """
+    if budget is not None:
+        names = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last")
+        clash = [n for n, v in zip(names, given) if v not in (None, 0, "fp16")]
+        if preset is not None or clash:
+            raise InputError(f"a budget chooses the tiers; it cannot be combined with {', '.join(clash or ['preset'])}")
+        if not calibrate:
+            raise InputError("a target ratio, bytes/token or KL budget needs calibration; drop --no-calibrate")
+        return budget.check(), None
+    if calibrate and preset in BUDGETS:
+        from ..tiers import presets  # the clash check of a preset: it excludes every tier option
+        presets.apply(preset, *given)
+        return Budget(preset=preset).check(), None
+    return None, preset
+
+
+def parse_ratio(text):
+    """'3x', '3', '4.5x' -> 3.0, 4.5 (the CLI's --target-ratio).
+
+    Raises:
+        InputError: not a number, optionally followed by x.
+    """
+    try:
+        return float(str(text).strip().lower().removesuffix("x"))
+    except ValueError:
+        raise InputError(f"target ratio {text!r} is not a number like 3x") from None
+
+
+def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
+    """Measure this document's sensitivity and choose the schema (and protected first tokens) within `budget`.
+
+    Args:
+        lm (LoadedModel). mode (str): prompt mode. caches (list[KVCache]): the filled prefill caches.
+        tokens (list[int]): the prefix tokens. budget (Budget): checked. progress (callable | None):
+            progress(done, total) over the measured layer-sides.
+
+    Returns:
+        tuple: (schema list[dict], record dict: the `cartridge.calibration` header value, N int: leading
+        tokens to protect in fp16, 0 when protecting the heavy hitters did not win).
+
+    Raises:
+        InputError: a model calibration cannot measure, or a budget below every candidate schema.
+    """
+    sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, progress=progress)
+    k, v = caches[0].keys, caches[0].values
+    shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
+    fp16_bpt = len(caches) * sum(TIERS["fp16"].bytes_per_token(*shapes[s]) for s in ("k", "v"))
+    first, choice = _best(sens, len(caches), shapes, budget.bytes_bound(fp16_bpt), budget.max_kl, len(tokens))
+    kl, agree = measure.verify(lm.model, sens.probe, choice.schema, first)
+    record = {"target": budget.record(), "bytes_per_token": choice.bytes_per_token, "fp16_bytes_per_token": fp16_bpt,
+              "predicted_kl": round(choice.predicted_kl, 6), "measured_kl": round(kl, 6),
+              "top1_agreement": round(agree, 4), "protect_first": first,
+              "heavy_hitters": {"first": sens.protect_first, "attention_share": round(sens.lead_mass, 4)},
+              "eval_tokens": sens.eval_tokens, "probe": measure.PROBE,
+              "candidates": ["fp16", *measure.CANDIDATES], "reference_tier": measure.REFERENCE_TIER,
+              "forwards": sens.forwards + 1, "seconds": round(sens.seconds, 2)}
+    return choice.schema, record, first
+
+
+def _best(sens, n_layers, shapes, max_bytes, max_kl, n_tokens):
+    """(N, Choice): the better of no protection and the measured heavy hitters kept in fp16 (their bytes
+    taken from the budget); bytes_per_token of the Choice includes the copies."""
+    from ..tiers import protect
+
+    plain = search.choose(sens.kl, n_layers, shapes, max_bytes, max_kl)
+    n = sens.protect_first
+    if not n:
+        return 0, plain
+    extra = protect.bytes_per_token(n, 0, n_tokens, [shapes[s] for _ in range(n_layers) for s in ("k", "v")])
+    try:
+        kept = search.choose(sens.kl_protected, n_layers, shapes, None if max_bytes is None else max_bytes - extra,
+                             max_kl)
+    except InputError:  # the copies leave too little of the budget
+        return 0, plain
+    kept = search.Choice(kept.schema, kept.bytes_per_token + extra, kept.predicted_kl)
+    wins = (kept.predicted_kl < plain.predicted_kl if max_bytes is not None
+            else kept.bytes_per_token < plain.bytes_per_token)
+    return (n, kept) if wins else (0, plain)

@@ -1,0 +1,127 @@
+"""Schemas chosen by measurement at build (`cartridge.calibrate`, spec/FORMAT.md 4.7, issue 33)."""
+
+import pytest
+
+import cartridge
+from cartridge.calibrate import BUDGETS, Budget, parse_ratio, search
+from cartridge.errors import InputError
+from cartridge.format import keys as K
+from cartridge.tiers import TIERS
+from conftest import make_tiny
+
+DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. Descale it monthly "
+       "with white vinegar; never immerse the base in water. The filter is dishwasher safe. ") * 3
+SHAPES = {"k": (2, 64), "v": (2, 64)}  # the tiny model: kv_dim 128
+
+
+@pytest.fixture(scope="module")
+def tiny64(smol_tokenizer):
+    return make_tiny(smol_tokenizer, seed=0, head_dim=64)
+
+
+def _kl(values):
+    """A (layer, side, tier) -> KL table: values[(layer, side)] = {tier: kl}, fp16 at 0."""
+    return {(l, s, t): kl for (l, s), row in values.items() for t, kl in {"fp16": 0.0, **row}.items()}
+
+
+def test_search_spends_the_budget_where_the_measured_damage_is():
+    # layer 0 K is 10x as sensitive as anything else: within one int8 side's bytes it gets the upgrade
+    kl = _kl({(0, "k"): {"int8+rot": 0.01, "turbo2": 1.0}, (0, "v"): {"int8+rot": 0.001, "turbo2": 0.1},
+              (1, "k"): {"int8+rot": 0.001, "turbo2": 0.1}, (1, "v"): {"int8+rot": 0.001, "turbo2": 0.1}})
+    b8, b2 = (TIERS[t].bytes_per_token(2, 64) for t in ("int8+rot", "turbo2"))  # 144, 36
+    c = search.choose(kl, 2, SHAPES, max_bytes_per_token=b8 + 3 * b2)
+    assert c.schema == [{"layer": 0, "k": "int8+rot", "v": "turbo2"}, {"layer": 1, "k": "turbo2", "v": "turbo2"}]
+    assert (c.bytes_per_token, c.predicted_kl) == (b8 + 3 * b2, pytest.approx(0.01 + 0.3))
+    least = search.choose(kl, 2, SHAPES, max_kl=0.05)  # the smallest schema under the bound: all int8+rot
+    assert least.schema == [{"layer": i, "k": "int8+rot", "v": "int8+rot"} for i in range(2)]
+    assert search.choose(kl, 2, SHAPES, max_kl=0.0).schema == [{"layer": i, "k": "fp16", "v": "fp16"} for i in range(2)]
+    with pytest.raises(InputError, match="budget 100 bytes/token is below the cheapest measured schema .144"):
+        search.choose(kl, 2, SHAPES, max_bytes_per_token=100)
+
+
+def test_budgets_and_ratios():
+    assert BUDGETS == {"safe": 2.0, "balanced": 3.0, "compact": 4.5}
+    assert Budget(preset="balanced").check().bytes_bound(23040) == 7680
+    assert Budget(target_ratio=4.5).check().bytes_bound(23040) == 5120
+    assert (parse_ratio("3x"), parse_ratio(" 4.5X "), parse_ratio("2")) == (3.0, 4.5, 2.0)
+    with pytest.raises(InputError, match="target ratio 'three' is not a number"):
+        parse_ratio("three")
+    with pytest.raises(InputError, match="give one of preset, target_ratio"):
+        Budget(target_ratio=3.0, max_kl=0.1).check()
+    with pytest.raises(InputError, match="target ratio 0.5 is out of range"):
+        Budget(target_ratio=0.5).check()
+
+
+def test_a_calibrated_build_stores_the_chosen_schema_its_bytes_and_measured_kl(tiny64, tmp_path):
+    seen = []
+    r = cartridge.build(DOC, tmp_path / "b.cart", model=tiny64, reserve=0, page_size=64, preset="balanced",
+                        calibration_progress=lambda d, t: seen.append((d, t)))
+    info, _ = cartridge.open_cartridge(r.path)
+    rec = r.calibration
+    assert info.format_version == "1.8" and seen[0] == (0, 4) and seen[-1] == (4, 4)
+    assert rec["target"] == {"preset": "balanced"} and rec["fp16_bytes_per_token"] == 2 * 2 * 256
+    assert rec["bytes_per_token"] <= 1024 // 3 and rec["bytes_per_token"] == r.bytes_per_token
+    assert info.tiers == r.schema and rec["measured_kl"] >= 0 and 0 <= rec["top1_agreement"] <= 1
+    import json
+    assert json.loads(info.records[K.CALIBRATION]) == rec
+
+
+def test_budget_options_are_refused_with_tiers_or_without_calibration(tiny64, tmp_path):
+    with pytest.raises(InputError, match="a budget chooses the tiers; it cannot be combined with tier"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(target_ratio=3.0), tier="int8")
+    with pytest.raises(InputError, match="needs calibration; drop --no-calibrate"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(max_kl=0.1), calibrate=False)
+    with pytest.raises(InputError, match="cannot be combined with tier"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, preset="compact", tier="int8")
+    assert not (tmp_path / "x.cart").exists()
+
+
+def test_cli_build_with_a_target_ratio_and_inspect_show_the_measured_choice(tiny64, tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from cartridge.cli import main
+
+    monkeypatch.setattr(main, "model_ref", lambda m: None)
+    real = cartridge.build
+    monkeypatch.setattr(cartridge, "build", lambda *a, **kw: real(*a, **{**kw, "model": tiny64}))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    out = tmp_path / "r.cart"
+    r = CliRunner().invoke(main.cli, ["build", str(doc), "-o", str(out), "--target-ratio", "4x", "--reserve", "0",
+                                      "--page-size", "64"])
+    assert r.exit_code == 0, r.output
+    assert "calibrated in " in r.output and "smaller than fp16, predicted KL" in r.output
+    r = CliRunner().invoke(main.cli, ["inspect", str(out), "--json"])
+    c = json.loads(r.output)["calibration"]
+    assert c["target"] == {"target_ratio": 4.0} and c["bytes_per_token"] <= 1024 // 4
+    r = CliRunner().invoke(main.cli, ["inspect", str(out)])
+    assert "calibrated    target_ratio 4.0: " in r.output
+    r = CliRunner().invoke(main.cli, ["build", str(doc), "-o", str(tmp_path / "n.cart"), "--max-kl", "0.1",
+                                      "--no-calibrate"])
+    assert isinstance(r.exception, InputError)  # entry.py prints it as one error: line
+    assert str(r.exception) == "--max-kl needs calibration; drop --no-calibrate"
+
+
+def test_eval_table_shows_the_build_kl_of_a_measured_row():
+    from cartridge.cli.eval_report import COLUMNS, row_cells
+
+    row = {"label": "preset=balanced", "kind": "cartridge", "bytes_per_token": 7680, "compression": 3.0,
+           "build_kl": 0.01234, "perplexity": 5.0, "perplexity_change": 0.001,
+           "vs_fp16": {"first_token": 19, "exact": 10, "n": 20, "bleu": 0.8, "divergence": 30.0}}
+    cells = dict(zip(COLUMNS, row_cells(row)))
+    assert (cells["build KL"], cells["compression"], cells["first token"]) == ("0.0123", "3.00x", "19/20")
+    assert dict(zip(COLUMNS, row_cells({**row, "build_kl": None})))["build KL"] == "-"
+
+
+def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
+    import mlx.core as mx
+
+    from cartridge.calibrate.measure import heavy_hitters
+
+    t = 100
+    mass = [0.5, 0.001, 0.2] + [0.3 / 97] * 97  # a sink at 0, another at 2; the rest below 8x uniform
+    n, share = heavy_hitters(mx.array(mass))
+    assert (n, share) == (3, pytest.approx(0.701, abs=1e-6))
+    assert heavy_hitters(mx.full((t,), 1 / t)) == (0, 0.0)
