@@ -15,10 +15,17 @@ protected first/last tokens (if any) put back in fp16, exactly as a cartridge st
 Tables and plot in docs/evaluation.md: drawn by benchmarks/issue19_report.py --layers (removed; at a876215).
 
 Cheap (no generation): one prefill, one forward per question, then numpy/mlx arithmetic per config.
+
+With --calibration (issue 33), for each document instead: the cost of the calibration at build against the
+prefill, and the measured KL of each budget's choice (safe 2x, balanced 3x, compact 4.5x) beside the fixed
+recipe's tiers on every layer (`benchmarks/results/calibration.json`):
+
+    python benchmarks/layer_error.py --calibration DOC.txt [DOC2 ...] --json benchmarks/results/calibration.json
 """
 
 import argparse
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +38,8 @@ from mlx_lm.models.cache import KVCache
 
 from cartridge.attention.pages import encode_pages
 from cartridge.build import prefill
+from cartridge.calibrate import BUDGETS, Budget, search
+from cartridge.calibrate import measure as calibration
 from cartridge.eval.dataset import load_questions
 from cartridge.models.loader import load_model
 from cartridge.models.prompt import prefix_tokens, prompt_mode, question_tokens
@@ -146,13 +155,59 @@ def run(doc_path, questions_path, n_questions, lm):
     return out
 
 
+UNIFORM = {name: (presets.PRESETS[name]["k_tier"], presets.PRESETS[name]["v_tier"]) for name in BUDGETS}
+
+
+def calibration_run(path, lm):
+    """--calibration: one prefill, one `cartridge.calibrate.measure`, then each budget's chosen schema (bytes,
+    predicted KL, KL and top-1 measured with every replacement together) beside the fixed recipe on every layer."""
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, Path(path).read_text(), mode)
+    t0 = time.perf_counter()
+    caches = prefill(lm.model, tokens)
+    t1 = time.perf_counter()
+    sens = calibration.measure(lm.model, lm.tokenizer, mode, caches, tokens)
+    k, v = caches[0].keys, caches[0].values
+    shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
+    fp16 = len(caches) * 2 * 2 * k.shape[1] * k.shape[3]
+    out = {"document": str(path), "tokens": len(tokens), "prefill_s": round(t1 - t0, 2),
+           "calibrate_s": round(sens.seconds, 2), "eval_tokens": sens.eval_tokens, "forwards": sens.forwards,
+           "budgets": {}}
+    for name in BUDGETS:
+        choice = search.choose(sens.kl, len(caches), shapes, Budget(preset=name).bytes_bound(fp16))
+        kl, agree = calibration.verify(lm.model, sens.probe, choice.schema)
+        ku, vu = UNIFORM[name]
+        uniform = [{"layer": i, "k": ku, "v": vu} for i in range(len(caches))]
+        ukl, uagree = calibration.verify(lm.model, sens.probe, uniform)
+        out["budgets"][name] = {
+            "ratio": round(fp16 / choice.bytes_per_token, 3), "bytes_per_token": choice.bytes_per_token,
+            "predicted_kl": choice.predicted_kl, "measured_kl": kl, "top1": agree, "schema": choice.schema,
+            "uniform": {"k": ku, "v": vu, "ratio": round(fp16 / search.schema_bytes(uniform, shapes), 3),
+                        "measured_kl": ukl, "top1": uagree}}
+        print(f"{Path(path).name:22} {name:8} {fp16 / choice.bytes_per_token:.2f}x predicted KL "
+              f"{choice.predicted_kl:.4f} measured {kl:.4f} top-1 {agree:.0%} | uniform {ku}/{vu} KL {ukl:.4f} "
+              f"top-1 {uagree:.0%}", flush=True)
+    print(f"{Path(path).name:22} prefill {t1 - t0:.1f} s, calibrate {sens.seconds:.1f} s", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("pairs", nargs="+", help="DOC.txt QUESTIONS.jsonl [DOC2 Q2 ...]")
+    ap.add_argument("pairs", nargs="+", help="DOC.txt QUESTIONS.jsonl [DOC2 Q2 ...]; with --calibration: DOC.txt ...")
     ap.add_argument("--json", required=True)
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated config labels (default: all)")
+    ap.add_argument("--calibration", action="store_true",
+                    help="measure the calibration at build (issue 33) on each document instead")
     args = ap.parse_args()
+    if args.calibration:
+        lm, results = load_model("default"), []
+        for d in args.pairs:  # written after each document: a long run keeps what it measured
+            results.append(calibration_run(d, lm))
+            Path(args.json).write_text(json.dumps({"model": "default (SmolLM2-135M-Instruct)", "machine":
+                                                   f"{platform.machine()} CPU, {platform.node()}",
+                                                   "results": results}, indent=1))
+        return
     if len(args.pairs) % 2:
         ap.error("give documents and question files in pairs")
     if args.only:
