@@ -191,7 +191,7 @@ def test_open_cartz_unpacks_once_and_reverifies(packed, cache, monkeypatch):
     monkeypatch.setattr(P, "unpack", lambda *a, **k: calls.append(a) or real(*a, **k))
     info, data = open_cartridge(cartz)
     data.close()
-    (entry,) = cache.iterdir()
+    (entry,) = cache.glob("*.cart")  # beside it NAME.packs: the digests of the packs unpacked into it
     assert entry.name == f"{P.read_pack_manifest(cartz)['digest']}.cart" and files(entry) == files(src)
     info2, data2 = open_cartridge(cartz)
     data2.close()
@@ -200,6 +200,21 @@ def test_open_cartz_unpacks_once_and_reverifies(packed, cache, monkeypatch):
     _, data3 = open_cartridge(cartz)
     data3.close()
     assert len(calls) == 2 and files(entry) == files(src)
+
+
+def test_a_damaged_copy_of_a_cached_pack_is_refused_not_answered_from_the_cache(packed, cache, tmp_path):
+    src, cartz = packed
+    _, data = open_cartridge(cartz)  # the good pack fills the cache entry
+    data.close()
+    bad = tmp_path / "bad.cartz"
+    raw = bytearray(cartz.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside the compressed pages: the MANIFEST (the cache key) is unchanged
+    bad.write_bytes(bytes(raw))
+    assert P.read_pack_manifest(bad) == P.read_pack_manifest(cartz)
+    with pytest.raises(CartridgeError):
+        open_cartridge(bad)
+    _, data = open_cartridge(cartz)  # the good pack still opens (its entry unpacked again, verified)
+    data.close()
 
 
 def test_load_cartz_answers_like_the_directory(tiny, tmp_path, cache):
@@ -239,7 +254,7 @@ def test_concurrent_first_opens_share_one_cache_entry(packed, cache):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [o[1][-500:] for o in outs]
     assert [o[0].strip() for o in outs] == ["30"] * 4
-    assert [p.name for p in cache.iterdir()] == [f"{P.read_pack_manifest(cartz)['digest']}.cart"]
+    assert [p.name for p in cache.glob("*.cart")] == [f"{P.read_pack_manifest(cartz)['digest']}.cart"]
 
 
 def test_is_pack_only_for_zstd_files(packed, tmp_path):

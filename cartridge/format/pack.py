@@ -321,7 +321,9 @@ def unpack_cached(src, refresh=False):
     """The cartridge directory of the .cartz `src` in the cache, unpacking it the first time.
 
     The cache entry is named by the SHA-256 of the pack's MANIFEST (which covers the index digest and
-    so every page checksum); an entry whose MANIFEST differs, or `refresh`, is unpacked again.
+    so every page checksum); it is reused for a .cartz whose own SHA-256 is listed beside it (NAME.packs:
+    the packs that unpacked into it), so a damaged copy of a good pack is unpacked and refused, not answered
+    from the good entry. An entry whose MANIFEST differs, or `refresh`, is unpacked again.
 
     Returns:
         Path: the cached cartridge directory (callers verify it as they open it).
@@ -334,14 +336,40 @@ def unpack_cached(src, refresh=False):
         raise WriteError(f"cannot use the cache folder {dest.parent} for {src}: {e.strerror or e} "
                          "(set XDG_CACHE_HOME to a writable folder, or unpack it yourself)") from None
     mpath = dest / MANIFEST_NAME
-    if not refresh and mpath.is_file() and mpath.read_bytes()[64:].hex() == manifest["digest"]:
+    # the entry is reused only for a .cartz whose own bytes unpacked into it before: a damaged copy of a pack
+    # with the same MANIFEST is unpacked (and so refused) rather than answered from the good entry
+    packs, pack_sha = dest.with_suffix(".packs"), _file_sha256(src)
+    if (not refresh and mpath.is_file() and mpath.read_bytes()[64:].hex() == manifest["digest"]
+            and pack_sha in _lines(packs)):
         return dest
     try:
-        return unpack(src, dest, force=dest.is_dir())
+        out = unpack(src, dest, force=dest.is_dir())
     except (OutputExistsError, WriteError):
-        if not refresh and mpath.is_file():  # another process unpacked it first
+        # another process unpacked the same MANIFEST first (verified as it was published; whether this copy of
+        # the pack is whole is then not known until it unpacks alone)
+        if not refresh and mpath.is_file() and mpath.read_bytes()[64:].hex() == manifest["digest"]:
             return dest
         raise
+    with open(packs, "a") as f:  # one line an append: concurrent writers interleave whole lines
+        f.write(pack_sha + "\n")
+    return out
+
+
+def _file_sha256(path):
+    """Hex SHA-256 of a file's bytes, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 23), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _lines(path):
+    """The lines of a small text file, or none if it does not exist."""
+    try:
+        return set(path.read_text().split())
+    except OSError:
+        return set()
 
 
 def open_packed(src, opener):
