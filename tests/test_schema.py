@@ -69,8 +69,8 @@ def test_schema_from_list_and_file(tmp_path):
     ("[{\"layer\": 0, \"k\": 16, \"v\": \"fp16\"}]", "schema row 0: k is 16; expected a tier name"),
     ("[{\"layer\": 0, \"k\": \"fp16\", \"v\": \"int5\"}]", "unknown tier 'int5'"),
     ("[{\"layer\": 0, \"k\": \"fp16\", \"v\": \"fp16\"}, {\"layer\": 0, \"k\": \"fp16\", \"v\": \"fp16\"}]",
-     "schema rows must name layers 0..1 \\(one row a layer\\), each once; found 0, 0; layer 0 more than once; missing 1"),
-    ("[{\"layer\": 1, \"k\": \"fp16\", \"v\": \"fp16\"}]", "schema rows must name layers 0..0 \\(one row a layer\\), each once; found 1; missing 0"),
+     "a schema of 2 rows must name layers 0..1 \\(one row a layer, each once\\); found 0, 0; layer 0 more than once; missing 1"),
+    ("[{\"layer\": 1, \"k\": \"fp16\", \"v\": \"fp16\"}]", "a schema of 1 row must name layers 0..0 \\(one row a layer, each once\\); found 1; missing 0"),
 ])
 def test_bad_schema_files_refused(tmp_path, content, match):
     path = tmp_path / "s.json"

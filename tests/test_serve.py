@@ -456,12 +456,21 @@ def test_max_bytes_sizes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "0", "-5", "4X", "lots"])
+@pytest.mark.parametrize("text", ["", "-5", "4X", "lots"])
 def test_max_bytes_refuses_non_sizes(text):
     from cartridge.cli.serve import parse_bytes
     from cartridge.errors import InputError
 
     with pytest.raises(InputError, match="is not a size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["0", "0.5", "0K"])
+def test_max_bytes_below_one_byte_says_so(text):
+    from cartridge.cli.serve import parse_bytes
+    from cartridge.errors import InputError
+
+    with pytest.raises(InputError, match="is less than one byte; give at least 1"):
         parse_bytes(text)
 
 

@@ -103,7 +103,7 @@ def _turn(cart, cache, messages, saved, line, max_tokens):
     messages.append({"role": "assistant", "content": r["answer"]})
     saved[:] = cache.tokens + r["token_ids"]  # what the cache holds after the document
     stopped = "; stopped, the answer so far stays in the conversation" if r["stopped"] else ""
-    click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} tokens{stopped}", err=True)
+    click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} token{'' if r['tokens'] == 1 else 's'}{stopped}", err=True)
 
 
 def _drop_turn(cache, messages, kept):

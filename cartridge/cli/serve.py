@@ -23,8 +23,10 @@ def parse_bytes(text, option="--max-bytes"):
         InputError: for anything else, zero, or more than MAX_SIZE.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m or float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
+    if not m:
         raise InputError(f"{option} {text!r} is not a size; give bytes, e.g. 4G, 512M or 1000000")
+    if float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
+        raise InputError(f"{option} {text!r} is less than one byte; give at least 1 (e.g. 4G, 512M or 1000000)")
     n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if n > MAX_SIZE:
         raise InputError(f"{option} {text!r} is more than {MAX_SIZE // _UNITS['T']:,}T; give the bytes this machine has")

@@ -87,7 +87,8 @@ def read_schema(schema):
     if layers != list(range(len(rows))):
         twice = sorted({n for n in layers if layers.count(n) > 1})
         missing = sorted(set(range(len(rows))) - set(layers))
-        raise InputError(f"schema rows must name layers 0..{len(rows) - 1} (one row a layer), each once; found "
+        raise InputError(f"a schema of {len(rows)} row{'' if len(rows) == 1 else 's'} must name layers 0..{len(rows) - 1} "
+                         f"(one row a layer, each once); found "
                          f"{_runs(layers)}" + (f"; layer {_runs(twice)} more than once" if twice else "")
                          + (f"; missing {_runs(missing)}" if missing else ""))
     return rows
