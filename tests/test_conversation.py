@@ -59,6 +59,18 @@ def test_conversation_cartridge_holds_document_and_turns(conversation):
     assert cartridge.verify_cartridge(saved.path).ok
 
 
+def test_inspect_shows_the_conversation_after_the_document(conversation):
+    from cartridge.cli.report import inspect_dict, inspect_table
+
+    d, cart, _, turns, saved = conversation
+    info = cartridge.open_cartridge(saved.path)[0]
+    n, total = len(cart.tokens), len(cart.tokens) + len(turns)
+    assert inspect_dict(info, saved.path)["document_tokens"] == n
+    assert f"conversation  tokens {n}..{total} after the document's {n:,} " in inspect_table(inspect_dict(info, saved.path))
+    bare = cartridge.open_cartridge(d / "doc.cart")[0]
+    assert "conversation" not in inspect_table(inspect_dict(bare, d / "doc.cart"))
+
+
 def test_resumed_in_another_process_is_token_identical(conversation, fp16_model):
     d, cart, cache, _, saved = conversation
     follow = fp16_model.tokenizer.encode("\nAnd the rent?", add_special_tokens=False)

@@ -82,6 +82,7 @@ def inspect_dict(info, path):
     return {
         "format_version": info.format_version,
         "tokens": len(info.tokens),
+        "document_tokens": info.document_tokens,
         "n_layers": info.n_layers,
         "n_kv_heads": info.n_kv_heads,
         "head_dim": info.head_dim,
@@ -165,12 +166,22 @@ def sources_lines(sources):
             for line in source_lines(src, "document" if i == 0 else f"document {i + 1}")]
 
 
+def _conversation_lines(d):
+    """A saved conversation's line: the tokens after the document (`prompt.document_tokens`, format 1.3)."""
+    doc = d.get("document_tokens")
+    if doc is None or doc >= d["tokens"]:
+        return []
+    return [f"conversation  tokens {doc}..{d['tokens']} after the document's {doc:,} (saved by ask --save-as or "
+            f"chat /save; continue it with ask; extend and compose take a bare document)"]
+
+
 def inspect_table(d):
     """Human-readable rendering of `inspect_dict`."""
     lines = [
         f"format        {d['format_version']}",
         f"model         {d['model']['ref']}  (fingerprint {d['model']['fingerprint'][:16]})",
-        f"tokens        {d['tokens']:,} in {d['n_pages']} pages of {d['page_size']}",
+        f"tokens        {d['tokens']:,} in {d['n_pages']} page{'' if d['n_pages'] == 1 else 's'} of {d['page_size']}",
+        *_conversation_lines(d),
         f"shape         {d['n_layers']} layers x {d['n_kv_heads']} kv heads x head_dim {d['head_dim']} "
         f"(kv_dim {d['kv_dim']}), computed as {d['source_dtype']}",
         f"bytes/token   {d['bytes_per_token']:,} (fp16 would be {d['fp16_bytes_per_token']:,}; "
