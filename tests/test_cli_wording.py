@@ -25,11 +25,25 @@ def test_serve_says_one_cartridge(monkeypatch, capsys):
     import cartridge.serve
 
     def serve(paths, ready, **options):
-        ready(SimpleNamespace(entries={"lease": None}, base_id="tiny"))
+        ready(SimpleNamespace(entries={"lease": SimpleNamespace(error=None)}, base_id="tiny"))
 
     monkeypatch.setattr(cartridge.serve, "serve", serve)
     status, _, err = cli(capsys, "serve", "lease.cart", "--port", 0)
     assert status == 0 and err == ["serving 1 cartridge (lease) and the base model 'tiny' on http://127.0.0.1:0/v1"]
+
+
+def test_serve_names_each_refused_cartridge_at_start(tiny, tmp_path, monkeypatch, capsys):
+    import cartridge.serve
+    from cartridge.serve.pool import Pool, find_cartridges
+
+    cartridge.build("A lease.", tmp_path / "lease.cart", model=tiny)
+    (tmp_path / "empty.cart").mkdir()
+    monkeypatch.setattr(cartridge.serve, "serve", lambda paths, ready, **o: ready(Pool(find_cartridges(paths), tiny)))
+    status, _, err = cli(capsys, "serve", tmp_path / "lease.cart", tmp_path / "empty.cart", "--port", 0)
+    assert status == 0 and len(err) == 2
+    assert err[0].startswith(f"warning: empty ({tmp_path / 'empty.cart'}) is refused: ")
+    assert err[1] == ("serving 1 cartridge (lease) and the base model 'tiny-seed0' on http://127.0.0.1:0/v1; "
+                      "1 refused (above)")
 
 
 def test_unknown_model_id_lists_one_cartridge(tiny, tmp_path):

@@ -69,9 +69,13 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens, ma
     _check_port(host, port)  # before the model load, and before anything says "serving"
 
     def ready(pool):
-        n, names = len(pool.entries), ", ".join(pool.entries) or "none"
+        refused = {name: e for name, e in pool.entries.items() if e.error is not None}
+        for name, e in refused.items():  # one line each, so a shelf of broken files does not look served
+            click.echo(f"warning: {name} ({e.path}) is refused: {e.error.message}", err=True)
+        good = [name for name in pool.entries if name not in refused]
+        n, names = len(good), ", ".join(good) or "none"
         click.echo(f"serving {n} cartridge{'' if n == 1 else 's'} ({names}) and the base model {pool.base_id!r} "
-                   f"on http://{host}:{port}/v1", err=True)
+                   f"on http://{host}:{port}/v1" + (f"; {len(refused)} refused (above)" if refused else ""), err=True)
 
     run(list(paths) or ["."], host=host, port=port, model=model,
         max_bytes=None if max_bytes is None else parse_bytes(max_bytes), verify=verify, attention=attention,

@@ -73,8 +73,8 @@ def find_cartridges(paths):
     found = {}
     for raw in paths:
         path = Path(raw)
-        if _is_cartridge(path):
-            items = [path]
+        if _is_cartridge(path) or (path.exists() and path.name.endswith(SUFFIXES)):
+            items = [path]  # named as a cartridge: served, or refused with its error (not scanned as a folder)
         elif path.is_dir():
             # a damaged one is listed too (with its error), not left out unseen
             items = sorted(p for p in path.iterdir() if _is_cartridge(p) or p.name.endswith(SUFFIXES))
