@@ -32,6 +32,7 @@ from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXF
 from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
 from . import dense
+from .constants import constant_lines
 
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
 TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
@@ -123,18 +124,8 @@ def _header():
 
 
 def _constants(consts):
-    """C++ lines defining a kernel's compile-time constants (types, ints, bools, the float SCALE)."""
-    lines = []
-    for name, value in consts:
-        if isinstance(value, mx.Dtype):
-            lines.append(f"using {name} = {CUDA_TYPES[value]};")
-        elif isinstance(value, bool):
-            lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
-        elif isinstance(value, float):
-            lines.append(f"constexpr float {name} = {float(np.float32(value)).hex()}f;")
-        else:
-            lines.append(f"constexpr int {name} = {int(value)};")
-    return "\n".join(lines) + "\n"
+    """C++ lines defining a kernel's compile-time constants (types, ints, bools, the float SCALE as a hex literal)."""
+    return constant_lines(consts, CUDA_TYPES, lambda value: float(np.float32(value)).hex())
 
 
 def kernel_spec(kind, n_chunks=0, consts=()):

@@ -25,6 +25,7 @@ import numpy as np
 
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO, layout_of  # noqa: F401
 from ...tiers.rotation import sign_bits
+from .constants import constant_lines
 from . import cuda
 
 SOURCE = Path(__file__).with_name("flash_decode.metal")
@@ -93,21 +94,16 @@ def supported(prefix, head_dim, mode="decode"):
     return KIVI4 not in (specs[0][0], specs[1][0]) or page % 32 == 0
 
 
+def _msl_float(value):
+    """A float32 as a decimal MSL literal: 9 significant digits round-trip it; hex float literals are C++17, MSL is
+    C++14-based."""
+    text = f"{float(np.float32(value)):.9g}"
+    return text if "." in text or "e" in text else text + ".0"
+
+
 def _constants(consts):
     """MSL lines defining a kernel's compile-time constants (types, ints, bools, the float SCALE)."""
-    lines = []
-    for name, value in consts:
-        if isinstance(value, mx.Dtype):
-            lines.append(f"using {name} = {METAL_TYPES[value]};")
-        elif isinstance(value, bool):
-            lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
-        elif isinstance(value, float):
-            # 9 significant digits round-trip a float32; hex float literals are C++17, MSL is C++14-based
-            text = f"{float(np.float32(value)):.9g}"
-            lines.append(f"constexpr float {name} = {text if '.' in text or 'e' in text else text + '.0'}f;")
-        else:
-            lines.append(f"constexpr int {name} = {int(value)};")
-    return "\n".join(lines) + "\n"
+    return constant_lines(consts, METAL_TYPES, _msl_float)
 
 
 def kernel_spec(kind, consts):
