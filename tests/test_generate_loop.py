@@ -30,8 +30,8 @@ def model(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=5, max_position_embeddings=4096, head_dim=64)
 
 
-@pytest.fixture(scope="module", params=[("fp16", "auto"), ("fp16", "portable"), ("mlx4g32+rot", "auto"),
-                                        ("int8", "portable")], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[("fp16", "auto"), ("fp16", "portable"), ("mlx4g32+rot", "auto")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def cart(request, model, tmp_path_factory):
     tier, attention = request.param
     path = tmp_path_factory.mktemp("loop") / f"{tier}.cart"

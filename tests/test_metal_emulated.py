@@ -30,12 +30,15 @@ def emulate(monkeypatch):
     monkeypatch.setattr(metal, "_kernel", _emulated)
 
 
-# Each variant takes seconds to build (cached in /tmp/cartridge-metal-emu): by default one shape per tier and a few
-# more; CARTRIDGE_METAL_EMULATE=all runs every tier at two shapes (GQA 3 / head_dim 64 at a page boundary - 1, and
+# Each variant takes seconds to build (cached in /tmp/cartridge-metal-emu): by default one shape per tier family and
+# a few more; CARTRIDGE_METAL_EMULATE=all runs every tier at two shapes (GQA 3 / head_dim 64 at a page boundary - 1, and
 # GQA 3 x 2 query tokens / head_dim 96 / 511 tokens) and each shape of test_metal_kernels.py for mlx4g32.
 ALL = os.environ.get("CARTRIDGE_METAL_EMULATE") == "all"
+# by default one tier of each decode family (fp16/bf16 pages, affine 8/6/4-bit, FP8, block FP4, TurboQuant, kivi,
+# rotation), keeping `make test` short; every tier with CARTRIDGE_METAL_EMULATE=all
+DEFAULT_TIERS = ("bf16", "int8", "int6+rot", "mlx4g32+rot", "fp8", "nvfp4", "mxfp4+rot", "turbo3", "kivi4")
 CASES = (list(itertools.product(sorted(TIERS), [tm.SHAPES[1], tm.SHAPES[5]])) +
-         [("mlx4g32", s) for s in tm.SHAPES] if ALL else [(t, tm.SHAPES[1]) for t in sorted(TIERS)])
+         [("mlx4g32", s) for s in tm.SHAPES] if ALL else [(t, tm.SHAPES[1]) for t in DEFAULT_TIERS])
 
 
 @pytest.mark.parametrize("tier, shape", CASES)
