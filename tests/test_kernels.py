@@ -9,6 +9,7 @@ tail length hold NaN, so a kernel that skips or over-reads elements fails.
 
 import itertools
 import zlib
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from cartridge.attention.cache import CartridgeCache, LayerPrefix
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import DEQUANTIZED, dequantize
-from cartridge.tiers import TIERS
+from cartridge.tiers import TIERS, protect
 
 HAS_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 
@@ -86,6 +87,25 @@ def _cache(prefix, tail_k, tail_v, dtype):
         used = T - last * cache.chunk_size
         chunks[last][..., used:, :] = mx.nan
     return cache
+
+
+def with_protected(prefix, first, last, D, seed=4):
+    """`prefix` (head_dim `D`) with random fp16 copies of its first `first` and last `last` tokens (format 1.5)."""
+    n_kv = prefix.n_kv_heads
+    rng = np.random.default_rng(seed)
+    kept = [mx.array(rng.standard_normal((n_kv, first + last, D)).astype(np.float16)) for _ in range(2)]
+    return replace(prefix, protected=protect.Protected(first, last, *kept))
+
+
+def protected_reference(prefix, q, tk, tv):
+    """float64 attention over the decoded pages with the protected positions set to their copies, then the tail."""
+    sides = [np.array(protect.overwrite_in_place(c.decode(p, pr), prefix.protected, side, prefix.n_tokens))
+             for c, p, pr, side in ((prefix.k_codec, prefix.k_parts, prefix.k_params, "k"),
+                                    (prefix.v_codec, prefix.v_parts, prefix.v_params, "v"))]
+    n_pages, n_kv, P, D = sides[0].shape
+    # (n_pages, n_kv, P, D) -> (n_kv, N, D)
+    k, v = (x.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, x.shape[-1])[:, :prefix.n_tokens] for x in sides)
+    return reference(q[0], k, v, tk[0], tv[0], D ** -0.5)
 
 
 def _run(prefix, q, tail_k, tail_v, dtype=mx.float32, sinks=None):
@@ -203,28 +223,15 @@ def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, regs, mon
 def test_fused_cuda_protected_tokens_match_float64(tier, shape, first, last, tensor_cores, monkeypatch):
     """Protected tokens (format 1.5): pass 1 reads the stored tokens first .. n - last - 1 only and the finish
     attends over the fp16 copies of the others, as over tail tokens every row sees."""
-    from dataclasses import replace
-
     from cartridge.attention.kernels import cuda
-    from cartridge.tiers import protect
 
     monkeypatch.setattr(cuda, "POISON", float("nan"))
     monkeypatch.setattr(cuda, "TENSOR_CORES", tensor_cores)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 3))
-    n_kv, D = shape[1], shape[2]
-    rng = np.random.default_rng(4)
-    kept = [mx.array(rng.standard_normal((n_kv, first + last, D)).astype(np.float16)) for _ in range(2)]
-    prefix = replace(prefix, protected=protect.Protected(first, last, *kept))
+    prefix = with_protected(prefix, first, last, shape[2])
     fused = replace(prefix, kernel=cuda.FusedAttention(prefix))
     got = _run(fused, q, tk, tv)
-    # the reference: decoded pages with the protected positions set to their copies
-    sides = [np.array(protect.overwrite_in_place(c.decode(p, pr), prefix.protected, side, prefix.n_tokens))
-             for c, p, pr, side in ((prefix.k_codec, prefix.k_parts, prefix.k_params, "k"),
-                                    (prefix.v_codec, prefix.v_parts, prefix.v_params, "v"))]
-    n_pages, _, P, _ = sides[0].shape
-    # (n_pages, n_kv, P, D) -> (n_kv, N, D)
-    k, v = (x.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, D)[:, :prefix.n_tokens] for x in sides)
-    want = reference(q[0], k, v, tk[0], tv[0], D ** -0.5)
+    want = protected_reference(prefix, q, tk, tv)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all() and err < TOL, f"fused protected {tier} {shape}: relative error {err:.2e}"
 

@@ -18,8 +18,8 @@ import pytest
 
 from cartridge.attention.kernels import metal
 from cartridge.attention.policy import dequantize
-from cartridge.tiers import TIERS, protect
-from test_kernels import TOL, TOL_FP16, _cache, _case, _check, _seed, reference
+from cartridge.tiers import TIERS
+from test_kernels import TOL, TOL_FP16, _cache, _case, _check, _seed, protected_reference, with_protected
 
 HAS_METAL = mx.metal.is_available()
 NO_METAL = "needs Apple silicon (mx.metal.is_available() is False)"
@@ -90,17 +90,9 @@ def test_metal_protected_tokens_match_float64(tier, shape, first, last):
     """Protected tokens (format 1.5): pass 1 reads stored tokens first .. n - last - 1, the finish attends over
     the fp16 copies of the others, as over tail tokens every row sees."""
     prefix, q, tk, tv = _make(tier, shape, 3)
-    n_kv, D = shape[1], shape[2]
-    rng = np.random.default_rng(4)
-    kept = [mx.array(rng.standard_normal((n_kv, first + last, D)).astype(np.float16)) for _ in range(2)]
-    prefix = replace(prefix, protected=protect.Protected(first, last, *kept))
+    prefix = with_protected(prefix, first, last, shape[2])
     got = _kernel_out(prefix, q, tk, tv)
-    sides = [np.array(protect.overwrite_in_place(c.decode(p, pr), prefix.protected, side, prefix.n_tokens))
-             for c, p, pr, side in ((prefix.k_codec, prefix.k_parts, prefix.k_params, "k"),
-                                    (prefix.v_codec, prefix.v_parts, prefix.v_params, "v"))]
-    n_pages, _, P, _ = sides[0].shape
-    k, v = (x.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * P, D)[:, :prefix.n_tokens] for x in sides)
-    want = reference(q[0], k, v, tk[0], tv[0], D ** -0.5)
+    want = protected_reference(prefix, q, tk, tv)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all() and err < TOL, f"metal protected {tier} {shape}: relative error {err:.2e}"
 
