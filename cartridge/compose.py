@@ -12,10 +12,12 @@ document tokens are prefilled again over what precedes them (EPIC's LegoLink rec
 per chunk); N is `recompute`.
 """
 
+import time
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from . import blend
 from .attention import route
 from .attention.cache import CartridgeCache, sink_partial
 from .attention.kernels import merge, tail_partial
@@ -24,6 +26,7 @@ from .format.header import require_attention_layers
 from .models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
+DEFAULT_RECOMPUTE_RATIO = 0.0  # set from the measurements in docs/evaluation.md
 MAX_BOUNDARY_SHIFT = 64  # stored tokens a seam may move on to find ids that tokenize back unchanged
 
 
@@ -34,22 +37,38 @@ class Part:
     Attributes:
         prefix (LayerPrefix): one layer's stored pages. shift (int): Δ, true position - stored position.
         start (int): first stored token attended (those before it are skipped or recomputed).
+        skip (mx.array | None): bool (n_pages * page_size,), True at stored tokens recomputed as a patch.
     """
 
     prefix: object
     shift: int
     start: int
+    skip: object = None
 
 
-def _part_partial(q, part):
-    """Attention partial over stored tokens [start, n_tokens) of one part (`kernels.portable.prefix_partial`)."""
+def _part_partial(q, part, before=None):
+    """Attention partial over stored tokens [start, n_tokens) of one part, less `part.skip`
+    (`kernels.portable.prefix_partial`).
+
+    Args:
+        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled, rotated back by the part's shift.
+        part (Part): the stored part. before (mx.array | None): (R,) composed position of each query row;
+            given, a row sees only stored tokens at composed positions before it (causal). Default: None.
+    """
     p = part.prefix
     s = p.k_codec.scores(q, p.k_parts, p.k_params)  # (n_pages, n_kv, R, P)
-    n_pages, _, _, page = s.shape
-    pos = mx.arange(n_pages * page).reshape(n_pages, 1, 1, page)
-    s = mx.where((pos >= part.start) & (pos < p.n_tokens), s, -mx.inf)
-    m = s.max(axis=(0, 3))  # (n_kv, R)
-    pr = mx.exp(s - m[None, :, :, None])
+    n_pages, _, R, page = s.shape
+    pos = mx.arange(n_pages * page)
+    keep = (pos >= part.start) & (pos < p.n_tokens)
+    if part.skip is not None:
+        keep = keep & ~part.skip
+    keep = keep.reshape(n_pages, 1, 1, page)
+    if before is not None:  # (R, n_pages * page) -> (n_pages, 1, R, page)
+        causal = (pos[None, :] + part.shift) < before[:, None]
+        keep = keep & causal.reshape(R, n_pages, page).transpose(1, 0, 2)[:, None]
+    s = mx.where(keep, s, -mx.inf)
+    m = s.max(axis=(0, 3))  # (n_kv, R); -inf for a row that sees no token of this part
+    pr = mx.exp(s - mx.where(m == -mx.inf, 0.0, m)[None, :, :, None])
     return p.v_codec.weighted_values(pr, p.v_parts, p.v_params), m, pr.sum(axis=(0, 3))
 
 
@@ -102,6 +121,69 @@ class ComposedCache(CartridgeCache):
         if sinks is not None:
             partials.append(sink_partial(sinks, n_kv, L, D))
         # (n_kv, group * L, D) -> (1, n_q, L, D)
+        return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
+
+
+class BlendCache(ComposedCache):
+    """One layer's cache while selected tokens of the last part are recomputed (CacheBlend's fusion, `cartridge.blend`).
+
+    The model rotates each forward pass's L tokens at offset (selected tokens done) + 0..L-1; their queries
+    and keys are rotated on to `positions`. A selected token attends over the earlier parts and the patches,
+    the last part's stored tokens before it (less the selected ones, `Part.skip`), and the selected tokens'
+    fresh K/V up to itself.
+
+    Args:
+        parts, patches, length, rope: as `ComposedCache`; parts[-1] is the document being recomputed.
+        positions (mx.array): (S,) int32 composed positions of the selected tokens, ascending.
+    """
+
+    def __init__(self, parts, patches, length, rope, positions):
+        super().__init__(parts, patches, length, rope)
+        self.positions, self.done, self.fresh = positions, 0, ([], [])
+
+    @property
+    def offset(self):
+        """Selected tokens done: the model's rotary offset, moved on to `positions` here."""
+        return self.done
+
+    def _at_positions(self, x, start):
+        """(1, n, L, D) rotated at start..start+L-1 -> rotated at positions[start:start+L]."""
+        L = x.shape[2]
+        delta = self.positions[start:start + L] - mx.arange(start, start + L)
+        # (1, n, L, D) -> (L, n, 1, D): one rotary offset per token
+        return self.rope(x.transpose(2, 1, 0, 3), offset=delta).transpose(2, 1, 0, 3)
+
+    def update_and_fetch(self, keys, values):
+        """Keep the selected tokens' K/V (1, n_kv_heads, L, head_dim), keys moved to their positions."""
+        self.fresh[0].append(self._at_positions(keys, self.done)[0])
+        self.fresh[1].append(values[0])
+        self.done += keys.shape[2]
+        return self.fresh
+
+    def fresh_kv(self):
+        """The selected tokens' (k, v) so far, each (n_kv_heads, done, head_dim)."""
+        return tuple(mx.concatenate(side, axis=1) for side in self.fresh)
+
+    def attention(self, queries, scale, mask=None, sinks=None):
+        """Attention of the last L selected tokens, causal by composed position (`mask` is not read)."""
+        _, n_q, L, D = queries.shape
+        n_kv, start = self.prefix.n_kv_heads, self.done - L
+        group = n_q // n_kv
+        at = self._at_positions(queries.astype(mx.float32), start)
+        rows = self.positions[start:self.done][mx.arange(group * L) % L]  # (group * L,) composed positions
+
+        def flat(x):  # (1, n_q, L, D) -> (n_kv, group * L, D), pre-scaled
+            return (x * scale).reshape(n_kv, group * L, D)
+
+        last = len(self.parts) - 1
+        partials = [_part_partial(flat(self._rotated(at, p.shift)), p, rows if i == last else None)
+                    for i, p in enumerate(self.parts)]
+        q = flat(at)
+        partials += [tail_partial(q, k, v, True) for k, v in self.patches]
+        k, v = self.fresh_kv()
+        partials.append(tail_partial(q, k, v, self.positions[None, :self.done] <= rows[:, None]))
+        if sinks is not None:
+            partials.append(sink_partial(sinks, n_kv, L, D))
         return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
 
 
@@ -189,10 +271,15 @@ class ComposedCartridge:
     Attributes:
         model, tokenizer: what to generate with. carts (list[Cartridge]): the parts.
         tokens (list[int]): the composed context's token ids. recompute (int): N.
+        recompute_ratio (float): CacheBlend's budget. select_layer (int): the layer whose deviation selects.
+        blended (list[dict]): per later document: "fresh" (separator + boundary tokens prefilled), "read"
+            (tokens read from its pages), "selected" (of those, recomputed), "positions" (their composed
+            positions), "select_s" / "recompute_s" (seconds of the selection pass and of the recompute).
     """
 
-    def __init__(self, carts, recompute, separator):
+    def __init__(self, carts, recompute, separator, recompute_ratio=0.0, select_layer=blend.DEFAULT_SELECT_LAYER):
         self.carts, self.recompute = carts, recompute
+        self.recompute_ratio, self.select_layer, self.blended = recompute_ratio, select_layer, []
         self.model, self.tokenizer = carts[0].model, carts[0].tokenizer
         self.info, self.attention, self.plan = carts[-1].info, carts[0].attention, carts[0].plan
         self._ropes = _ropes(self.model)
@@ -211,13 +298,47 @@ class ComposedCartridge:
         if fresh:
             self.model(mx.array(fresh)[None], cache=caches)  # recompute over everything before them
         shift = len(self.tokens) + len(fresh) - start  # true position - stored position of token `start`
-        for layer, cache in enumerate(caches):
+        read = cart.tokens[start:]
+        patches = [cache.tail_kv() for cache in caches] if fresh else None
+        t0 = time.perf_counter()
+        selected = self._select(caches, cart, Part(cart.prefixes[self.select_layer], shift, start),
+                                blend.budget(self.recompute_ratio, len(fresh), len(read)))
+        select_s = time.perf_counter() - t0
+        for layer in range(len(caches)):
             if fresh:
-                self._patches[layer].append(cache.tail_kv())
-            if start < len(cart.tokens):  # a part with no token left would have no key at all
-                self._layers[layer].append(Part(replace(cart.prefixes[layer], kernel=None), shift, start))
-        self.tokens += fresh + cart.tokens[start:]
+                self._patches[layer].append(patches[layer])
+            if read:  # a part with no token left would have no key at all
+                skip = blend.skip_mask(cart.prefixes[layer], [start + i for i in selected]) if selected else None
+                self._layers[layer].append(Part(replace(cart.prefixes[layer], kernel=None), shift, start, skip))
         mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
+        t0 = time.perf_counter()
+        positions = [start + shift + i for i in selected]
+        if selected:
+            self._recompute([read[i] for i in selected], positions)
+        self.blended.append({"fresh": len(fresh), "read": len(read), "selected": len(selected), "positions":
+                             positions, "select_s": select_s, "recompute_s": time.perf_counter() - t0})
+        self.tokens += fresh + read
+
+    def _select(self, caches, cart, part, k):
+        """Indices into the tokens read from `cart`'s pages of the `k` whose K/V at `select_layer` deviate most
+        from the stored ones when prefilled after `caches` (which hold the separator and boundary); ascending."""
+        if k == 0:
+            return []
+        fresh = blend.fresh_layer_kv(self.model, caches, cart.tokens[part.start:], self.select_layer)
+        scores = blend.deviation(fresh, blend.stored_kv(part, self._ropes[self.select_layer]))
+        return blend.select(scores, k)
+
+    def _recompute(self, ids, positions):
+        """Run the selected tokens through every layer (`BlendCache`); their K/V become patches."""
+        at = mx.array(positions, dtype=mx.int32)
+        caches = [BlendCache(parts, patches, len(self.tokens), rope, at)
+                  for parts, patches, rope in zip(self._layers, self._patches, self._ropes)]
+        for i in range(0, len(ids), blend.CHUNK):
+            self.model(mx.array(ids[i:i + blend.CHUNK])[None], cache=caches)
+            mx.eval([c.fresh for c in caches])
+        for patches, cache in zip(self._patches, caches):
+            patches.append(cache.fresh_kv())
+        mx.eval(self._patches)
 
     def question_prompt(self, question, cache=None):
         """Tokens to feed after the composed context (as `Cartridge.question_prompt`; `cache` unchecked)."""
@@ -230,7 +351,8 @@ class ComposedCartridge:
                 for parts, patches, rope in zip(self._layers, self._patches, self._ropes)]
 
 
-def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
+def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_ratio=DEFAULT_RECOMPUTE_RATIO,
+            select_layer=blend.DEFAULT_SELECT_LAYER):
     """Lay loaded cartridges of one model out one after another.
 
     Args:
@@ -238,18 +360,29 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
         recompute (int): document tokens of each later cartridge prefilled again over what precedes
             them (after the separator, which always is). Default: 16.
         separator (str): text between documents. Default: "\\n\\n".
+        recompute_ratio (float): in [0, 1]: the fraction of each later document's composed tokens (separator
+            and the `recompute` boundary tokens counted in) recomputed; beyond the boundary, the stored tokens
+            whose K/V at `select_layer` deviate most when prefilled after what precedes them (CacheBlend,
+            arXiv:2405.16444 section 4; `cartridge.blend`). 0: the boundary only; 1: all (a fresh prefill).
+            Default: DEFAULT_RECOMPUTE_RATIO.
+        select_layer (int): the layer whose K/V deviation selects the tokens. Default: 1 (the paper's).
 
     Returns:
         ComposedCartridge
 
     Raises:
-        InputError: fewer than two cartridges, different models, a negative `recompute`, a conversation
+        InputError: fewer than two cartridges, different models, a negative `recompute`, a
+            `recompute_ratio` outside [0, 1] or NaN, a `select_layer` not a layer, a conversation
             cartridge (`Cartridge.save`).
     """
     if len(carts) < 2:
         raise InputError("compose needs at least two cartridges")
     if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
         raise InputError(f"recompute is {recompute!r}; it must be a whole number of tokens >= 0")
+    blend.check_ratio(recompute_ratio)
+    n_layers = len(carts[0].prefixes)
+    if isinstance(select_layer, bool) or not isinstance(select_layer, int) or not 0 <= select_layer < n_layers:
+        raise InputError(f"select_layer is {select_layer!r}; the model's layers are 0..{n_layers - 1}")
     for c in carts:
         require_attention_layers(c.info, "compose")
         if c.info.document_tokens != len(c.info.tokens):  # its turns would be laid in as document text
@@ -258,4 +391,4 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR):
     ids = {c.info.fingerprint["id"] for c in carts}
     if len(ids) != 1:
         raise InputError(f"the cartridges were built with {len(ids)} different models; compose needs one")
-    return ComposedCartridge(carts, recompute, separator)
+    return ComposedCartridge(carts, recompute, separator, recompute_ratio, select_layer)

@@ -1,0 +1,106 @@
+"""CacheBlend's selective recompute in composed cartridges (`cartridge.blend`, `compose(recompute_ratio=)`):
+the selected tokens are patched at their composed positions, all of them selected is a fresh prefill,
+ratio 0 is the boundary-only composition, bad budgets are refused."""
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from cartridge import blend
+from cartridge.compose import compose
+from cartridge.errors import InputError
+
+DOC_A = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3
+DOC_B = "Annex B. Rent is due on the first day of each month, payable by bank transfer to the lessor. " * 2
+DOC_C = "Annex C. The deposit is two months of rent, returned within 14 days after the keys. " * 2
+Q = "When is rent due?"
+
+
+@pytest.fixture(scope="module")
+def carts(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("blend")
+    for name, doc in (("a", DOC_A), ("b", DOC_B), ("c", DOC_C)):
+        cartridge.build(doc, d / f"{name}.cart", model=tiny, page_size=16)
+    return [cartridge.load(d / f"{n}.cart", model=tiny) for n in "abc"]
+
+
+def _logits(model, ids, cache):
+    return np.array(model(mx.array(ids)[None], cache=cache)[0, -1])
+
+
+def _fresh_kv(tiny, tokens):
+    """Per layer (k, v) of a fresh mlx-lm prefill of `tokens`, each (n_kv, T, D)."""
+    cache = make_prompt_cache(tiny.model)
+    tiny.model(mx.array(tokens)[None], cache=cache)
+    return [(c.keys[0, :, : c.offset], c.values[0, :, : c.offset]) for c in cache]
+
+
+def test_ratio_one_equals_a_fresh_prefill(carts, tiny):
+    c = compose(carts[:2], recompute_ratio=1.0)
+    b = c.blended[0]
+    assert b["selected"] == b["read"] > 0
+    q = c.question_prompt(Q)
+    np.testing.assert_allclose(_logits(tiny.model, q, c.prompt_cache()),
+                               _logits(tiny.model, c.tokens + q, make_prompt_cache(tiny.model)), atol=2e-3)
+
+
+def test_three_documents_at_ratio_one_equal_a_fresh_prefill(carts, tiny):
+    c = compose(carts, recompute=0, recompute_ratio=1.0)
+    assert [b["selected"] == b["read"] for b in c.blended] == [True, True]
+    q = c.question_prompt(Q)
+    np.testing.assert_allclose(_logits(tiny.model, q, c.prompt_cache()),
+                               _logits(tiny.model, c.tokens + q, make_prompt_cache(tiny.model)), atol=2e-3)
+
+
+def test_selected_tokens_are_patched_at_their_positions(carts, tiny):
+    """Each selected token's patch is the fresh prefill's K/V at its composed position, on both layers:
+    layer 0's stored K/V are exact once rotated (token and position only), so the selected tokens' layer-1
+    inputs are the fresh prefill's too; their stored copies are masked out of b's part."""
+    c = compose(carts[:2], recompute=4, recompute_ratio=0.3)
+    b = c.blended[0]
+    n_b = b["fresh"] + b["read"]
+    assert b["selected"] == round(0.3 * n_b) - b["fresh"] > 0
+    positions = b["positions"]
+    assert positions == sorted(set(positions)) and positions[0] >= len(c.tokens) - b["read"]
+    part = c._layers[0][1]
+    skip = np.array(part.skip)
+    assert np.flatnonzero(skip).tolist() == [p - part.shift for p in positions]
+    ref = _fresh_kv(tiny, c.tokens)
+    for layer, (k_ref, v_ref) in enumerate(ref):
+        k, v = c._patches[layer][-1]
+        np.testing.assert_allclose(np.array(k), np.array(k_ref[:, positions]), atol=2e-3)
+        np.testing.assert_allclose(np.array(v), np.array(v_ref[:, positions]), atol=2e-3)
+        assert not np.allclose(np.array(k), np.array(k_ref[:, [p - 1 for p in positions]]), atol=2e-3)
+
+
+def test_ratio_zero_is_the_boundary_only_composition(carts, tiny):
+    for n in (0, 5):
+        c = compose(carts[:2], recompute=n, recompute_ratio=0.0)
+        assert c.blended[0]["selected"] == 0 and c._layers[0][1].skip is None
+        assert len(c._patches[0]) == 1 and c._patches[0][0][0].shape[1] == c.blended[0]["fresh"]
+
+
+def test_budget_counts_the_boundary():
+    assert blend.budget(0.0, 18, 100) == 0
+    assert blend.budget(0.1, 2, 100) == 8  # round(0.1 * 102) - 2
+    assert blend.budget(0.1, 18, 100) == 0  # the boundary alone exceeds it
+    assert blend.budget(1.0, 18, 100) == 100
+
+
+def test_select_takes_the_largest_deviations_in_order():
+    assert blend.select(mx.array([0.1, 3.0, 0.2, 2.0, 2.0]), 3) == [1, 3, 4]
+    assert blend.select(mx.array([1.0, 2.0]), 0) == []
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan"), float("inf"), "0.2", True])
+def test_bad_ratio_refused(carts, ratio):
+    with pytest.raises(InputError, match="recompute_ratio is .* between 0 and 1") as e:
+        compose(carts[:2], recompute_ratio=ratio)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_select_layer_refused(carts):
+    with pytest.raises(InputError, match="select_layer is 99; the model's layers are 0..1"):
+        compose(carts[:2], recompute_ratio=0.2, select_layer=99)
