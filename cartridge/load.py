@@ -37,7 +37,7 @@ def _start_decodes(prefixes):
 
 
 def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16,
-         max_memory=None):
+         max_memory=None, recompute_ratio=None):
     """Load a cartridge, or several laid out one after another (`cartridge.compose`).
 
     Args:
@@ -54,6 +54,8 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
             (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
         recompute (int): with a list: document tokens of each later cartridge prefilled again over
             the ones before it. Default: 16.
+        recompute_ratio (float | None): with a list: CacheBlend's budget, the fraction of each later document's
+            tokens recomputed (`cartridge.compose`); None: compose's default. Default: None.
         max_memory (int | None): the most bytes the prefix may hold in memory, while loading and after
             (stored pages, pages decoded to dense, one decode's buffers). Layers whose policy is
             dequantize-once decode only the sides that fit; the rest read their stored pages. None: for
@@ -86,7 +88,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
             first = load(path[0], verify=verify, attention=attention, max_memory=max_memory)
             model, tokenizer = first.model, first.tokenizer
         carts = [load(p, model, tokenizer, verify, attention, max_memory=max_memory) for p in path]
-        return compose(carts, recompute)
+        return compose(carts, recompute, **({} if recompute_ratio is None else {"recompute_ratio": recompute_ratio}))
     if group is not None:
         from .distributed import load_sharded
 

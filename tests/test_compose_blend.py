@@ -104,3 +104,20 @@ def test_bad_ratio_refused(carts, ratio):
 def test_bad_select_layer_refused(carts):
     with pytest.raises(InputError, match="select_layer is 99; the model's layers are 0..1"):
         compose(carts[:2], recompute_ratio=0.2, select_layer=99)
+
+
+def test_load_and_cli_take_the_ratio(tiny_dir, tmp_path):
+    from test_cli import run
+
+    from cartridge.cli.ask import load_cartridge
+
+    a, b = tmp_path / "a.cart", tmp_path / "b.cart"
+    cartridge.build(DOC_A, a, model=str(tiny_dir))
+    cartridge.build(DOC_B, b, model=str(tiny_dir))
+    c, _ = load_cartridge([str(a), str(b)], str(tiny_dir), "auto", recompute=2, recompute_ratio=0.25)
+    n = c.blended[0]["fresh"] + c.blended[0]["read"]
+    assert c.recompute_ratio == 0.25 and c.blended[0]["selected"] == round(0.25 * n) - c.blended[0]["fresh"] > 0
+    r = run("ask", a, b, "When is rent due?", "--recompute-ratio", "nan")
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and err == ["error: --recompute-ratio is nan; it must be a fraction of the tokens "
+                                         "between 0 and 1"], err

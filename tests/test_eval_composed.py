@@ -7,6 +7,7 @@ import re
 import pytest
 from test_cli import run
 
+from cartridge.cli.eval_composed import parse_ratios, setting_label
 from cartridge.errors import InputError
 from cartridge.eval.composed import ComposeConfig, evaluate_composed, joined, layout, sources
 from cartridge.eval.dataset import load_questions
@@ -62,11 +63,30 @@ def test_recomputing_all_of_b_answers_as_the_fresh_prefill(report):
     assert full["needles"]["answers"][0]["text"] == ref["needles"]["answers"][0]["text"]
 
 
+@pytest.fixture(scope="module")
+def blended(tiny, tmp_path_factory):
+    config = ComposeConfig(recompute=(0,), ratios=(0.5, 1.0), max_tokens=3, page_size=16,
+                           work_dir=tmp_path_factory.mktemp("blended-work"))
+    return evaluate_composed([DOC_A, DOC_B], QUESTIONS, model=tiny, config=config)
+
+
+def test_ratio_axis_recomputes_that_share_and_all_of_it_is_the_reference(blended):
+    assert [(r["recompute"], r["recompute_ratio"]) for r in blended["rows"]] == [(0, 0.5), (0, 1.0)]
+    assert blended["settings"]["recompute_ratio"] == [0.5, 1.0]
+    half, full = (r["recomputed"] for r in blended["rows"])
+    assert half["of"] == full["of"] and half["tokens"] == round(0.5 * half["of"]) and 0 < half["selected"]
+    assert full["tokens"] == full["of"] and full["fraction"] == 1.0
+    assert [a["tokens"] for a in blended["rows"][1]["answers"]] == [a["tokens"] for a in blended["reference"]["answers"]]
+    assert setting_label(blended["rows"][0]) == f"recompute 0, ratio 0.5 ({100 * half['fraction']:.1f}% recomputed)"
+
+
 def test_bad_settings_refused(tiny):
     with pytest.raises(InputError, match="source 'c' is not one of a, b, both"):
         evaluate_composed([DOC_A, DOC_B], [{"id": 1, "question": "Q?", "source": "c"}], model=tiny)
     with pytest.raises(InputError, match="recompute settings"):
         evaluate_composed([DOC_A, DOC_B], QUESTIONS, model=tiny, config=ComposeConfig(recompute=(-1,)))
+    with pytest.raises(InputError, match="recompute ratio is nan"):
+        evaluate_composed([DOC_A, DOC_B], QUESTIONS, model=tiny, config=ComposeConfig(ratios=(float("nan"),)))
     with pytest.raises(InputError, match="needles_in is 'z'"):
         evaluate_composed([DOC_A, DOC_B], QUESTIONS, model=tiny, needles=NEEDLES, config=ComposeConfig(needles_in="z"))
 
@@ -104,6 +124,7 @@ def test_cli_markdown_and_json(files, tiny_dir):
     ("tiers with two documents", "--tiers: for one document"),
     ("recompute with one document", "--recompute needs two or more documents"),
     ("bad recompute", "--recompute entry 'x' must be a whole number"),
+    ("bad ratio", "--recompute-ratio entry '1.5' must be a fraction between 0 and 1"),
     ("bad source", "field 'source' must be one of 'a', 'b', 'both', found 'c'"),
     ("json folder missing", "--json"),
 ])
@@ -115,6 +136,7 @@ def test_bad_input_one_line(files, tiny_dir, tmp_path, case, expect):
         if case == "bad source":
             q.write_text(json.dumps({"question": "Q?", "source": "c"}) + "\n")
         args = {"tiers with two documents": ["--tiers", "bf16"], "bad recompute": ["--recompute", "0,x"],
+                "bad ratio": ["--recompute-ratio", "0,1.5"],
                 "json folder missing": ["--json", tmp_path / "no" / "r.json"],
                 "bad source": ["--questions", q]}[case]
         r = _eval(files, tiny_dir, *args)
@@ -127,3 +149,10 @@ def test_bad_input_one_line(files, tiny_dir, tmp_path, case, expect):
 def test_questions_with_sources_load(files):
     rows = load_questions(files / "q.jsonl", sources(2))
     assert [r["source"] for r in rows] == ["a", "b", "both"]
+
+
+def test_parse_ratios():
+    assert parse_ratios("0,0.05,1") == (0.0, 0.05, 1.0)
+    for bad, expect in (("nan", "entry 'nan'"), ("0.1,0.1", "lists 0.1 more than once"), ("", "entry ''")):
+        with pytest.raises(InputError, match=expect):
+            parse_ratios(bad)

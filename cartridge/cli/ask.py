@@ -9,6 +9,8 @@ from pathlib import Path
 import click
 
 import cartridge
+from cartridge.blend import check_ratio
+from cartridge.compose import DEFAULT_RECOMPUTE_RATIO
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
@@ -18,7 +20,7 @@ from .serve import MAX_MEMORY_HELP, parse_bytes
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 
 
-def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memory=None):
+def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memory=None, recompute_ratio=None):
     """Load a cartridge (or compose several) for `ask` and `chat`, as the CLI options say.
 
     Args:
@@ -26,6 +28,7 @@ def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memo
             None for the one the cartridge records. attention (str): the policy (`ATTENTION_HELP`).
         parallel (str | None): `--parallel`: load a sharded cartridge over the launched group.
         recompute (int): seam tokens recomputed when composing. max_memory (str | None): "--max-memory".
+        recompute_ratio (float | None): "--recompute-ratio" when composing; None: `compose`'s default.
 
     Returns:
         tuple: (Cartridge, seconds the load took).
@@ -47,7 +50,9 @@ def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memo
     else:
         lm = cartridge.load_model(model_ref(model)) if model is not None else None
         with warnings_as_lines():  # a budget below the stored pages, a dequantize-once it changed
-            cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory)
+            ratio = {} if recompute_ratio is None else {"recompute_ratio": recompute_ratio}
+            cart = cartridge.load(path, model=lm, attention=attention, recompute=recompute, max_memory=max_memory,
+                                  **ratio)
     return cart, time.perf_counter() - t0
 
 
@@ -181,9 +186,12 @@ def _paths_and_question(args, questions_file):
               help="Also write the cartridge + this question and answer as a new cartridge (resume: ask FILE ...).")
 @click.option("--recompute", default=16, show_default=True, metavar="N",
               help="With several cartridges: tokens of each later document prefilled again over the ones before.")
+@click.option("--recompute-ratio", default=None, type=float, metavar="R",
+              help="With several cartridges: fraction of each later document's tokens recomputed, the boundary's "
+              f"and those whose K/V deviate most (CacheBlend).  [default: {DEFAULT_RECOMPUTE_RATIO:g}]")
 @click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
 def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute,
-        max_memory):
+        recompute_ratio, max_memory):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout); several PATHs
     are laid out one after another in one context.
 
@@ -200,10 +208,12 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     if json_path is not None and questions_file is None:
         raise InputError("--json needs --questions")
+    if recompute_ratio is not None:
+        check_ratio(recompute_ratio, "--recompute-ratio")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
     cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
-                                  max_memory)
+                                  max_memory, recompute_ratio)
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):

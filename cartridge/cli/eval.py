@@ -84,15 +84,18 @@ def _bar():
 @click.option("--markdown", is_flag=True, help="Print the table as GitHub markdown.")
 @click.option("--recompute", default="0,16,64", show_default=True,
               help="Several documents: comma-separated settings, tokens of each later document recomputed.")
+@click.option("--recompute-ratio", default="0", show_default=True,
+              help="Several documents: comma-separated CacheBlend budgets, the fraction of each later document's "
+              "tokens recomputed (those whose K/V deviate most), each run with every --recompute setting.")
 @click.option("--needles-in", default=None, help="Several documents: letter of the document the needles are "
               "planted in (a, b, ...). Default: the last.")
 @click.pass_context
 def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens,
-                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown, recompute, needles_in):
+                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown, recompute, recompute_ratio, needles_in):
     """Build one cartridge per tier/schema of CORPUS and compare its answers with the fp16 cartridge's.
 
     With two or more documents (CORPUS A B ...): build one fp16 cartridge per document, compose them
-    with each --recompute setting and compare the answers with a fresh prefill of the joined text;
+    with each --recompute and --recompute-ratio setting and compare the answers with a fresh prefill of the joined text;
     every question line names the document that answers it ("source": "a", "b", ... or "both").
 
     The --json and --plot files are checked before any work (their folder must exist; an existing file
@@ -112,7 +115,7 @@ def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, he
         if len(texts) > 1:
             common = dict(max_tokens=max_tokens, work_dir=work_dir, rebuild=rebuild, page_size=page_size)
             report = run_composed(list(corpus), texts, questions_path, model, _needles(needles), recompute,
-                                  needles_in, common, progress)
+                                  recompute_ratio, needles_in, common, progress)
         else:
             report = _single(texts[0], questions_path, model, tiers, schemas, needles, heldout, heldout_fraction,
                              max_tokens, no_fresh, work_dir, rebuild, page_size, progress)

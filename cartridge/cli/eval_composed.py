@@ -27,11 +27,33 @@ def parse_recompute(text):
     return tuple(out)
 
 
+def parse_ratios(text):
+    """"0,0.1,0.15" -> (0.0, 0.1, 0.15).
+
+    Raises:
+        InputError: an entry that is not a number in [0, 1], or a repeated one.
+    """
+    out = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = None
+        if value is None or not 0 <= value <= 1:  # NaN fails both comparisons
+            raise InputError(f"--recompute-ratio entry {part.strip()!r} must be a fraction between 0 and 1 "
+                             "(as 0,0.1,0.15)")
+        if value in out:
+            raise InputError(f"--recompute-ratio lists {value:g} more than once")
+        out.append(value)
+    return tuple(out)
+
+
 def check_options(n_corpora, given):
     """Refuse options of the other mode: `given` are the option names set on the command line.
 
     Raises:
-        InputError: a one-document option with several documents, or --recompute/--needles-in with one.
+        InputError: a one-document option with several documents, or --recompute/--recompute-ratio/--needles-in
+            with one.
     """
     if n_corpora > 1:
         wrong = [name for name in SINGLE_ONLY if name in given]
@@ -39,7 +61,7 @@ def check_options(n_corpora, given):
             flags = ", ".join("--" + w.removesuffix("_path").replace("_", "-") for w in wrong)
             raise InputError(f"{flags}: for one document; several documents are composed from fp16 cartridges")
     else:
-        wrong = [name for name in ("recompute", "needles_in") if name in given]
+        wrong = [name for name in ("recompute", "recompute_ratio", "needles_in") if name in given]
         if wrong:
             raise InputError(f"--{wrong[0].replace('_', '-')} needs two or more documents (it composes them)")
 
@@ -54,11 +76,19 @@ def _needles(nd):
     return f"{nd['found']}/{nd['n']} (" + " ".join(f"{d['found']}/{d['n']}" for d in nd["by_depth"].values()) + ")"
 
 
+def setting_label(row):
+    """"recompute 16", or with a CacheBlend budget "recompute 16, ratio 0.15 (15.1% recomputed)"."""
+    label = f"recompute {row['recompute']}"
+    if row.get("recompute_ratio"):
+        label += f", ratio {row['recompute_ratio']:g} ({100 * row['recomputed']['fraction']:.1f}% recomputed)"
+    return label
+
+
 def row_cells(row):
     """The cells of one setting's row."""
     v, t = row["vs_reference"], row["ttft"]
     return [
-        f"recompute {row['recompute']}",
+        setting_label(row),
         _pair(v, lambda c: f"{c['first_token']}/{c['n']}"),
         _pair(v, lambda c: f"{c['exact']}/{c['n']}"),
         _pair(v, lambda c: f"{c['bleu']:.3f}"),
@@ -112,13 +142,14 @@ def markdown_table(report):
     return render_markdown(COLUMNS, _rows(report), _caption(report))
 
 
-def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, needles_in, common, progress):
+def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, ratios, needles_in, common, progress):
     """Load the questions, run `evaluate_composed`; the report with the document paths recorded."""
     from cartridge.eval.composed import ComposeConfig, evaluate_composed, sources
     from cartridge.eval.dataset import load_questions
 
     questions = load_questions(questions_path, sources(len(texts)))
-    config = ComposeConfig(recompute=parse_recompute(recompute), needles_in=needles_in, **common)
+    config = ComposeConfig(recompute=parse_recompute(recompute), ratios=parse_ratios(ratios), needles_in=needles_in,
+                           **common)
     report = evaluate_composed(texts, questions, model=lm_ref, needles=needles, config=config, progress=progress)
     for doc, path in zip(report["documents"], corpora):
         doc["path"] = path

@@ -3,6 +3,7 @@ against a fresh prefill of the same text.
 
     reference   mlx-lm on the whole prompt: chat template around  A + separator + B + ... , question
     recompute N the fp16 cartridges of A, B, ... built one by one, composed with N recomputed tokens
+    + ratio R   and CacheBlend's selective recompute of R of each later document's tokens (`compose`)
 
 The reference's text is what a one-shot build of the joined documents would prefill; with it, the
 composed layout's token ids are the same (checked: "layout_tokens_match"). Documents after the first
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import mlx_lm
 
+from ..blend import DEFAULT_SELECT_LAYER, check_ratio
 from ..build import context_length
 from ..compose import compose
 from ..errors import InputError
@@ -45,6 +47,8 @@ class ComposeConfig:
     Attributes:
         recompute (tuple[int, ...]): the settings: tokens of each later document prefilled again.
             Default: (0, 16, 64).
+        ratios (tuple[float, ...]): CacheBlend budgets (`compose(recompute_ratio=)`), each run with every
+            `recompute` setting. Default: (0.0,) (the boundary only).
         max_tokens (int): greedy tokens per answer. Default: 50.
         needles_in (str | None): letter of the document the needles are planted in; None is the last.
         work_dir (str | None): cartridge cache folder; None is `spec.default_work_dir()`. Default: None.
@@ -53,6 +57,7 @@ class ComposeConfig:
     """
 
     recompute: tuple = (0, 16, 64)
+    ratios: tuple = (0.0,)
     max_tokens: int = 50
     needles_in: str | None = None
     work_dir: str | None = None
@@ -178,11 +183,13 @@ class _Run:
         text, tok = joined(docs), self.lm.tokenizer
         return self.ask(rows, lambda q: full_prompt_tokens(tok, text, q), None, what)
 
-    def setting(self, n, carts, needle_carts, reference):
-        """Compose with `n` recomputed tokens and measure: answers, single-cartridge TTFT, needles."""
+    def setting(self, n, ratio, carts, needle_carts, reference):
+        """Compose with `n` recomputed tokens and budget `ratio`; measure answers, single-cartridge TTFT, needles."""
         t0 = time.perf_counter()
-        comp = compose(carts, recompute=n)
-        row = {"recompute": n, "compose_seconds": time.perf_counter() - t0, "answers": [], "single_ttft_s": []}
+        comp = compose(carts, recompute=n, recompute_ratio=ratio)
+        row = {"recompute": n, "recompute_ratio": ratio, "compose_seconds": time.perf_counter() - t0,
+               **recomputed(comp), "answers": [], "single_ttft_s": []}
+        n = f"{n}, ratio {ratio:g}" if ratio else n  # for the progress lines
         single = carts[0]
         self._warm(comp, single)
         for q in self.questions:  # one cartridge and the composed context, question by question
@@ -192,7 +199,7 @@ class _Run:
         row["vs_reference"] = by_class(row["answers"], reference["answers"], self.questions)
         row["ttft"] = _ttft(row["answers"], row["single_ttft_s"])
         if self.needles:
-            nc = compose(needle_carts, recompute=n)
+            nc = compose(needle_carts, recompute=row["recompute"], recompute_ratio=ratio)
             row["needles"] = needle_result(self.ask(self.needles, nc.question_prompt, nc.prompt_cache,
                                                     f"recompute {n}: needles"), self.needles)
         return row
@@ -202,6 +209,17 @@ class _Run:
         q = self.questions[0]["question"]
         for c in (single, comp):
             timed_greedy(self.lm.model, self.lm.tokenizer, c.question_prompt(q), 1, c.prompt_cache)
+
+
+def recomputed(comp):
+    """What a composition recomputed of its later documents: {"recomputed": {"tokens", "of", "fraction",
+    "selected"}, "select_seconds", "recompute_seconds"} (separator and boundary counted in, `compose.blended`)."""
+    done = sum(b["fresh"] + b["selected"] for b in comp.blended)
+    of = sum(b["fresh"] + b["read"] for b in comp.blended)
+    return {"recomputed": {"tokens": done, "of": of, "fraction": done / of,
+                           "selected": sum(b["selected"] for b in comp.blended)},
+            "select_seconds": sum(b["select_s"] for b in comp.blended),
+            "recompute_seconds": sum(b["recompute_s"] for b in comp.blended)}
 
 
 def _ttft(answers, single):
@@ -224,6 +242,10 @@ def _check(questions, config, n_documents):
     bad = [n for n in config.recompute if isinstance(n, bool) or not isinstance(n, int) or n < 0]
     if not config.recompute or bad:
         raise InputError(f"recompute settings {list(config.recompute)!r}: give whole numbers of tokens >= 0")
+    if not config.ratios:
+        raise InputError("no recompute ratio to run: give at least one (0 is the boundary only)")
+    for r in config.ratios:
+        check_ratio(r, "recompute ratio")
 
 
 def evaluate_composed(documents, questions, model=None, needles=(), config=None, progress=None):
@@ -239,7 +261,7 @@ def evaluate_composed(documents, questions, model=None, needles=(), config=None,
 
     Returns:
         dict: JSON-able report: "reference" (fresh-prefill answers and needles), "rows" (one per
-        recompute setting: answers, "vs_reference" = {"all", "one", "both"} `metrics.compare_answers`,
+        (ratio, recompute) setting: answers, "recomputed" (`recomputed`), "select_seconds", "recompute_seconds", "vs_reference" = {"all", "one", "both"} `metrics.compare_answers`,
         "ttft" {median_s, single_median_s, ratio}, "needles", "compose_seconds"), the documents'
         token counts, "layout_tokens_match", settings, BLEU implementation, machine and load.
 
@@ -260,7 +282,7 @@ def evaluate_composed(documents, questions, model=None, needles=(), config=None,
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     run = _Run(lm, docs, questions, needles, config, progress)
     run.check_room()
-    n_q, n_n, n_s = len(questions), len(needles), len(config.recompute)
+    n_q, n_n, n_s = len(questions), len(needles), len(config.recompute) * len(config.ratios)
     run.total = len(docs) + bool(needles) + n_q + n_n + n_s * (2 * n_q + n_n)
     t0 = time.perf_counter()
     built, needle_built = run.cartridges()
@@ -270,7 +292,7 @@ def evaluate_composed(documents, questions, model=None, needles=(), config=None,
     if needles:
         reference["needles"] = needle_result(run.reference(run.needle_docs, needles, "fresh prefill: needles"),
                                              needles)
-    rows = [run.setting(n, carts, needle_carts, reference) for n in config.recompute]
+    rows = [run.setting(n, r, carts, needle_carts, reference) for r in config.ratios for n in config.recompute]
     report = _report(run, built, reference, rows, time.perf_counter() - t0)
     if needles:
         report["documents"][run.needle_index]["needle_cartridge"] = needle_built[run.needle_index][1]
@@ -279,12 +301,13 @@ def evaluate_composed(documents, questions, model=None, needles=(), config=None,
 
 def _report(run, built, reference, rows, seconds):
     tok, cfg = run.lm.tokenizer, run.config
-    comp_tokens = compose([c for c, _ in built], recompute=0).tokens
+    comp_tokens = compose([c for c, _ in built], recompute=0, recompute_ratio=0).tokens
     return {
         "mode": "composed",
         **report_head(run.lm, seconds),
         "settings": {"max_tokens": cfg.max_tokens, "decoding": "greedy (argmax), mlx_lm.stream_generate",
                      "page_size": cfg.page_size, "tier": "fp16", "recompute": list(cfg.recompute),
+                     "recompute_ratio": list(cfg.ratios), "select_layer": DEFAULT_SELECT_LAYER,
                      "separator": SEPARATOR, "needles_in": run.letters[run.needle_index] if run.needles else None},
         "documents": [{"letter": letter, "prefix_tokens": len(c.tokens), "cartridge": meta}
                       for letter, (c, meta) in zip(run.letters, built)],
