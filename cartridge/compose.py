@@ -322,8 +322,8 @@ class ComposedCartridge:
     def _select(self, caches, cart, part, k):
         """Indices into the tokens read from `cart`'s pages of the `k` whose K/V at `select_layer` deviate most
         from the stored ones when prefilled after `caches` (which hold the separator and boundary); ascending."""
-        if k == 0:
-            return []
+        if k in (0, len(cart.tokens) - part.start):  # none, or every one: nothing to choose
+            return list(range(k))
         fresh = blend.fresh_layer_kv(self.model, caches, cart.tokens[part.start:], self.select_layer)
         scores = blend.deviation(fresh, blend.stored_kv(part, self._ropes[self.select_layer]))
         return blend.select(scores, k)

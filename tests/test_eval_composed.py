@@ -65,14 +65,14 @@ def test_recomputing_all_of_b_answers_as_the_fresh_prefill(report):
 
 @pytest.fixture(scope="module")
 def blended(tiny, tmp_path_factory):
-    config = ComposeConfig(recompute=(0,), ratios=(0.5, 1.0), max_tokens=3, page_size=16,
+    config = ComposeConfig(recompute=(0,), ratios=(0.5, 1.0), max_tokens=3, page_size=16, reference="recompute-all",
                            work_dir=tmp_path_factory.mktemp("blended-work"))
     return evaluate_composed([DOC_A, DOC_B], QUESTIONS, model=tiny, config=config)
 
 
 def test_ratio_axis_recomputes_that_share_and_all_of_it_is_the_reference(blended):
     assert [(r["recompute"], r["recompute_ratio"]) for r in blended["rows"]] == [(0, 0.5), (0, 1.0)]
-    assert blended["settings"]["recompute_ratio"] == [0.5, 1.0]
+    assert blended["settings"]["recompute_ratio"] == [0.5, 1.0] and blended["reference"]["kind"] == "recompute-all"
     half, full = (r["recomputed"] for r in blended["rows"])
     assert half["of"] == full["of"] and half["tokens"] == round(0.5 * half["of"]) and 0 < half["selected"]
     assert full["tokens"] == full["of"] and full["fraction"] == 1.0

@@ -87,11 +87,15 @@ def _bar():
 @click.option("--recompute-ratio", default="0", show_default=True,
               help="Several documents: comma-separated CacheBlend budgets, the fraction of each later document's "
               "tokens recomputed (those whose K/V deviate most), each run with every --recompute setting.")
+@click.option("--reference", type=click.Choice(["fresh", "recompute-all"]), default="fresh", show_default=True,
+              help="Several documents: what answers are compared with: a fresh prefill of the whole prompt per "
+              "question, or the documents composed with every later token recomputed (one prefill of them).")
 @click.option("--needles-in", default=None, help="Several documents: letter of the document the needles are "
               "planted in (a, b, ...). Default: the last.")
 @click.pass_context
 def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens,
-                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown, recompute, recompute_ratio, needles_in):
+                 no_fresh, work_dir, rebuild, page_size, json_path, plot_path, force, markdown, recompute, recompute_ratio, reference,
+                 needles_in):
     """Build one cartridge per tier/schema of CORPUS and compare its answers with the fp16 cartridge's.
 
     With two or more documents (CORPUS A B ...): build one fp16 cartridge per document, compose them
@@ -115,7 +119,7 @@ def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, he
         if len(texts) > 1:
             common = dict(max_tokens=max_tokens, work_dir=work_dir, rebuild=rebuild, page_size=page_size)
             report = run_composed(list(corpus), texts, questions_path, model, _needles(needles), recompute,
-                                  recompute_ratio, needles_in, common, progress)
+                                  recompute_ratio, needles_in, common, progress, reference)
         else:
             report = _single(texts[0], questions_path, model, tiers, schemas, needles, heldout, heldout_fraction,
                              max_tokens, no_fresh, work_dir, rebuild, page_size, progress)

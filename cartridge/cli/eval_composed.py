@@ -61,7 +61,7 @@ def check_options(n_corpora, given):
             flags = ", ".join("--" + w.removesuffix("_path").replace("_", "-") for w in wrong)
             raise InputError(f"{flags}: for one document; several documents are composed from fp16 cartridges")
     else:
-        wrong = [name for name in ("recompute", "recompute_ratio", "needles_in") if name in given]
+        wrong = [name for name in ("recompute", "recompute_ratio", "reference", "needles_in") if name in given]
         if wrong:
             raise InputError(f"--{wrong[0].replace('_', '-')} needs two or more documents (it composes them)")
 
@@ -102,7 +102,8 @@ def row_cells(row):
 
 def _rows(report):
     ref = report["reference"]
-    first = ["fresh prefill (reference)", "ref", "ref", "ref", "ref", _needles(ref.get("needles")),
+    kind = "recompute all" if ref.get("kind") == "recompute-all" else "fresh prefill"
+    first = [f"{kind} (reference)", "ref", "ref", "ref", "ref", _needles(ref.get("needles")),
              f"{ref['ttft_median_s']:.3f} s", "-"]
     return [first] + [row_cells(r) for r in report["rows"]]
 
@@ -116,7 +117,8 @@ def _caption(report):
         f"by both) x {s['max_tokens']} greedy tokens; fp16 cartridges, tokens with the chat-template header: {sizes}; "
         f"composed {report['composed_tokens']:,}; same token ids as the reference's text: "
         f"{'yes' if report['layout_tokens_match'] else 'NO'}",
-        "first token / exact answer / BLEU / tokens to divergence: each composed answer against the fresh prefill's; "
+        "first token / exact answer / BLEU / tokens to divergence: each composed answer against the reference's "
+        f"({'recompute all' if report['reference'].get('kind') == 'recompute-all' else 'fresh prefill'}); "
         f"BLEU = {report['bleu']}",
         f"needles: {len(report['needles'])} facts planted in document {s['needles_in'] or '-'}, exact-match recall "
         "by depth",
@@ -142,14 +144,15 @@ def markdown_table(report):
     return render_markdown(COLUMNS, _rows(report), _caption(report))
 
 
-def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, ratios, needles_in, common, progress):
+def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, ratios, needles_in, common, progress,
+                 reference="fresh"):
     """Load the questions, run `evaluate_composed`; the report with the document paths recorded."""
     from cartridge.eval.composed import ComposeConfig, evaluate_composed, sources
     from cartridge.eval.dataset import load_questions
 
     questions = load_questions(questions_path, sources(len(texts)))
     config = ComposeConfig(recompute=parse_recompute(recompute), ratios=parse_ratios(ratios), needles_in=needles_in,
-                           **common)
+                           reference=reference, **common)
     report = evaluate_composed(texts, questions, model=lm_ref, needles=needles, config=config, progress=progress)
     for doc, path in zip(report["documents"], corpora):
         doc["path"] = path

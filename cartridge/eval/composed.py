@@ -2,6 +2,8 @@
 against a fresh prefill of the same text.
 
     reference   mlx-lm on the whole prompt: chat template around  A + separator + B + ... , question
+                (or, with reference="recompute-all", the cartridges composed with every later token
+                recomputed: the same K/V up to rounding, tests/test_compose_blend.py, one prefill of B)
     recompute N the fp16 cartridges of A, B, ... built one by one, composed with N recomputed tokens
     + ratio R   and CacheBlend's selective recompute of R of each later document's tokens (`compose`)
 
@@ -38,6 +40,7 @@ from .spec import REFERENCE, build_or_reuse, cache_key, cartridge_path, default_
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 BOTH = "both"
 CLASSES = ("one", "both")  # a question answered by one document / by several
+REFERENCES = ("fresh", "recompute-all")
 
 
 @dataclass
@@ -54,6 +57,9 @@ class ComposeConfig:
         work_dir (str | None): cartridge cache folder; None is `spec.default_work_dir()`. Default: None.
         rebuild (bool): rebuild cartridges even if cached. Default: False.
         page_size (int): tokens per page. Default: 256.
+        reference (str): "fresh" (mlx-lm prefills the whole prompt for every question) or "recompute-all"
+            (`compose` with recompute_ratio 1: the later documents prefilled once after the first).
+            Default: "fresh".
     """
 
     recompute: tuple = (0, 16, 64)
@@ -63,6 +69,7 @@ class ComposeConfig:
     work_dir: str | None = None
     rebuild: bool = False
     page_size: int = 256
+    reference: str = "fresh"
 
 
 def sources(n_documents):
@@ -183,6 +190,13 @@ class _Run:
         text, tok = joined(docs), self.lm.tokenizer
         return self.ask(rows, lambda q: full_prompt_tokens(tok, text, q), None, what)
 
+    def recompute_all(self, carts, rows, what):
+        """Reference answers over the cartridges composed with every later token recomputed."""
+        t0 = time.perf_counter()
+        comp = compose(carts, recompute=0, recompute_ratio=1.0)
+        seconds = time.perf_counter() - t0
+        return self.ask(rows, comp.question_prompt, comp.prompt_cache, what), seconds
+
     def setting(self, n, ratio, carts, needle_carts, reference):
         """Compose with `n` recomputed tokens and budget `ratio`; measure answers, single-cartridge TTFT, needles."""
         t0 = time.perf_counter()
@@ -233,6 +247,8 @@ def _ttft(answers, single):
 def _check(questions, config, n_documents):
     if not questions:
         raise InputError("no questions to ask")
+    if config.reference not in REFERENCES:
+        raise InputError(f"reference is {config.reference!r}; it must be one of {', '.join(REFERENCES)}")
     if config.max_tokens < 1:
         raise InputError(f"max_tokens is {config.max_tokens}; it must be at least 1")
     allowed = sources(n_documents)
@@ -287,16 +303,29 @@ def evaluate_composed(documents, questions, model=None, needles=(), config=None,
     t0 = time.perf_counter()
     built, needle_built = run.cartridges()
     carts, needle_carts = [c for c, _ in built], [c for c, _ in needle_built]
-    reference = {"answers": run.reference(docs, questions, "fresh prefill: questions")}
-    reference["ttft_median_s"] = statistics.median(a["ttft_s"] for a in reference["answers"])
-    if needles:
-        reference["needles"] = needle_result(run.reference(run.needle_docs, needles, "fresh prefill: needles"),
-                                             needles)
+    reference = _reference(run, carts, needle_carts)
     rows = [run.setting(n, r, carts, needle_carts, reference) for r in config.ratios for n in config.recompute]
     report = _report(run, built, reference, rows, time.perf_counter() - t0)
     if needles:
         report["documents"][run.needle_index]["needle_cartridge"] = needle_built[run.needle_index][1]
     return report
+
+
+def _reference(run, carts, needle_carts):
+    """The reference's answers (and needles): a fresh prefill per question, or the recompute-all composition."""
+    if run.config.reference == "fresh":
+        reference = {"kind": "fresh", "answers": run.reference(run.docs, run.questions, "fresh prefill: questions")}
+        if run.needles:
+            reference["needles"] = needle_result(run.reference(run.needle_docs, run.needles, "fresh prefill: needles"),
+                                                 run.needles)
+    else:
+        answers, seconds = run.recompute_all(carts, run.questions, "recompute all: questions")
+        reference = {"kind": "recompute-all", "answers": answers, "compose_seconds": seconds}
+        if run.needles:
+            reference["needles"] = needle_result(run.recompute_all(needle_carts, run.needles,
+                                                                   "recompute all: needles")[0], run.needles)
+    reference["ttft_median_s"] = statistics.median(a["ttft_s"] for a in reference["answers"])
+    return reference
 
 
 def _report(run, built, reference, rows, seconds):
