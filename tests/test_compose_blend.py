@@ -2,20 +2,18 @@
 the selected tokens are patched at their composed positions, all of them selected is a fresh prefill,
 ratio 0 is the boundary-only composition, bad budgets are refused."""
 
-import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from test_compose import DOC_A, DOC_B, Q, _logits
 
 from cartridge import blend
 from cartridge.compose import compose
 from cartridge.errors import InputError
 
-DOC_A = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3
-DOC_B = "Annex B. Rent is due on the first day of each month, payable by bank transfer to the lessor. " * 2
 DOC_C = "Annex C. The deposit is two months of rent, returned within 14 days after the keys. " * 2
-Q = "When is rent due?"
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +22,6 @@ def carts(tiny, tmp_path_factory):
     for name, doc in (("a", DOC_A), ("b", DOC_B), ("c", DOC_C)):
         cartridge.build(doc, d / f"{name}.cart", model=tiny, page_size=16)
     return [cartridge.load(d / f"{n}.cart", model=tiny) for n in "abc"]
-
-
-def _logits(model, ids, cache):
-    return np.array(model(mx.array(ids)[None], cache=cache)[0, -1])
 
 
 def _fresh_kv(tiny, tokens):
