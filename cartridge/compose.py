@@ -9,7 +9,9 @@ rewriting them, a later document's part is attended with the query rotated back 
 recomputed tokens and the tail. Each later document was built without seeing the earlier ones and
 opens with its own chat-template header: the header is skipped, and the separator plus its first N
 document tokens are prefilled again over what precedes them (EPIC's LegoLink recomputes ~16-32 tokens
-per chunk); N is `recompute`.
+per chunk); N is `recompute`. Beyond them, `recompute_ratio` recomputes the stored tokens whose K/V moved
+most (CacheBlend's selective recompute, `cartridge.blend`): patches at their true positions (`BlendCache`),
+their stored copies masked out of the part (`Part.skip`).
 """
 
 import time
