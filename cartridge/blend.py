@@ -5,13 +5,13 @@ A later document's stored K/V were computed after its own chat-template header, 
 in the composed context. Layer 0's K/V depend only on the token and its position, so they are exact once the
 keys are rotated to their composed positions; from layer 1 on they deviate, and unevenly over the tokens.
 
-1. select: the document's tokens read from pages are prefilled again over what precedes them through layer
-   `layer` only (the forward pass stops there, the paper's first-layer check); the tokens whose K/V there
+1. select: the document's tokens read from pages are prefilled again over what precedes them up to layer
+   `select_layer` only (the forward pass stops there, the paper's first-layer check); the tokens whose K/V there
    deviate most from the stored ones (rotated to their composed positions) are selected.
-2. recompute (`compose.BlendCache`): the selected tokens alone run through every layer, each attending causally by composed
-   position over the composed context, where the document's other tokens keep their stored K/V and the
-   selected ones have their fresh K/V (the paper's fusion). Their fresh K/V become patches at their true
-   positions; their stored copies are masked out of the part (`Part.skip`).
+2. recompute (`compose.BlendCache`): the selected tokens alone run through every layer, each attending
+   causally by composed position over the composed context, where the document's other tokens keep their
+   stored K/V and the selected ones have their fresh K/V (the paper's fusion). Their fresh K/V become
+   patches at their true positions; their stored copies are masked out of the part (`Part.skip`).
 
 Positions: the model rotates a forward pass's tokens at `cache.offset` + 0, 1, ...; `BlendCache` reports
 the count of selected tokens done so far as its offset, and rotates the queries and keys on by each

@@ -76,7 +76,8 @@ def test_ratio_axis_recomputes_that_share_and_all_of_it_is_the_reference(blended
     half, full = (r["recomputed"] for r in blended["rows"])
     assert half["of"] == full["of"] and half["tokens"] == round(0.5 * half["of"]) and 0 < half["selected"]
     assert full["tokens"] == full["of"] and full["fraction"] == 1.0
-    assert [a["tokens"] for a in blended["rows"][1]["answers"]] == [a["tokens"] for a in blended["reference"]["answers"]]
+    ref = blended["reference"]["answers"]
+    assert [a["tokens"] for a in blended["rows"][1]["answers"]] == [a["tokens"] for a in ref]
     assert setting_label(blended["rows"][0]) == f"recompute 0, ratio 0.5 ({100 * half['fraction']:.1f}% recomputed)"
 
 

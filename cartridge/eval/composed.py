@@ -277,7 +277,8 @@ def evaluate_composed(documents, questions, model=None, needles=(), config=None,
 
     Returns:
         dict: JSON-able report: "reference" (fresh-prefill answers and needles), "rows" (one per
-        (ratio, recompute) setting: answers, "recomputed" (`recomputed`), "select_seconds", "recompute_seconds", "vs_reference" = {"all", "one", "both"} `metrics.compare_answers`,
+        (ratio, recompute) setting: answers, "recomputed" (`recomputed`), "select_seconds", "recompute_seconds",
+        "vs_reference" = {"all", "one", "both"} `metrics.compare_answers`,
         "ttft" {median_s, single_median_s, ratio}, "needles", "compose_seconds"), the documents'
         token counts, "layout_tokens_match", settings, BLEU implementation, machine and load.
 
