@@ -112,6 +112,24 @@ def kernel_for(policy, prefix, head_dim):
     return fused.build(prefix)
 
 
+def _reads_prefill(policy):
+    """The device entry that reads a question's prefill over the pages itself (the CPU's: no fused decode
+    kernel, `backends.cpu`), or None: under "portable" (MLX ops over the stored pages, the reference) and on a
+    device whose fused kernel reads prefills itself (`kernel_for`)."""
+    dev = backends.get(backend())
+    return dev if policy != "portable" and dev is not None and dev.policy is None else None
+
+
+def _prefill_layers(prefixes, choices, head_dims):
+    """((n_pages, n_kv_heads, P), K head_dim, V head_dim) of each layer whose prefill `_reads_prefill`."""
+    out = []
+    for p, c, dims in zip(prefixes, choices, head_dims):
+        dev = None if c is None else _reads_prefill(c[0])
+        if dev is not None and dev.supports(p, dims[0], "prefill"):
+            out.append((next(iter(p.k_parts.values())).shape[:3], *dims))
+    return out
+
+
 def _held(layer):
     """Bytes a loaded layer holds: its pages, and for a decoded layer kind also its dense K/V."""
     if isinstance(layer, LayerPrefix):
@@ -245,7 +263,9 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    decoded, packed, resident, peak, prefill = _plan(sides, held, limit,
+                                                     budget.prefill_reserve(_prefill_layers(prefixes, choices,
+                                                                                            head_dims), dtype))
     dense, unpacking = _by_layer(decoded), _by_layer(packed)
     out = prefixes
     for i, (p, c) in enumerate(zip(prefixes, choices)):
@@ -256,11 +276,27 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack, lazy=limit is None)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
+        dev = _reads_prefill(c[0]) if prefill and kernel is None else None
+        if dev is not None and dev.supports(q, k_dim, "prefill"):
+            kernel = dev.build(q)
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
                              q.protected)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
     return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
+
+
+def _plan(sides, held, limit, prefill):
+    """`budget.plan_unpacked`, then a question's prefill over one layer decoded for the call (`prefill` bytes)
+    where the resident pages leave room for it within `limit` (else 0: the portable path for it).
+
+    Returns:
+        tuple: (decoded, unpacked, resident, peak, prefill): as `plan_unpacked`, and the prefill's bytes.
+    """
+    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    if limit is not None and resident + prefill > limit:
+        prefill = 0
+    return decoded, packed, resident, max(peak, resident + prefill), prefill
 
 
 def _report(layers, sides, decoded, packed, limit, held, resident, peak):
@@ -297,7 +333,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         dict: {"policy", "reason", "memory"} as in `place`'s report (held bytes: the stored pages only).
     """
     entries = calibration.merged_entries() if entries is None else entries
-    choices, sides, held = [], [], 0
+    choices, sides, held, prefill = [], [], 0, []
     for i, meta in enumerate(info.layers):
         extents = {side: info.extents.get((i, side), []) for side in ("k", "v", "s")}
         stored = {side: sum(e.page_bytes * e.shape[0] for e in ex) for side, ex in extents.items()}
@@ -309,6 +345,9 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode",
                                _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
+        if _reads_prefill(c[0]) is not None:
+            pages = (sum(e.shape[0] for e in extents["k"]), *extents["k"][0].shape[1:3])
+            prefill.append((pages, meta.k_shape[1], meta.v_shape[1]))
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):
                 dims = (*extents[side][0].shape[:3], shape[1])
@@ -318,5 +357,5 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    decoded, packed, resident, peak, _ = _plan(sides, held, limit, budget.prefill_reserve(prefill, dtype))
     return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
