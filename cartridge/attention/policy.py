@@ -283,7 +283,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
                              q.protected)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
-    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
+    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
+                        prefill)
 
 
 def _plan(sides, held, limit, prefill):
@@ -299,7 +300,7 @@ def _plan(sides, held, limit, prefill):
     return decoded, packed, resident, max(peak, resident + prefill), prefill
 
 
-def _report(layers, sides, decoded, packed, limit, held, resident, peak):
+def _report(layers, sides, decoded, packed, limit, held, resident, peak, prefill=0):
     names = {x["policy"] for x in layers if x}
     first = next((x for x in layers if x), None)
     reason = first["reason"] if first else "no page-attended layers"
@@ -311,6 +312,8 @@ def _report(layers, sides, decoded, packed, limit, held, resident, peak):
                    f"the others read their stored pages (portable)")
         if packed:
             reason += f", {len(packed)} of them with their codes unpacked to bytes"
+    if prefill:
+        reason += f"; a question's prefill decodes each layer's pages for the call ({prefill / 1e6:,.1f} MB at most)"
     return {"policy": names.pop() if len(names) == 1 else ("mixed" if names else "none"), "reason": reason,
             "layers": layers,
             "memory": {"budget_bytes": limit, "stored_bytes": held, "resident_bytes": resident,
@@ -346,8 +349,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
                                _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
         if _reads_prefill(c[0]) is not None:
-            pages = (sum(e.shape[0] for e in extents["k"]), *extents["k"][0].shape[1:3])
-            prefill.append((pages, meta.k_shape[1], meta.v_shape[1]))
+            prefill.append((extents["k"][0].shape[:3], meta.k_shape[1], meta.v_shape[1]))
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):
                 dims = (*extents[side][0].shape[:3], shape[1])
@@ -357,5 +359,5 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, _ = _plan(sides, held, limit, budget.prefill_reserve(prefill, dtype))
-    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
+    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, budget.prefill_reserve(prefill, dtype))
+    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak, prefill)
