@@ -148,7 +148,10 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     fast = cartridge.load(r.path, model=lm)
     ref = cartridge.load(r.path, model=lm, attention="portable", verify="header")
     assert all(isinstance(p.kernel, cpu.QuestionPrefill) for p in fast.prefixes)
+    assert "a question's prefill decodes each layer's pages for the call" in fast.plan["reason"]
     assert all(p.kernel is None for p in ref.prefixes)
+    fp16 = cartridge.build(DOC, tmp_path / "b.cart", model=lm, page_size=64, reserve=0)
+    assert all(p.kernel is None for p in cartridge.load(fp16.path, model=lm).prefixes)  # float32 pages: portable
     stored = ref.plan["memory"]["stored_bytes"]  # a budget with no room for one layer decoded per call: portable
     with pytest.warns(budget.MemoryBudgetWarning):
         tight = cartridge.load(r.path, model=lm, max_memory=stored - 1, verify="header")

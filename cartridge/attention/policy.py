@@ -121,12 +121,12 @@ def _reads_prefill(policy):
 
 
 def _prefill_layers(prefixes, choices, head_dims):
-    """((n_pages, n_kv_heads, P), K head_dim, V head_dim) of each layer whose prefill `_reads_prefill`."""
+    """(layer, ((n_pages, n_kv_heads, P), K head_dim, V head_dim)) of each layer whose prefill `_reads_prefill`."""
     out = []
-    for p, c, dims in zip(prefixes, choices, head_dims):
+    for i, (p, c, dims) in enumerate(zip(prefixes, choices, head_dims)):
         dev = None if c is None else _reads_prefill(c[0])
         if dev is not None and dev.supports(p, dims[0], "prefill"):
-            out.append((next(iter(p.k_parts.values())).shape[:3], *dims))
+            out.append((i, (next(iter(p.k_parts.values())).shape[:3], *dims)))
     return out
 
 
@@ -263,9 +263,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, prefill = _plan(sides, held, limit,
-                                                     budget.prefill_reserve(_prefill_layers(prefixes, choices,
-                                                                                            head_dims), dtype))
+    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, _prefill_layers(prefixes, choices, head_dims),
+                                                     dtype)
     dense, unpacking = _by_layer(decoded), _by_layer(packed)
     out = prefixes
     for i, (p, c) in enumerate(zip(prefixes, choices)):
@@ -276,7 +275,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack, lazy=limit is None)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
-        dev = _reads_prefill(c[0]) if prefill and kernel is None else None
+        dev = _reads_prefill(c[0]) if i in prefill and kernel is None else None
         if dev is not None and dev.supports(q, k_dim, "prefill"):
             kernel = dev.build(q)
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
@@ -284,20 +283,27 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
     return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
-                        prefill)
+                        max(prefill.values(), default=0))
 
 
-def _plan(sides, held, limit, prefill):
-    """`budget.plan_unpacked`, then a question's prefill over one layer decoded for the call (`prefill` bytes)
-    where the resident pages leave room for it within `limit` (else 0: the portable path for it).
+def _plan(sides, held, limit, layers, dtype):
+    """`budget.plan_unpacked`, then a question's prefill over the pages decoded for the call on the `layers`
+    ((layer, shapes) of `_prefill_layers`) that keep a side not decoded to dense pages (over float32 pages the
+    portable path is as fast: docs/performance.md), where the resident bytes leave room for the largest of them
+    within `limit` (`budget.prefill_reserve`; else none: the portable path).
 
     Returns:
-        tuple: (decoded, unpacked, resident, peak, prefill): as `plan_unpacked`, and the prefill's bytes.
+        tuple: (decoded, unpacked, resident, peak, prefill): as `plan_unpacked`, and {layer: the bytes its
+        prefill holds} for the layers that take it.
     """
     decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
-    if limit is not None and resident + prefill > limit:
-        prefill = 0
-    return decoded, packed, resident, max(peak, resident + prefill), prefill
+    dense = set(decoded)
+    prefill = {i: budget.prefill_reserve([shapes], dtype) for i, shapes in layers
+               if not {(i, "k"), (i, "v")} <= dense}
+    most = max(prefill.values(), default=0)
+    if limit is not None and resident + most > limit:
+        prefill, most = {}, 0
+    return decoded, packed, resident, max(peak, resident + most), prefill
 
 
 def _report(layers, sides, decoded, packed, limit, held, resident, peak, prefill=0):
@@ -336,7 +342,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         dict: {"policy", "reason", "memory"} as in `place`'s report (held bytes: the stored pages only).
     """
     entries = calibration.merged_entries() if entries is None else entries
-    choices, sides, held, prefill = [], [], 0, []
+    choices, sides, held, layers = [], [], 0, []
     for i, meta in enumerate(info.layers):
         extents = {side: info.extents.get((i, side), []) for side in ("k", "v", "s")}
         stored = {side: sum(e.page_bytes * e.shape[0] for e in ex) for side, ex in extents.items()}
@@ -349,7 +355,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
                                _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
         if _reads_prefill(c[0]) is not None:
-            prefill.append((extents["k"][0].shape[:3], meta.k_shape[1], meta.v_shape[1]))
+            layers.append((i, (extents["k"][0].shape[:3], meta.k_shape[1], meta.v_shape[1])))
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):
                 dims = (*extents[side][0].shape[:3], shape[1])
@@ -359,5 +365,6 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, budget.prefill_reserve(prefill, dtype))
-    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak, prefill)
+    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, layers, dtype)
+    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
+                   max(prefill.values(), default=0))
