@@ -76,8 +76,8 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa):
         queries (mx.array): (1, n_q_heads, L, head_dim). scale (float): softmax scale.
         sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
         attend (callable): attend(queries, keys, values, scale, sinks) over the (1, n_kv, S, D) sequences,
-            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.prefill` passes
-            its own).
+            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.QuestionPrefill`
+            passes its own).
 
     Returns:
         mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
