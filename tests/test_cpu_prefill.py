@@ -140,6 +140,7 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     from test_tier_attention import DOC
 
     from cartridge.attention.kernels import dense
+    from cartridge.attention.policy import plan_header
 
     if mx.default_device() != mx.cpu:
         pytest.skip("the question prefill over decoded pages is the CPU's")
@@ -148,10 +149,12 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     fast = cartridge.load(r.path, model=lm)
     ref = cartridge.load(r.path, model=lm, attention="portable", verify="header")
     assert all(isinstance(p.kernel, cpu.QuestionPrefill) for p in fast.prefixes)
-    assert "a question's prefill decodes each layer's pages for the call" in fast.plan["reason"]
+    said = "a question's prefill decodes each layer's pages for the call"
+    assert said in fast.plan["reason"] and said in plan_header(fast.info, mx.float32)["reason"]  # inspect's too
     assert all(p.kernel is None for p in ref.prefixes)
-    fp16 = cartridge.build(DOC, tmp_path / "b.cart", model=lm, page_size=64, reserve=0)
-    assert all(p.kernel is None for p in cartridge.load(fp16.path, model=lm).prefixes)  # float32 pages: portable
+    fp16 = cartridge.load(cartridge.build(DOC, tmp_path / "b.cart", model=lm, page_size=64, reserve=0).path, model=lm)
+    assert all(p.kernel is None for p in fp16.prefixes)  # float32 pages: the portable path is as fast
+    assert said not in fp16.plan["reason"] and said not in plan_header(fp16.info, mx.float32)["reason"]
     stored = ref.plan["memory"]["stored_bytes"]  # a budget with no room for one layer decoded per call: portable
     with pytest.warns(budget.MemoryBudgetWarning):
         tight = cartridge.load(r.path, model=lm, max_memory=stored - 1, verify="header")
