@@ -7,8 +7,9 @@ The reference is the model with mlx-lm's own KVCaches holding the cartridge's de
 quantized values), fed the whole token stream the cartridge cache saw in one teacher-forced pass.
 """
 
-import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import threading
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -54,11 +55,11 @@ def _reference_logprobs(cart, stream):
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def _run_turns(cart, loop):
-    """Drive one cache through TURNS with `loop`; returns the token stream and {stream index: yielded logprobs}."""
+def _run_turns(cart, loop, turns=TURNS):
+    """Drive one cache through `turns` with `loop`; returns the token stream and {stream index: yielded logprobs}."""
     rng = np.random.default_rng(31)
     cache, stream, yielded = cart.prompt_cache(), [], {}
-    for n_prompt, n_new in TURNS:
+    for n_prompt, n_new in turns:
         prompt = rng.integers(100, 40000, size=n_prompt).tolist()
         stream += prompt
         for token, logprobs in loop(cart, prompt, cache, n_new):
@@ -82,6 +83,27 @@ def _stream_generate(cart, prompt, cache, n):
 def test_turns_on_one_cache_match_a_fresh_prefill(cart, loop):
     stream, yielded = _run_turns(cart, loop)
     assert len(stream) > 1100
+    want = _reference_logprobs(cart, stream)
+    for i, got in yielded.items():
+        np.testing.assert_allclose(got, want[i], rtol=TOL, atol=TOL, err_msg=f"tail position {i}")
+        assert stream[i + 1] == int(np.argmax(got))
+
+
+def _on_new_thread(cart, prompt, cache, n):
+    """`_generate_step` run to the end on a thread of its own (as a server's worker runs it)."""
+    out = []
+    worker = threading.Thread(target=lambda: out.extend(_generate_step(cart, prompt, cache, n)))
+    worker.start()
+    worker.join()
+    assert len(out) == n, "the generation thread failed"
+    return out
+
+
+def test_turns_on_worker_threads_and_the_main_thread_match_a_fresh_prefill(cart):
+    # MLX streams belong to the thread that made them: the CPU streams the prefix is split over (page 16) are
+    # made per thread, so turns on a new thread, then on this one, then on another, all run and stay exact
+    turns = iter([_on_new_thread, _generate_step, _on_new_thread, _generate_step])
+    stream, yielded = _run_turns(cart, lambda *a: next(turns)(*a), [(45, 12), (1, 9), (44, 12), (3, 5)])
     want = _reference_logprobs(cart, stream)
     for i, got in yielded.items():
         np.testing.assert_allclose(got, want[i], rtol=TOL, atol=TOL, err_msg=f"tail position {i}")
