@@ -4,10 +4,10 @@ a kind name outside it is refused by the header parser in one line."""
 import shutil
 from pathlib import Path
 
-import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
 from cartfiles import forge_records
 
+import cartridge  # noqa: F401  (first: loads OpenBLAS before mlx)
 from cartridge.attention import kinds as cache_kinds
 from cartridge.errors import FieldError
 from cartridge.format import keys as K

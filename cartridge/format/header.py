@@ -9,16 +9,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptCartridgeError, FieldError, InputError, LayoutError, UnsupportedVersionError
+from ..errors import (
+    CorruptCartridgeError,
+    FieldError,
+    InputError,
+    LayoutError,
+    UnsupportedVersionError,
+)
 from ..tiers import DTYPES, TIERS, protect
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
-from .fields import json_field, typed
+from .fields import typed
 from .kinds import KINDS, SIDES, LayerInfo, layer_units, parse_kind
 from .layout import ALIGN, FORMAT_MAJOR, align_up
 from .source import read_source, read_sources
 
-__all__ = ["SIDES", "LayerInfo", "CartridgeInfo", "layer_units", "parse_header", "require_attention_layers"]
+__all__ = ["SIDES", "CartridgeInfo", "LayerInfo", "layer_units", "parse_header", "require_attention_layers"]
 
 
 @dataclass
