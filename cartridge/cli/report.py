@@ -7,6 +7,7 @@ from cartridge.attention.policy import backend, plan_header
 from cartridge.format import keys as K
 from cartridge.format.kinds import KINDS
 from cartridge.tiers import TIERS
+from cartridge.tiers.schema import fold_tiers
 
 
 def _versus_fp16(bpt, fp16):
@@ -15,18 +16,6 @@ def _versus_fp16(bpt, fp16):
     if bpt == fp16:
         return "same as fp16)"
     return f"{fp16 / bpt:.2f}x smaller)" if bpt < fp16 else f"{bpt / fp16:.2f}x larger)"
-
-
-def fold_tiers(tiers):
-    """Fold runs of layers with equal (k, v) tiers: [{"layers": "0-29", "k": "fp16", "v": "fp16"}]."""
-    runs = []
-    for row in tiers:
-        if runs and (runs[-1]["k"], runs[-1]["v"]) == (row["k"], row["v"]) and runs[-1]["last"] == row["layer"] - 1:
-            runs[-1]["last"] = row["layer"]
-        else:
-            runs.append({"first": row["layer"], "last": row["layer"], "k": row["k"], "v": row["v"]})
-    return [{"layers": f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
-             "k": r["k"], "v": r["v"]} for r in runs]
 
 
 def tier_formulas(tiers, n_kv_heads, head_dim):
