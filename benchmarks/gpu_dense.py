@@ -1,0 +1,170 @@
+"""Issue 34 on a CUDA GPU, in one run (32 q / 8 kv heads, head_dim 128, chained like `cartridge bench`):
+
+1. `dense`: an fp16/bf16 cartridge's attention against MLX's SDPA over one contiguous cache, at 32K and 128K
+   tokens: decode (1 query token) and questions of 32 and 256 tokens, for
+   - `sdpa`: MLX's SDPA over a (1, n_kv, N + L, D) K/V (the baseline of `cartridge bench`, with the tail);
+   - `contiguous`: the CUDA backend's path for dense pages now (`kernels/contiguous.py`);
+   - `flash`: the flash-decoding kernel over the same pages (`kernels/cuda.FusedAttention`, the path before);
+   and, for decode, whole steps that also write the token's K/V (trim 1, then update, from the chained output):
+   `kvcache-step` (mlx-lm's KVCache + SDPA), `contiguous-step`, `flash-step`. Each output's max abs error
+   against the portable path.
+2. `floors`: per tier at 32K and 128K, a bare streaming read of its stored bytes (best of a launch sweep of
+   `gpu_floor.READ_SRC`), to set beside its fused time from `cartridge bench`.
+
+    python benchmarks/gpu_dense.py OUT_DIR [--skip-floors]   (writes OUT_DIR/h200-dense.json; needs a CUDA GPU)
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.kernels import contiguous, cuda
+from cartridge.attention.pages import make_prefix
+from cartridge.eval import bench
+from cartridge.tiers import TIERS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_floor import READ_SRC  # noqa: E402
+
+N_Q, N_KV, D = 32, 8, 128
+SCALE = D ** -0.5
+
+
+def _timed(rows, outs, name, fn, q, **info):
+    try:
+        outs[name] = fn(q)
+        mx.eval(outs[name])
+        us = bench.timeit(fn, 20 if q.shape[2] == 1 else 5, chain=q) * 1e6
+        rows.append({"variant": name, "us": us, "error": None, **info})
+    except Exception as e:  # recorded: a variant that does not run here
+        rows.append({"variant": name, "us": None, "error": f"{type(e).__name__}: {e}", **info})
+
+
+def _step(cache, attend):
+    """A decode step from the chained output x (1, n_q, 1, D): trim the last token, write x's first KV heads as
+    the new token's K/V, attend."""
+    def fn(x):
+        cache.trim(1)
+        new = x[:, :N_KV]
+        cache.update_and_fetch(new, new)
+        return attend(x)
+    return fn
+
+
+def dense_rows(n, tier):
+    k, v = bench._kv(N_KV, n, D, seed=n)
+    dtype = mx.bfloat16 if tier == "bf16" else mx.float16
+    prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE)
+    mx.eval(prefix.k_parts, prefix.v_parts)
+    rows = []
+    for L in (1, 32, 256):
+        info = {"tier": tier, "context": n, "query_tokens": L}
+        q = mx.random.normal((1, N_Q, L, D)).astype(dtype)
+        new = mx.random.normal((1, N_KV, L, D)).astype(dtype)
+        mask = "causal" if L > 1 else None
+        outs, start = {}, len(rows)
+        dk = mx.concatenate([k[None].astype(dtype), new], axis=2)
+        dv = mx.concatenate([v[None].astype(dtype), new], axis=2)
+        mx.eval(q, new, dk, dv)
+        _timed(rows, outs, "sdpa", lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=SCALE, mask=mask),
+               q, **info)
+        if L == 1:
+            kv = KVCache()
+            kv.update_and_fetch(dk, dv)
+            _timed(rows, outs, "kvcache-step", _step(kv, lambda x: mx.fast.scaled_dot_product_attention(
+                x, kv.keys[..., :kv.offset, :], kv.values[..., :kv.offset, :], scale=SCALE)), q, **info)
+            del kv
+        del dk, dv
+        ref = CartridgeCache(prefix)
+        ref.update_and_fetch(new, new)
+        want = ref.attention(q, SCALE, mask)
+        mx.eval(want)
+        for name, kernel in (("contiguous", contiguous.ContiguousAttention(prefix)),
+                             ("flash", cuda.FusedAttention(prefix))):
+            c = CartridgeCache(replace(prefix, kernel=kernel))
+            c.update_and_fetch(new, new)
+            _timed(rows, outs, name, lambda x: c.attention(x, SCALE, mask), q, **info)
+            if L == 1:
+                _timed(rows, outs, name + "-step", _step(c, lambda x: c.attention(x, SCALE, mask)), q, **info)
+            del c, kernel
+            mx.clear_cache()
+        for r in rows[start:]:
+            got = outs.get(r["variant"])
+            if r["variant"].endswith("step") or got is None:
+                continue
+            r["max_abs_err_vs_portable"] = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))))
+    return rows
+
+
+def read_floor(prefix):
+    """Best µs of a bare streaming read of the prefix's stored bytes (one buffer of as many bytes)."""
+    nbytes = prefix.nbytes // 16 * 16
+    buf = mx.zeros((nbytes // 4,), dtype=mx.uint32)
+    nv = mx.array([nbytes // 16], dtype=mx.int64)
+    q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
+    mx.eval(buf, nv, q)
+    best = None
+    for unroll in (4, 8):
+        kernel = mx.fast.cuda_kernel(name=f"dense_floor_read_u{unroll}", input_names=["buf", "n_vec", "q"],
+                                     output_names=["out", "sink"], source=f"constexpr int U = {unroll};\n" + READ_SRC)
+        for blocks in (528, 1056, 2112):
+            def step(x):
+                return kernel(inputs=[buf, nv, x], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                              output_shapes=[x.shape, (blocks,)], output_dtypes=[x.dtype, mx.uint32])[0]
+            us = bench.timeit(step, 10, chain=q) * 1e6
+            best = us if best is None else min(best, us)
+    return best
+
+
+def floors():
+    rows = []
+    for n in (32768, 131072):
+        k, v = bench._kv(N_KV, n, D, seed=n)
+        for tier in TIERS:
+            prefix, error = bench._tier_prefix(tier, k, v)
+            if prefix is None:
+                continue
+            mx.eval(prefix.k_parts, prefix.v_parts)
+            rows.append({"tier": tier, "context": n, "bytes": prefix.nbytes, "read_us": read_floor(prefix)})
+            print(json.dumps(rows[-1]), flush=True)
+            del prefix
+            mx.clear_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Dense pages against MLX's SDPA, and each tier's bare read floor.")
+    parser.add_argument("out", help="folder for h200-dense.json")
+    parser.add_argument("--skip-floors", action="store_true", help="only the dense comparison")
+    args = parser.parse_args()
+    result = {"device": mx.device_info(), "mlx": mx.__version__, "dense": [], "floors": []}
+    result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
+    for n in (32768, 131072):
+        for tier in ("fp16", "bf16"):
+            result["dense"] += dense_rows(n, tier)
+            mx.clear_cache()
+        json.dump(result, open(f"{args.out}/h200-dense.json", "w"), indent=1, default=str)
+    if not args.skip_floors:
+        result["floors"] = floors()
+    json.dump(result, open(f"{args.out}/h200-dense.json", "w"), indent=1, default=str)
+    base = {(r["tier"], r["context"], r["query_tokens"]): r["us"] for r in result["dense"] if r["variant"] == "sdpa"}
+    print(f"copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    print(f"{'tier':5} {'context':>7} {'L':>4} {'variant':16} {'us':>8} {'vs sdpa':>8} {'err':>9}")
+    for r in result["dense"]:
+        b = base.get((r["tier"], r["context"], r["query_tokens"]))
+        us = f"{r['us']:8.1f}" if r["us"] else "       -"
+        ratio = f"{r['us'] / b:7.3f}x" if r["us"] and b else "        "
+        err = r.get("max_abs_err_vs_portable")
+        print(f"{r['tier']:5} {r['context']:>7} {r['query_tokens']:>4} {r['variant']:16} {us} {ratio} "
+              f"{'' if err is None else f'{err:9.3g}'} {r['error'] or ''}")
+
+
+if __name__ == "__main__":
+    main()
