@@ -8,10 +8,14 @@
    and, for decode, whole steps that also write the token's K/V (trim 1, then update, from the chained output):
    `kvcache-step` (mlx-lm's KVCache + SDPA), `contiguous-step`, `flash-step`. Each output's max abs error
    against the portable path.
-2. `floors`: per tier at 32K and 128K, a bare streaming read of its stored bytes (best of a launch sweep of
+2. `e2e`: decode tokens/s through mlx-lm's generate_step (bench.end_to_end: a random llama3-8b, 32 layers) with
+   a prefix of 32K and 128K tokens: mlx-lm's KVCache, and fp16 / int8 cartridges fused, fp16 both ways (the
+   contiguous buffer, then the flash kernel with `CONTIGUOUS_DENSE` off).
+3. `floors`: per tier at 32K and 128K, a bare streaming read of its stored bytes (best of a launch sweep of
    `gpu_floor.READ_SRC`), to set beside its fused time from `cartridge bench`.
 
-    python benchmarks/gpu_dense.py OUT_DIR [--skip-floors]   (writes OUT_DIR/h200-dense.json; needs a CUDA GPU)
+    python benchmarks/gpu_dense.py OUT_DIR [--part dense|e2e|floors]   (writes OUT_DIR/h200-{PART}.json; needs a
+    CUDA GPU)
 """
 
 import argparse
@@ -24,6 +28,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from cartridge.attention.backends import cuda as cuda_backend
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.kernels import contiguous, cuda
 from cartridge.attention.pages import make_prefix
@@ -139,21 +144,40 @@ def floors():
     return rows
 
 
+def e2e():
+    model, rows = bench.random_model("llama3-8b"), []
+    bench.POLICIES = ["fused"]
+    for n in (32768, 131072):
+        for contiguous_dense in (True, False):
+            cuda_backend.CONTIGUOUS_DENSE = contiguous_dense
+            found = bench.end_to_end(model, n, ["fp16", "int8"] if contiguous_dense else ["fp16"], mx.float16)
+            for r in found:
+                if r["kind"] == "baseline" and not contiguous_dense:
+                    continue
+                r["contiguous_dense"] = contiguous_dense
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            mx.clear_cache()
+    cuda_backend.CONTIGUOUS_DENSE = True
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description="Dense pages against MLX's SDPA, and each tier's bare read floor.")
-    parser.add_argument("out", help="folder for h200-dense.json")
-    parser.add_argument("--skip-floors", action="store_true", help="only the dense comparison")
+    parser.add_argument("out", help="folder for h200-dense.json / h200-floors.json")
+    parser.add_argument("--part", choices=("dense", "e2e", "floors"), default="dense", help="which part (default dense)")
     args = parser.parse_args()
     result = {"device": mx.device_info(), "mlx": mx.__version__, "dense": [], "floors": []}
     result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
+    if args.part != "dense":
+        result[args.part] = floors() if args.part == "floors" else e2e()
+        json.dump(result, open(f"{args.out}/h200-{args.part}.json", "w"), indent=1, default=str)
+        return
     for n in (32768, 131072):
         for tier in ("fp16", "bf16"):
             result["dense"] += dense_rows(n, tier)
             mx.clear_cache()
         json.dump(result, open(f"{args.out}/h200-dense.json", "w"), indent=1, default=str)
-    if not args.skip_floors:
-        result["floors"] = floors()
-    json.dump(result, open(f"{args.out}/h200-dense.json", "w"), indent=1, default=str)
     base = {(r["tier"], r["context"], r["query_tokens"]): r["us"] for r in result["dense"] if r["variant"] == "sdpa"}
     print(f"copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     print(f"{'tier':5} {'context':>7} {'L':>4} {'variant':16} {'us':>8} {'vs sdpa':>8} {'err':>9}")

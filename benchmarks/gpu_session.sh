@@ -2,7 +2,9 @@
 # One GPU-machine session (MLX's CUDA wheel installed in /root/site, the default model's tokenizer saved in
 # /root/gpu/tok; see ../shared/GPU.md), everything in one device call, results under $OUT:
 #   1. nvidia-smi (clocks, temperature) -> nvidia-smi.txt;
-#   2. `dense`: `gpu_dense.py` (dense pages against MLX's SDPA; each tier's bare read) -> h200-dense.{json,log};
+#   2. `dense`: `gpu_dense.py` (dense pages against MLX's SDPA) -> h200-dense.{json,log}; `floors`: its
+#      `--part floors` (each tier's bare read) -> h200-floors.{json,log}; `e2e`: its `--part e2e` (decode
+#      tokens/s, fp16 contiguous and flash) -> h200-e2e.{json,log};
 #   3. `bench`: `cartridge bench` of every tier at 32K/128K, fused and dequantize-once, questions of QUERY tokens
 #      (default none) -> h200-bench-$TAG.{json,log};
 #   4. `gap`: `gpu_floor.py --fp16-gap` -> h200-fp16-gap.{json,log};
@@ -19,6 +21,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > 
 case " $STEPS " in *" dense "*)
   python3 benchmarks/gpu_dense.py $OUT > $OUT/h200-dense.log 2>&1
   tail -40 $OUT/h200-dense.log;; esac
+for part in floors e2e; do case " $STEPS " in *" $part "*)
+  python3 benchmarks/gpu_dense.py --part $part $OUT > $OUT/h200-$part.log 2>&1
+  tail -12 $OUT/h200-$part.log;; esac; done
 case " $STEPS " in *" bench "*)
   python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused,dequantize-once --no-e2e \
     --query-tokens ${QUERY:-none} --json $OUT/h200-bench-$TAG.json > $OUT/h200-bench-$TAG.log 2>&1

@@ -16,7 +16,7 @@ from cartridge.attention.kernels import contiguous
 from cartridge.attention.pages import make_prefix
 from cartridge.tiers import TIERS
 
-TOL = 2e-5
+TOL = 2e-5 if mx.default_device() == mx.cpu else 2e-3  # the GPU's float32 matmuls round more (TF32)
 N_Q, N_KV, D = 8, 2, 64
 
 
