@@ -8,7 +8,7 @@ QUESTION := Who publishes revised versions of the GNU Lesser General Public Lice
 
 TIERS ?= fp16,bf16
 
-.PHONY: setup demo test test-fast test-families bench bench-tiers eval clean
+.PHONY: setup demo test test-slow test-all test-families bench bench-tiers eval clean
 
 $(BIN)/cartridge: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -23,13 +23,16 @@ demo: setup
 	$(BIN)/cartridge ask $(CART) "$(QUESTION)" --max-tokens 60
 
 test: setup
+	$(BIN)/python -m pytest -q -m "not slow and not families"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m "slow and not families"
+
+test-all: setup
 	$(BIN)/python -m pytest -q -m "not families"
 
 test-families: setup
 	$(BIN)/python -m pytest -q -m families
-
-test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not families"
 
 bench: setup
 	$(BIN)/python benchmarks/ttft.py --json out/ttft.json

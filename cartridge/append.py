@@ -192,7 +192,7 @@ def save(cart, path, cache, tokens=None, force=False):
         path (str | Path): the cartridge directory to create.
         cache (list[CartridgeCache]): the prompt cache after questions and answers were fed.
         tokens (list[int] | None): every token after the prefix, in order: those the cache holds, then
-            any not fed yet (mlx-lm does not feed the last generated token), which are fed here, so
+            any not fed yet (a plain loop does not feed its last generated token; generate_step does), which are fed here, so
             `cache` grows by them. None: the ids `cache` carries (its `tokens` attribute). Default: None.
         force (bool): replace an existing cartridge at `path`. Default: False.
 

@@ -15,14 +15,14 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import calibrate as calibrate_mod
-from .attention.store import check_layer_tiers, write_layer
+from .attention.kinds import KINDS, LayerPlan
+from .attention.store import check_layer_tiers
 from .errors import InputError
 from .format import keys as K
-from .format.keys import HEAD_RECORD_BYTES
-from .format.layout import ALIGN, FORMAT_MAJOR, FORMAT_MINOR, PAGE_RECORD
+from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from .format.source import source_keys
 from .format.writer import CartridgeWriter, check_output_path, check_space
-from .models.families import LayerPlan, plan_layers
+from .models.families import plan_layers
 from .models.loader import LoadedModel, architecture_config, load_model
 from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
 from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
@@ -157,19 +157,7 @@ def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
 def layers_bytes(schema, plans, n_tokens, page_size):
     """`cartridge_bytes` of layers of any kind (`LayerPlan`s): a window layer's pages hold its last
     `window` tokens, a state layer's arrays one page each, a list layer's caches each as its kind."""
-    total = 4 * n_tokens + (1 << 20)
-    for plan_, row in ((u, r) for p, r in zip(plans, schema) for u in p.units()):
-        if plan_.kind == "state":
-            total += sum(ALIGN + PAGE_RECORD.size + HEAD_RECORD_BYTES + int(np.prod(shape)) * 4
-                         for _, _, shape in plan_.state)
-            continue
-        n_pages = -(-plan_.stored_tokens(n_tokens) // page_size)
-        for side, (n_kv, head_dim) in (("k", plan_.k_shape), ("v", plan_.v_shape)):
-            codec = get_tier(row[side])
-            tables = n_pages * (PAGE_RECORD.size + n_kv * HEAD_RECORD_BYTES)  # page + per-head checksums
-            total += (n_pages * page_size * codec.bytes_per_token(n_kv, head_dim)
-                      + len(codec.components(head_dim)) * (ALIGN + tables))
-    return total
+    return 4 * n_tokens + (1 << 20) + sum(KINDS[p.kind].planned_bytes(p, row, n_tokens, page_size) for p, row in zip(plans, schema))
 
 
 def attention_plans(geometry):
@@ -421,10 +409,10 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
     records, source_dtype = {}, next((u.dtype for p in plans for u in p.units() if u.dtype), None)
     with CartridgeWriter(output, force) as writer:
         for layer, cache in enumerate(caches):
-            if source_dtype is None and plans[layer].kind not in ("state", "list"):
+            if source_dtype is None and KINDS[plans[layer].kind].tiered:
                 source_dtype = str(cache.keys.dtype).replace("mlx.core.", "")
-            records.update(write_layer(writer, layer, plans[layer], cache, schema[layer], page_size, len(tokens),
-                                       kept))
+            records.update(KINDS[plans[layer].kind].write(writer, layer, plans[layer], cache, schema[layer],
+                                                          page_size, len(tokens), kept))
         header = _header(lm, tokens, plans, records, page_size, mode, source_dtype or "float32", source or {})
         header.update(protect.header_keys(*kept))
         return writer.commit(header, np.asarray(tokens, dtype=np.uint32))
@@ -435,7 +423,7 @@ def build_result(path, tokens, prefill_seconds, seconds, schema, plans, context_
     that store every token, with the fp16 copies of `kept` (N, M) protected tokens spread over them."""
     total = sum(f.stat().st_size for f in path.iterdir())
     bpt = sum(get_tier(r[s]).bytes_per_token(*getattr(u, f"{s}_shape")) for p, r in zip(plans, schema)
-              for u in p.units() if u.kind in ("attention", "dense") for s in ("k", "v"))
-    shapes = [getattr(p, f"{s}_shape") for p in plans if protect.protects(p.kind) for s in ("k", "v")]
+              for u in p.units() if KINDS[u.kind].stores_every_token for s in ("k", "v"))
+    shapes = [getattr(p, f"{s}_shape") for p in plans if KINDS[p.kind].stores_every_token for s in ("k", "v")]
     bpt += protect.bytes_per_token(*kept, len(tokens), shapes)
     return BuildResult(str(path), len(tokens), prefill_seconds, seconds, total, bpt, schema, context_left)

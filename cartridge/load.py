@@ -25,7 +25,7 @@ __all__ = ["Cartridge", "PromptCache", "check_fingerprint", "load"]
 
 def _head_dims(meta):
     """(K head_dim, V head_dim) of a layer, (None, None) for a state, a list of them for a list layer."""
-    if meta.kind == "list":
+    if meta.parts:  # a list layer's caches
         return [_head_dims(u) for u in meta.parts]
     return (meta.k_shape[1], meta.v_shape[1]) if meta.k_shape else (None, None)
 

@@ -4,7 +4,7 @@ conversation over it (`PromptCache`). `cartridge.load` makes them; `distributed`
 
 from .append import save
 from .attention import route
-from .attention.layers import cache_offset, fresh_cache, is_paged, trimmable
+from .attention.layers import cache_offset, fresh_cache, trimmable, trims
 from .errors import InputError
 from .models.prompt import conversation_tokens, followup_tokens, question_tokens
 
@@ -136,7 +136,7 @@ class Cartridge:
             cache (list): a cache from `prompt_cache()`.
         """
         for i, (c, layer) in enumerate(zip(cache, self.prefixes)):
-            if is_paged(layer) or layer.kind == "dense":
+            if trims(layer):
                 c.trim(max(0, c.offset - len(self.info.tokens)))
             else:  # a window, recurrent state or list of caches: a fresh copy of the stored one
                 cache[i] = layer.cache()

@@ -7,7 +7,7 @@ and `extend` share, below all three (none of them is imported here).
 import mlx.core as mx
 
 from .attention.cache import LayerPrefix
-from .attention.layers import DenseLayer, ListLayer, StateLayer, WindowLayer
+from .attention.kinds import KINDS
 from .errors import ModelMismatchError
 from .format import keys as K
 from .format.header import SIDES
@@ -74,7 +74,8 @@ def layer_prefix(info, data, layer, meta=None):
 
 
 def stored_layer(info, data, layer, meta=None):
-    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State/List layer (`attention.layers`).
+    """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State/List layer (`attention.layers`),
+    as its kind loads it (`attention.kinds`).
 
     Args:
         info, data, layer, meta: as in `layer_prefix`.
@@ -83,17 +84,34 @@ def stored_layer(info, data, layer, meta=None):
         LayerPrefix | DenseLayer | WindowLayer | StateLayer | ListLayer
     """
     meta = meta or info.layers[layer]
-    if meta.kind == "list":
-        return ListLayer([stored_layer(info, data, K.part(layer, j), u) for j, u in enumerate(meta.parts)])
-    if meta.kind == "state":
-        ids = (a[0] for a in meta.arrays)
-        return StateLayer(meta.state_size, {i: stored_array(data, e)[0]
-                                            for i, e in zip(ids, info.extents[(layer, K.STATE_SIDE)])})
-    prefix = layer_prefix(info, data, layer, meta)
-    dtype = DTYPES[info.source_dtype]
-    if meta.kind == "window":
-        return WindowLayer(prefix, dtype, meta.window, len(info.tokens))
-    return DenseLayer(prefix, dtype) if meta.kind == "dense" else prefix
+    return KINDS[meta.kind].load(StoredLayers(info, data), layer, meta)
+
+
+class StoredLayers:
+    """What a layer kind loads from: a parsed cartridge's header and its mapped pages.
+
+    Args:
+        info (CartridgeInfo): the header. data (PageData | SliceData): the mapped pages.
+
+    Attributes:
+        dtype (mx.Dtype): the dtype the model computed K/V in. n_tokens (int): prefix tokens.
+    """
+
+    def __init__(self, info, data):
+        self.info, self.data = info, data
+        self.dtype, self.n_tokens = DTYPES[info.source_dtype], len(info.tokens)
+
+    def prefix(self, path, meta):
+        """The LayerPrefix of the cache at layer path `path` (`layer_prefix`)."""
+        return layer_prefix(self.info, self.data, path, meta)
+
+    def arrays(self, path):
+        """The recurrent arrays of a "state" cache, in stored order, each shaped as produced."""
+        return [stored_array(self.data, e)[0] for e in self.info.extents[(path, K.STATE_SIDE)]]
+
+    def layer(self, path, meta):
+        """The loaded layer of the cache at `path` (a list layer's cache)."""
+        return stored_layer(self.info, self.data, path, meta)
 
 
 def model_dtype(model):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from cartridge.attention import route
+from cartridge.attention import budget, route
 from cartridge.attention.kernels import cpu
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.prefill import PrefillCache
@@ -86,3 +86,88 @@ def test_prefill_cache_with_nothing_fed_has_no_tail():
     k = mx.random.normal((2, 20, 16), key=mx.random.key(3))
     c = PrefillCache(make_prefix(TIERS["fp16"], k, TIERS["fp16"], k, page_size=16), 20, mx.float32)
     assert c.offset == 20 and c.tail_kv() == (None, None)
+
+
+@pytest.mark.parametrize("tier", ["fp16", "int8+rot", "int6+rot", "mlx4g32"])
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+def test_question_prefill_over_pages_matches_float64(tier, protected):
+    """A question's prefill over a layer's pages decoded for the call (`cpu.QuestionPrefill`), stored and K
+    unpacked: odd prefix length, tail over two chunks, GQA 4, with and without protected tokens."""
+    from test_kernels import _cache, _case, _check, protected_reference, with_protected
+
+    from cartridge.attention import unpacked
+    from cartridge.attention.cache import LayerPrefix
+
+    shape = (8, 2, 64, 1001, 64, 300, 37)
+    prefix, q, tk, tv = _case(tier, shape, seed=11)
+    if protected:
+        prefix = with_protected(prefix, 3, 5, shape[2])
+    layers = [prefix]
+    if unpacked.can_unpack(prefix.k_codec):
+        k_parts = unpacked.unpack(prefix.k_codec, prefix.k_parts)
+        layers.append(LayerPrefix(unpacked.UnpackedCodec(prefix.k_codec), k_parts, prefix.v_codec, prefix.v_parts,
+                                  prefix.n_tokens, prefix.k_params, prefix.v_params, None, prefix.protected))
+    want = protected_reference(prefix, q, tk, tv) if protected else None
+    for layer in layers:
+        with mx.stream(mx.cpu):
+            out = cpu.QuestionPrefill(layer)(_cache(layer, tk, tv, mx.float32), mx.array(q), shape[2] ** -0.5)
+        got = np.array(out)[0]
+        if protected:
+            assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), layer.k_codec.name
+        else:
+            _check(prefix, q, tk, tv, got, f"cpu question prefill {tier} {layer.k_codec.name}")
+
+
+def test_question_prefill_leaves_decode_steps_and_sinks_to_the_portable_path():
+    from test_kernels import _cache, _case
+
+    prefix, q, tk, tv = _case("int8+rot", (8, 2, 64, 300, 64, 9, 1), seed=2)
+    rows = cpu.PREFILL_MIN_ROWS // 4  # GQA 4: fewer rows per KV head than the threshold
+    kernel, cache = cpu.QuestionPrefill(prefix), _cache(prefix, tk, tv, mx.float32)
+    assert kernel(cache, mx.zeros((1, 8, rows - 1, 64)), 0.125) is None
+    assert kernel(cache, mx.zeros((1, 8, rows, 64)), 0.125, sinks=mx.zeros((8,))) is None
+    assert kernel(cache, mx.zeros((1, 8, rows, 64)), 0.125).shape == (1, 8, rows, 64)
+
+
+@pytest.mark.parametrize("options", [
+    {"k_tier": "int8+rot", "v_tier": "int6+rot"},
+    {"k_tier": "int8+rot", "v_tier": "int6+rot", "protect_first": 4, "protect_last": 9},  # protected tokens
+], ids=["safe", "safe-protected"])
+def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol_tokenizer, monkeypatch):
+    """`auto` on the CPU (default memory budget: K unpacked, the question's prefill over pages decoded per
+    call) against the portable path over the stored pages: the question's logits (L > 1) and a decode step's."""
+    from conftest import make_tiny
+    from test_tier_attention import DOC
+
+    from cartridge.attention.kernels import dense
+    from cartridge.attention.policy import plan_header
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the question prefill over decoded pages is the CPU's")
+    lm = make_tiny(smol_tokenizer, seed=0, head_dim=64)
+    r = cartridge.build(DOC, tmp_path / "a.cart", model=lm, page_size=64, reserve=0, **options)
+    fast = cartridge.load(r.path, model=lm)
+    ref = cartridge.load(r.path, model=lm, attention="portable", verify="header")
+    assert all(isinstance(p.kernel, cpu.QuestionPrefill) for p in fast.prefixes)
+    said = "a question's prefill decodes each layer's pages for the call"
+    assert said in fast.plan["reason"] and said in plan_header(fast.info, mx.float32)["reason"]  # inspect's too
+    assert all(p.kernel is None for p in ref.prefixes)
+    fp16 = cartridge.load(cartridge.build(DOC, tmp_path / "b.cart", model=lm, page_size=64, reserve=0).path, model=lm)
+    assert all(p.kernel is None for p in fp16.prefixes)  # float32 pages: the portable path is as fast
+    assert said not in fp16.plan["reason"] and said not in plan_header(fp16.info, mx.float32)["reason"]
+    stored = ref.plan["memory"]["stored_bytes"]  # a budget with no room for one layer decoded per call: portable
+    with pytest.warns(budget.MemoryBudgetWarning):
+        tight = cartridge.load(r.path, model=lm, max_memory=stored - 1, verify="header")
+    assert all(p.kernel is None for p in tight.prefixes)
+    calls = []
+    real = dense.prefill_attention
+    monkeypatch.setattr(dense, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    ids = fast.question_prompt("How long does the warranty last?")
+    logits = []
+    for cart in (fast, ref):
+        cache = cart.prompt_cache()
+        first = _feed(cart.model, ids, cache)
+        logits.append((first, _feed(cart.model, [int(mx.argmax(first[-1]))], cache)))
+    assert len(calls) == len(fast.prefixes)  # the question's prefill only: decode steps stay portable
+    for got, want in zip(*logits):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)

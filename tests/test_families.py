@@ -19,7 +19,7 @@ from family_models import DOC, PAGE, WINDOW, _check, check_family, families, mak
 from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 
 import cartridge
-from cartridge.attention import store
+from cartridge.attention import kinds
 from cartridge.cli.report import inspect_dict, inspect_table, layer_rows
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.pages import make_prefix
@@ -116,8 +116,9 @@ def test_each_prompt_cache_gets_its_own_list_of_caches(baichuan, tmp_path):
 
 def test_header_and_pages_disagreeing_is_refused_at_build(smol_tokenizer, tmp_path, monkeypatch):
     lm = make_model("qwen3", smol_tokenizer)
-    real = store.stored_kv
-    monkeypatch.setattr(store, "stored_kv", lambda c, kind, n: tuple(x[:, :, :16] for x in real(c, kind, n)))
+    real = kinds.write_kv
+    monkeypatch.setattr(kinds, "write_kv", lambda writer, path, plan, kv, *rest:
+                        real(writer, path, plan, tuple(x[:, :, :16] for x in kv), *rest))
     with pytest.raises(InputError, match=r"^layer 0 k: the cache holds \(2, \d+, 16\); the header would say \(2, \d+, 32\)"):
         cartridge.build(DOC, tmp_path / "x.cart", model=lm)
     assert list(tmp_path.iterdir()) == []

@@ -4,13 +4,15 @@ every tail length from 0 to past 1,100 tokens (the 256-token tail chunks crossed
 the log-probabilities it yields equal a fresh mlx-lm prefill of the same tokens over the same prefix K/V.
 
 The reference is the model with mlx-lm's own KVCaches holding the cartridge's decoded prefix (its stored fp16 or
-quantized values), fed the whole token stream the cartridge cache saw in one teacher-forced pass.
+quantized values), fed the whole token stream the cartridge cache saw in one teacher-forced pass. Two checks more:
+generate_step gives the same bits as a loop of the same ops evaluated one step at a time (so its pipeline and
+stream change nothing), and turns on worker threads and on the main thread share one cache.
 """
 
-import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
-
+import threading
 from dataclasses import replace
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -63,11 +65,11 @@ def _reference_logprobs(cart, stream):
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def _run_turns(cart, loop):
-    """Drive one cache through TURNS with `loop`; returns the token stream and {stream index: yielded logprobs}."""
+def _run_turns(cart, loop, turns=TURNS):
+    """Drive one cache through `turns` with `loop`; returns the token stream and {stream index: yielded logprobs}."""
     rng = np.random.default_rng(31)
     cache, stream, yielded = cart.prompt_cache(), [], {}
-    for n_prompt, n_new in TURNS:
+    for n_prompt, n_new in turns:
         prompt = rng.integers(100, 40000, size=n_prompt).tolist()
         stream += prompt
         for token, logprobs in loop(cart, prompt, cache, n_new):
@@ -82,6 +84,23 @@ def _generate_step(cart, prompt, cache, n):
         yield int(y), logprobs
 
 
+def _synchronous(cart, prompt, cache, n):
+    """`generate_step`'s ops without its pipeline: prompt[:-1], then one token at a time on the default stream,
+    each step evaluated before the next is built; like `generate_step` it feeds the last token it returns."""
+    if len(prompt) > 1:
+        cart.model(mx.array(prompt[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    y = mx.array(prompt[-1:])
+    for _ in range(n):
+        logits = cart.model(y[None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        y = mx.argmax(logprobs, axis=-1)
+        mx.eval(y, logprobs)
+        yield int(y.item()), logprobs.squeeze(0)
+    cart.model(y[None], cache=cache)
+    mx.eval([c.state for c in cache])
+
+
 def _stream_generate(cart, prompt, cache, n):
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=n, prompt_cache=cache):
         yield r.token, r.logprobs
@@ -91,6 +110,40 @@ def _stream_generate(cart, prompt, cache, n):
 def test_turns_on_one_cache_match_a_fresh_prefill(cart, loop):
     stream, yielded = _run_turns(cart, loop)
     assert len(stream) > 1100
+    want = _reference_logprobs(cart, stream)
+    for i, got in yielded.items():
+        np.testing.assert_allclose(got, want[i], rtol=TOL, atol=TOL, err_msg=f"tail position {i}")
+        assert stream[i + 1] == int(np.argmax(got))
+
+
+def test_generate_step_computes_what_a_synchronous_loop_does(cart):
+    # issue 31 item 0 suspected the cache under generate_step's pipeline (step n+1 built before step n is
+    # evaluated, on its own stream); the same ops run one step at a time give the same bits on the CPU
+    pipelined, synchronous = (_run_turns(cart, loop, TURNS[:4]) for loop in (_generate_step, _synchronous))
+    assert pipelined[0] == synchronous[0]
+    for i, got in pipelined[1].items():
+        want = synchronous[1][i]
+        if mx.default_device() == mx.cpu:
+            np.testing.assert_array_equal(got, want, err_msg=f"tail position {i}")
+        else:
+            np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL, err_msg=f"tail position {i}")
+
+
+def _on_new_thread(cart, prompt, cache, n):
+    """`_generate_step` run to the end on a thread of its own (as a server's worker runs it)."""
+    out = []
+    worker = threading.Thread(target=lambda: out.extend(_generate_step(cart, prompt, cache, n)))
+    worker.start()
+    worker.join()
+    assert len(out) == n, "the generation thread failed"
+    return out
+
+
+def test_turns_on_worker_threads_and_the_main_thread_match_a_fresh_prefill(cart):
+    # MLX streams belong to the thread that made them: the CPU streams the prefix is split over (page 16) are
+    # made per thread, so turns on a new thread, then on this one, then on another, all run and stay exact
+    turns = iter([_on_new_thread, _generate_step, _on_new_thread, _generate_step])
+    stream, yielded = _run_turns(cart, lambda *a: next(turns)(*a), [(45, 12), (1, 9), (44, 12), (3, 5)])
     want = _reference_logprobs(cart, stream)
     for i, got in yielded.items():
         np.testing.assert_allclose(got, want[i], rtol=TOL, atol=TOL, err_msg=f"tail position {i}")

@@ -8,7 +8,8 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 from conftest import make_tiny
 from test_cli import run
 
-from cartridge.cli.report import fold_tiers, inspect_dict, inspect_table
+from cartridge.cli.report import inspect_dict, inspect_table
+from cartridge.tiers.schema import fold_tiers
 from cartridge.errors import InputError
 from cartridge.tiers import read_schema, schema_for
 

@@ -33,6 +33,22 @@ def _unpacked(prefix, sides):
     return LayerPrefix(k_codec, k_parts, v_codec, v_parts, prefix.n_tokens, prefix.k_params, prefix.v_params)
 
 
+@pytest.mark.parametrize("name", ["int8", "int6", "mlx4g32"])
+def test_cpu_affine_decode_equals_mx_dequantize_exactly(name):
+    """The CPU's decode by byte codes (`affine.byte_codes`, `affine_values`) against MLX's own dequantize."""
+    from cartridge.tiers.quantized import GroupQuantCodec
+
+    codec = TIERS[name]
+    rng = np.random.default_rng(len(name))
+    x = mx.array((rng.standard_normal((3, 77, 128)) * rng.uniform(0.1, 30, (3, 77, 1))).astype(np.float32))
+    parts = codec.encode(x, codec.make_params(x, 0, "k"))
+    with mx.stream(mx.cpu):
+        got = np.array(codec.decode(parts, {}))
+        want = np.array(GroupQuantCodec.decode(codec, parts, {}))
+    assert got.dtype == np.float32 and got.shape == (3, 77, 128)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("name", UNPACKABLE)
 def test_unpacked_pages_decode_to_the_stored_values_exactly(name):
     prefix = layer(name, 75, 32, seed=3)

@@ -143,6 +143,19 @@ def plan_unpacked(sides, held, budget):
     return decoded, left, resident, max(peak, dense_peak, resident + step)
 
 
+def prefill_reserve(layers, dtype):
+    """Bytes a question's prefill holds beside the resident pages where each layer's pages are decoded for
+    the call (`kernels.cpu.QuestionPrefill`): the largest layer's K and V as dense pages of `dtype`. It runs
+    where the plan's resident bytes leave that room within the budget (after, not instead of, what `plan` and
+    `plan_unpacked` decode or unpack: a decode step's reads of those pages come first).
+
+    Args:
+        layers (list[tuple]): per page-attended layer ((n_pages, n_kv_heads, P), K head_dim, V head_dim).
+        dtype (mx.Dtype): the queries' dtype (the decoded pages').
+    """
+    return max((n * h * p * (k_dim + v_dim) * dtype.size for (n, h, p), k_dim, v_dim in layers), default=0)
+
+
 def notes(report, policy):
     """What a memory budget did against what was asked, one line each: a budget below the stored bytes
     (they are always held, so the budget cannot go lower), and an explicit dequantize-once that the budget

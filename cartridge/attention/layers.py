@@ -44,6 +44,7 @@ class DenseLayer:
     """
 
     kind = "dense"
+    trims = True  # its KVCache's tail trims back in place
 
     def __init__(self, prefix, dtype):
         self.prefix = prefix
@@ -71,6 +72,7 @@ class WindowLayer(DenseLayer):
     """
 
     kind = "window"
+    trims = False  # a rotating cache overwrites the window: a fresh copy instead
 
     def __init__(self, prefix, dtype, window, total):
         super().__init__(prefix, dtype)
@@ -93,6 +95,7 @@ class StateLayer:
     """
 
     kind = "state"
+    trims = False
 
     def __init__(self, size, arrays):
         self.size, self.arrays = size, arrays
@@ -119,6 +122,7 @@ class ListLayer:
     """
 
     kind = "list"
+    trims = False  # its caches are renewed as a whole (`trimmable` asks each of them)
 
     def __init__(self, parts):
         self.parts = parts
@@ -139,11 +143,16 @@ def fresh_cache(layer):
     return CartridgeCache(layer) if is_paged(layer) else layer.cache()
 
 
+def trims(layer):
+    """True if a loaded layer is one cache whose tail trims back in place (page-attended or dense)."""
+    return is_paged(layer) or layer.trims
+
+
 def trimmable(layer):
-    """True if a loaded layer's tail can be trimmed back (page-attended and dense caches only)."""
-    if getattr(layer, "kind", None) == "list":
+    """True if a loaded layer's tail can be trimmed back: it `trims`, or it is a list of caches that all do."""
+    if isinstance(layer, ListLayer):
         return all(trimmable(p) for p in layer.parts)
-    return is_paged(layer) or layer.kind == "dense"
+    return trims(layer)
 
 
 def cache_offset(caches):
@@ -154,24 +163,6 @@ def cache_offset(caches):
             if hasattr(leaf, "offset"):
                 return leaf.offset
     return None
-
-
-def stored_kv(cache, kind, n_tokens):
-    """The K and V a layer's filled mlx-lm cache holds for the prefix, as a cartridge stores them.
-
-    Args:
-        cache (KVCache | RotatingKVCache): after the prefill of `n_tokens` tokens.
-        kind (str): "attention", "dense" or "window".
-
-    Returns:
-        tuple: K, V (n_kv_heads, T, head_dim), T = n_tokens or, for "window", the last
-        min(n_tokens, window) tokens.
-    """
-    if kind != "window":
-        return cache.keys[0, :, :n_tokens, :], cache.values[0, :, :n_tokens, :]
-    n = min(n_tokens, cache.max_size)
-    k, v = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
-    return k[0, :, -n:, :], v[0, :, -n:, :]
 
 
 def is_paged(layer):

@@ -112,6 +112,24 @@ def kernel_for(policy, prefix, head_dim):
     return fused.build(prefix)
 
 
+def _reads_prefill(policy):
+    """The device entry that reads a question's prefill over the pages itself (the CPU's: no fused decode
+    kernel, `backends.cpu`), or None: under "portable" (MLX ops over the stored pages, the reference) and on a
+    device whose fused kernel reads prefills itself (`kernel_for`)."""
+    dev = backends.get(backend())
+    return dev if policy != "portable" and dev is not None and dev.policy is None else None
+
+
+def _prefill_layers(prefixes, choices, head_dims):
+    """(layer, ((n_pages, n_kv_heads, P), K head_dim, V head_dim)) of each layer whose prefill `_reads_prefill`."""
+    out = []
+    for i, (p, c, dims) in enumerate(zip(prefixes, choices, head_dims)):
+        dev = None if c is None else _reads_prefill(c[0])
+        if dev is not None and dev.supports(p, dims[0], "prefill"):
+            out.append((i, (next(iter(p.k_parts.values())).shape[:3], *dims)))
+    return out
+
+
 def _held(layer):
     """Bytes a loaded layer holds: its pages, and for a decoded layer kind also its dense K/V."""
     if isinstance(layer, LayerPrefix):
@@ -245,7 +263,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, _prefill_layers(prefixes, choices, head_dims),
+                                                     dtype)
     dense, unpacking = _by_layer(decoded), _by_layer(packed)
     out = prefixes
     for i, (p, c) in enumerate(zip(prefixes, choices)):
@@ -256,14 +275,38 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack, lazy=limit is None)
         k_dim, v_dim = head_dims[i]
         kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
+        dev = _reads_prefill(c[0]) if i in prefill and kernel is None else None
+        if dev is not None and dev.supports(q, k_dim, "prefill"):
+            kernel = dev.build(q)
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
                              q.protected)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
-    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
+    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
+                        max(prefill.values(), default=0))
 
 
-def _report(layers, sides, decoded, packed, limit, held, resident, peak):
+def _plan(sides, held, limit, layers, dtype):
+    """`budget.plan_unpacked`, then a question's prefill over the pages decoded for the call on the `layers`
+    ((layer, shapes) of `_prefill_layers`) that keep a side not decoded to dense pages (over float32 pages the
+    portable path is as fast: docs/performance.md), where the resident bytes leave room for the largest of them
+    within `limit` (`budget.prefill_reserve`; else none: the portable path).
+
+    Returns:
+        tuple: (decoded, unpacked, resident, peak, prefill): as `plan_unpacked`, and {layer: the bytes its
+        prefill holds} for the layers that take it.
+    """
+    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
+    dense = set(decoded)
+    prefill = {i: budget.prefill_reserve([shapes], dtype) for i, shapes in layers
+               if not {(i, "k"), (i, "v")} <= dense}
+    most = max(prefill.values(), default=0)
+    if limit is not None and resident + most > limit:
+        prefill, most = {}, 0
+    return decoded, packed, resident, max(peak, resident + most), prefill
+
+
+def _report(layers, sides, decoded, packed, limit, held, resident, peak, prefill=0):
     names = {x["policy"] for x in layers if x}
     first = next((x for x in layers if x), None)
     reason = first["reason"] if first else "no page-attended layers"
@@ -275,6 +318,8 @@ def _report(layers, sides, decoded, packed, limit, held, resident, peak):
                    f"the others read their stored pages (portable)")
         if packed:
             reason += f", {len(packed)} of them with their codes unpacked to bytes"
+    if prefill:
+        reason += f"; a question's prefill decodes each layer's pages for the call ({prefill / 1e6:,.1f} MB at most)"
     return {"policy": names.pop() if len(names) == 1 else ("mixed" if names else "none"), "reason": reason,
             "layers": layers,
             "memory": {"budget_bytes": limit, "stored_bytes": held, "resident_bytes": resident,
@@ -297,7 +342,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         dict: {"policy", "reason", "memory"} as in `place`'s report (held bytes: the stored pages only).
     """
     entries = calibration.merged_entries() if entries is None else entries
-    choices, sides, held = [], [], 0
+    choices, sides, held, layers = [], [], 0, []
     for i, meta in enumerate(info.layers):
         extents = {side: info.extents.get((i, side), []) for side in ("k", "v", "s")}
         stored = {side: sum(e.page_bytes * e.shape[0] for e in ex) for side, ex in extents.items()}
@@ -309,6 +354,8 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode",
                                _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
+        if _reads_prefill(c[0]) is not None:
+            layers.append((i, (extents["k"][0].shape[:3], meta.k_shape[1], meta.v_shape[1])))
         if c[0] == "dequantize-once":
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):
                 dims = (*extents[side][0].shape[:3], shape[1])
@@ -318,5 +365,6 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak = budget.plan_unpacked(sides, held, limit)
-    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak)
+    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, layers, dtype)
+    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
+                   max(prefill.values(), default=0))

@@ -1,8 +1,8 @@
-"""Store one layer's filled mlx-lm cache as extents and header records (spec/FORMAT.md section 5.5).
+"""Store one cache's K/V or recurrent arrays as extents and header records (spec/FORMAT.md section 5.5).
 
-K/V layers ("attention", "dense", "window") go through the layer's tiers into pages; a "state" layer's
-arrays are stored as produced, one single-page extent per array; a "list" layer's caches are stored
-one after another the same way, cache j of layer i under the key path "i.j". Every shape written is
+K/V go through the layer's tiers into pages (`write_kv`); recurrent arrays are stored as produced, one
+single-page extent per array (`write_state`). Which a layer takes, and how a "list" layer's caches are
+stored one after another, is its kind's `write` (`cartridge.attention.kinds`). Every shape written is
 the shape the model wrote into its cache, checked against the probe's plan: a disagreement is
 refused, not written.
 """
@@ -12,9 +12,9 @@ import numpy as np
 
 from ..errors import InputError
 from ..format import keys as K
+from ..format.kinds import KINDS
 from ..tiers import get_tier, protect
 from ..tiers.schema import check_layer_count
-from .layers import stored_kv
 from .pages import encode_pages
 
 
@@ -30,10 +30,9 @@ def check_layer_tiers(plans, schema):
     """
     check_layer_count(schema, len(plans))
     for i, (layer_plan, row) in enumerate(zip(plans, schema)):
-        for j, plan in enumerate(layer_plan.units()):
-            if plan.kind == "state":
+        for where, plan in KINDS[layer_plan.kind].units(i, layer_plan):
+            if not KINDS[plan.kind].tiered:
                 continue
-            where = f"{i}.{j}" if layer_plan.kind == "list" else i
             for side, shape in (("k", plan.k_shape), ("v", plan.v_shape)):
                 try:
                     get_tier(row[side]).check(*shape)
@@ -53,7 +52,19 @@ def _dtype_name(x):
     return str(x.dtype).replace("mlx.core.", "")
 
 
-def _write_state(writer, layer, plan, cache):
+def write_state(writer, layer, plan, cache):
+    """Append a recurrent layer's arrays, one single-page extent each, as produced.
+
+    Args:
+        writer (CartridgeWriter): open writer. layer (int | str): layer path. plan (LayerPlan): a "state" plan.
+        cache (ArraysCache): the filled cache.
+
+    Returns:
+        dict: the layer's records (kind, state).
+
+    Raises:
+        InputError: a slot the prefill left other than the probe saw (nothing is published).
+    """
     arrays = []
     for index, dtype, shape in plan.state:
         a = cache[index]
@@ -66,32 +77,25 @@ def _write_state(writer, layer, plan, cache):
     return {K.layer_kind(layer): "state", K.layer_state(layer): {"size": plan.size, "arrays": arrays}}
 
 
-def write_layer(writer, layer, plan, cache, row, page_size, n_tokens, kept=(0, 0)):
-    """Encode and append one layer's extents.
+def write_kv(writer, layer, plan, kv, row, page_size, n_tokens, kept=(0, 0)):
+    """Encode one cache's K and V through its tiers and append their extents.
 
     Args:
         writer (CartridgeWriter): open writer. layer (int | str): layer index, or "i.j" for cache j of
             a "list" layer i.
-        plan (LayerPlan): the probe's plan. cache: the layer's filled mlx-lm cache.
+        plan (LayerPlan): the probe's plan. kv (tuple): K, V (n_kv_heads, T, head_dim) as stored.
         row (dict): {"k": tier, "v": tier}. page_size (int): tokens per page. n_tokens (int): prefix tokens.
-        kept (tuple): (N, M) first and last tokens also stored in fp16 records where the layer's kind
-            stores every token (`cartridge.tiers.protect`, format 1.5). Default: (0, 0).
+        kept (tuple): (N, M) first and last tokens also stored in fp16 records (`cartridge.tiers.protect`,
+            format 1.5); (0, 0) for the kinds that do not store every token. Default: (0, 0).
 
     Returns:
-        dict: the layer's header records (kind, shapes, window or state, tiers, params, components).
+        dict: the records (kind, shapes, tiers, params, components).
 
     Raises:
         InputError: the cache holds shapes other than the plan's (nothing is written: the writer aborts).
     """
-    if plan.kind == "list":
-        records = {K.layer_kind(layer): "list", K.layer_caches(layer): len(plan.parts)}
-        for j, (part, c) in enumerate(zip(plan.parts, cache.caches)):
-            records.update(write_layer(writer, K.part(layer, j), part, c, row, page_size, n_tokens))
-        return records
-    if plan.kind == "state":
-        return _write_state(writer, layer, plan, cache)
     records = {K.layer_kind(layer): plan.kind}
-    for side, x, shape in zip("kv", stored_kv(cache, plan.kind, n_tokens), (plan.k_shape, plan.v_shape)):
+    for side, x, shape in zip("kv", kv, (plan.k_shape, plan.v_shape)):
         want = (shape[0], plan.stored_tokens(n_tokens), shape[1])
         if tuple(x.shape) != want:
             raise InputError(f"layer {layer} {side}: the cache holds {tuple(x.shape)}; the header would say {want}")
@@ -104,7 +108,7 @@ def write_layer(writer, layer, plan, cache, row, page_size, n_tokens, kept=(0, 0
                 raise InputError(f"layer {layer} {side} {comp.name}: pages {tuple(parts[comp.name].shape)}; "
                                  f"the header would say {page_shape}")
             writer.add_extent(layer, side, comp.name, to_numpy(parts[comp.name]))
-        if sum(kept) and protect.protects(plan.kind):
+        if sum(kept):
             writer.add_record(K.layer_protected(layer, side), protect.take(x, *kept))
         records.update({
             K.layer_shape(layer, side): list(shape),
@@ -114,7 +118,4 @@ def write_layer(writer, layer, plan, cache, row, page_size, n_tokens, kept=(0, 0
             K.layer_components(layer, side): [{"name": c.name, "dtype": c.dtype, "width": c.width}
                                               for c in codec.components(shape[1])],
         })
-    if plan.kind == "window":
-        count = plan.stored_tokens(n_tokens)
-        records[K.layer_window(layer)] = {"size": plan.window, "start": n_tokens - count, "count": count}
     return records

@@ -15,7 +15,7 @@ def convert(source, output, tier, k_tier, v_tier, boundary_protect, schema, prot
     """Re-encode the fp16 or bf16 cartridge SOURCE into other tiers (no model, no prefill)."""
     import cartridge
 
-    from .report import fold_tiers
+    from cartridge.tiers.schema import fold_tiers
 
     refuse_tier_clashes(preset, schema)
     with progress_bar("layer", "convert") as progress:

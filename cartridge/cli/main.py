@@ -78,7 +78,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     from cartridge.format.writer import check_output_path
     from cartridge.tiers import check_tier_options, presets
 
-    from .report import fold_tiers
+    from cartridge.tiers.schema import fold_tiers
 
     budget = _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)

@@ -5,7 +5,9 @@ from pathlib import Path
 
 from cartridge.attention.policy import backend, plan_header
 from cartridge.format import keys as K
+from cartridge.format.kinds import KINDS
 from cartridge.tiers import TIERS
+from cartridge.tiers.schema import fold_tiers
 
 
 def _versus_fp16(bpt, fp16):
@@ -16,18 +18,6 @@ def _versus_fp16(bpt, fp16):
     return f"{fp16 / bpt:.2f}x smaller)" if bpt < fp16 else f"{bpt / fp16:.2f}x larger)"
 
 
-def fold_tiers(tiers):
-    """Fold runs of layers with equal (k, v) tiers: [{"layers": "0-29", "k": "fp16", "v": "fp16"}]."""
-    runs = []
-    for row in tiers:
-        if runs and (runs[-1]["k"], runs[-1]["v"]) == (row["k"], row["v"]) and runs[-1]["last"] == row["layer"] - 1:
-            runs[-1]["last"] = row["layer"]
-        else:
-            runs.append({"first": row["layer"], "last": row["layer"], "k": row["k"], "v": row["v"]})
-    return [{"layers": f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
-             "k": r["k"], "v": r["v"]} for r in runs]
-
-
 def tier_formulas(tiers, n_kv_heads, head_dim):
     """{tier: {"formula", "bytes_per_token_per_layer_side"}} for every tier the schema uses, in first-use order."""
     used = dict.fromkeys(row[side] for row in tiers for side in ("k", "v") if row[side] is not None)
@@ -36,30 +26,13 @@ def tier_formulas(tiers, n_kv_heads, head_dim):
             for name in used}
 
 
-def _unit_row(info, path, m):
-    nbytes = sum(e.page_bytes * e.shape[0] for (p, _), ext in info.extents.items() if p == path for e in ext)
-    row = {"kind": m.kind, "tokens": m.count, "bytes": nbytes}
-    if m.kind == "state":
-        row["arrays"] = [{"index": a, "dtype": d, "shape": list(s)} for a, d, s in m.arrays]
-    else:
-        row.update(k_shape=list(m.k_shape), v_shape=list(m.v_shape))
-    if m.kind == "window":
-        row.update(window=m.window, start=m.start)
-    return row
-
-
 def layer_rows(info):
     """Per layer: kind, K/V shapes, the prefix tokens it holds and its payload bytes (`inspect --json`);
-    a "list" layer: its caches' rows under "caches", tokens the most any of them holds, bytes their sum."""
-    rows = []
-    for i, m in enumerate(info.layers):
-        if m.kind == "list":
-            caches = [_unit_row(info, f"{i}.{j}", u) for j, u in enumerate(m.parts)]
-            rows.append({"layer": i, "kind": "list", "tokens": max(c["tokens"] for c in caches),
-                         "bytes": sum(c["bytes"] for c in caches), "caches": caches})
-        else:
-            rows.append({"layer": i, **_unit_row(info, i, m)})
-    return rows
+    a "list" layer: its caches' rows under "caches", tokens the most any of them holds, bytes their sum
+    (`LayerKind.describe`)."""
+    def nbytes(path):
+        return sum(e.page_bytes * e.shape[0] for (p, _), ext in info.extents.items() if p == path for e in ext)
+    return [{"layer": i, **m.kind_type.describe(i, m, nbytes)} for i, m in enumerate(info.layers)]
 
 
 def fold_layers(rows):
@@ -201,31 +174,16 @@ def inspect_table(d):
     for run in d["tier_runs"]:
         first = shapes[int(run["layers"].split("-")[0])]
         if run["k"] is None:
-            what = "mixed" if first["kind"] == "list" else "state"
+            what = KINDS[first["kind"]].tier_label
             lines.append(f"              {run['layers']:<7} {what:<8} {what:<8} -")
             continue
         per = sum(TIERS[run[s]].bytes_per_token(*u[f"{s}_shape"]) for u in first.get("caches", [first])
-                  if u["kind"] != "state" for s in ("k", "v"))
+                  if KINDS[u["kind"]].tiered for s in ("k", "v"))
         lines.append(f"              {run['layers']:<7} {run['k']:<8} {run['v']:<8} {per:,}")
     lines.append("layers        layers  kind       holds")
     for run in fold_layers(d["layers"]):
-        lines.append(f"              {run['layers']:<7} {run['kind']:<10} {_holds(run)}")
+        lines.append(f"              {run['layers']:<7} {run['kind']:<10} {KINDS[run['kind']].holds(run)}")
     lines.append("formulas      bytes/token/layer-side (H = n_kv_heads)")
     for name, f in d["tier_formulas"].items():
         lines.append(f"              {name:<8} {f['formula']} = {f['bytes_per_token_per_layer_side']:,}")
     return "\n".join(lines)
-
-
-def _holds(run):
-    """What a run of layers holds, in words: tokens and shapes, or state arrays; bytes per layer."""
-    if run["kind"] == "list":
-        caches = " + ".join(f"{c['kind']} {_holds({**c, 'bytes_each': c['bytes']})}" for c in run["caches"])
-        return f"caches: {caches}"
-    if run["kind"] == "state":
-        arrays = ", ".join(f"{a['dtype']}{a['shape']}" for a in run["arrays"])
-        return f"recurrent state {arrays} ({run['bytes_each']:,} bytes each)"
-    k, v = run["k_shape"], run["v_shape"]
-    what = f"{run['tokens']:,} tokens"
-    if run["kind"] == "window":
-        what += f" (window {run['window']:,}: positions {run['start']:,}..{run['start'] + run['tokens'] - 1:,})"
-    return f"{what}; K {k[0]}x{k[1]}, V {v[0]}x{v[1]} ({run['bytes_each']:,} bytes each)"

@@ -5,62 +5,26 @@ anything is allocated from it; page offsets must follow the exact layout the wri
 """
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptCartridgeError, FieldError, InputError, LayoutError, UnsupportedVersionError
+from ..errors import (
+    CorruptCartridgeError,
+    FieldError,
+    InputError,
+    LayoutError,
+    UnsupportedVersionError,
+)
 from ..tiers import DTYPES, TIERS, protect
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
+from .fields import typed
+from .kinds import KINDS, SIDES, LayerInfo, layer_units, parse_kind
 from .layout import ALIGN, FORMAT_MAJOR, align_up
 from .source import read_source, read_sources
 
-LIMITS = {  # key -> (min, max), inclusive
-    K.N_LAYERS: (1, 4096),
-    K.N_KV_HEADS: (1, 1024),
-    K.HEAD_DIM: (1, 4096),
-    K.PAGE_SIZE: (1, 1 << 16),
-    K.TOKENS_COUNT: (1, (1 << 31) - 1),
-    K.N_PAGES: (1, 1 << 31),
-}
-SIDES = ("k", "v")
-KINDS = ("attention", "dense", "window", "state", "list")
-MAX_STATE_ARRAYS = 64
-STATE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """What one layer stores (spec/FORMAT.md section 5.5; a file before 1.4: every layer "attention").
-
-    Attributes:
-        kind (str): "attention", "dense", "window", "state" or "list".
-        k_shape, v_shape (tuple | None): (n_kv_heads, head_dim) of each side; None for "state".
-        start, count (int): the stored prefix positions start .. start + count - 1 (0 for "state").
-        window (int | None): a "window" layer's size.
-        state_size (int | None): a "state" layer's slots. arrays (tuple): ((index, dtype, shape), ...).
-        parts (tuple): a "list" layer's caches, one LayerInfo each (none of them a "list").
-    """
-
-    kind: str
-    k_shape: tuple = None
-    v_shape: tuple = None
-    start: int = 0
-    count: int = 0
-    window: int = None
-    state_size: int = None
-    arrays: tuple = ()
-    parts: tuple = ()
-
-    def n_pages(self, page_size):
-        """Pages per K/V component of this layer."""
-        return -(-self.count // page_size)
-
-    def shape(self, side):
-        """(n_kv_heads, head_dim) of side "k" or "v"."""
-        return self.k_shape if side == "k" else self.v_shape
+__all__ = ["SIDES", "CartridgeInfo", "LayerInfo", "layer_units", "parse_header", "require_attention_layers"]
 
 
 @dataclass
@@ -134,7 +98,7 @@ class CartridgeInfo:
     def _growing(self):
         """(layer, side, (n_kv_heads, head_dim)) of every side that stores every prefix token."""
         return [(path, side, info.shape(side)) for path, info in self.units()
-                if info.kind in ("attention", "dense") for side in SIDES]
+                if info.stores_every_token for side in SIDES]
 
     def bytes_per_token(self):
         """K+V payload bytes per token of the layers that store every token, by the tiers' formulas, plus
@@ -151,14 +115,7 @@ class CartridgeInfo:
         """Payload bytes that do not grow with the document: window pages and recurrent state."""
         kinds = dict(self.units())
         return sum(e.page_bytes * e.shape[0] for (p, _), ext in self.extents.items()
-                   if kinds[p].kind in ("window", "state") for e in ext)
-
-
-def layer_units(layers):
-    """[(path, LayerInfo)] of every stored cache: (i, layer) for a layer, ("i.j", cache) for cache j of a
-    "list" layer i; in the order their extents are stored."""
-    return [(K.part(i, j) if m.kind == "list" else i, u) for i, m in enumerate(layers)
-            for j, u in enumerate(m.parts if m.kind == "list" else (m,))]
+                   if kinds[p].kind_type.fixed for e in ext)
 
 
 def require_attention_layers(info, what):
@@ -184,29 +141,6 @@ def require_attention_layers(info, what):
                          f"fp16 (format 1.5); {what} takes cartridges without protected tokens only")
 
 
-def _json(records, key):
-    raw = records.get(key)
-    if raw is None:
-        raise FieldError(f"index lacks required key {key!r}")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: "[[[[..." nested too deep
-        raise FieldError(f"index key {key!r} is not valid JSON: {str(e)[:80]}") from None
-
-
-def _typed(records, key, kind):
-    value = _json(records, key)
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise FieldError(f"index key {key!r} is {str(value)[:40]}; expected an integer")
-    if not isinstance(value, kind):
-        raise FieldError(f"index key {key!r} has type {type(value).__name__}; expected {kind.__name__}")
-    if key in LIMITS:
-        lo, hi = LIMITS[key]
-        if not lo <= value <= hi:
-            raise FieldError(f"index key {key!r} is {value}; allowed {lo}..{hi}")
-    return value
-
-
 CHOICES = {  # key -> allowed string values
     K.PROMPT_MODE: ("chat_template", "plain"),
     K.SOURCE_DTYPE: ("float32", "float16", "bfloat16"),
@@ -215,7 +149,7 @@ CHOICES = {  # key -> allowed string values
 
 
 def _choice(records, key):
-    value = _typed(records, key, str)
+    value = typed(records, key, str)
     if value not in CHOICES[key]:
         raise FieldError(f"index key {key!r} is {value[:40]!r}; allowed {', '.join(CHOICES[key])}")
     return value
@@ -225,7 +159,7 @@ def _extents(records, layers, tiers, page_size, data_size):
     """Build every Extent, requiring the writer's exact layout: aligned, in order, no holes, no overlap."""
     pos, out = 0, {}
     for layer, info in layer_units(layers):
-        for side, comps, n_pages in _layer_components(records, layer, info, tiers.get(layer), page_size):
+        for side, comps, n_pages in info.kind_type.components(records, layer, info, tiers.get(layer), page_size):
             out.setdefault((layer, side), [])
             for name, dtype, shape in comps:
                 page_bytes = int(np.prod(shape[1:])) * DTYPES[dtype].size
@@ -249,102 +183,10 @@ def _extents(records, layers, tiers, page_size, data_size):
     return out
 
 
-def _layer_components(records, layer, info, tiers, page_size):
-    """[(side, [(component, dtype, extent shape)], n_pages)] of one cache (path `layer`, tiers {"k", "v"}),
-    in the order they are stored."""
-    if info.kind == "state":
-        return [(K.STATE_SIDE, [(K.state_component(i), d, (1, *shape))], 1) for i, d, shape in info.arrays]
-    out = []
-    for side in SIDES:
-        codec = TIERS[tiers[side]]
-        n_kv, head_dim = info.shape(side)
-        expected = [{"name": c.name, "dtype": c.dtype, "width": c.width} for c in codec.components(head_dim)]
-        found = _json(records, K.layer_components(layer, side))
-        if found != expected:
-            raise FieldError(
-                f"layer {layer} {side}: components {str(found)[:200]} do not match tier {codec.name}: {expected}"
-            )
-        n_pages = info.n_pages(page_size)
-        comps = [(c.name, c.dtype, (n_pages, n_kv, page_size, c.width)) for c in codec.components(head_dim)]
-        out.append((side, comps, n_pages))
-    return out
-
-
-def _shape(records, layer, side):
-    value = _typed(records, K.layer_shape(layer, side), list)
-    if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
-            or not (1 <= value[0] <= LIMITS[K.N_KV_HEADS][1] and 1 <= value[1] <= LIMITS[K.HEAD_DIM][1]):
-        raise FieldError(f"{K.layer_shape(layer, side)} is {str(value)[:60]}; expected [n_kv_heads 1..1024, "
-                         f"head_dim 1..4096]")
-    return tuple(value)
-
-
-def _window(records, layer, n_tokens):
-    w = _typed(records, K.layer_window(layer), dict)
-    size = w.get("size")
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= LIMITS[K.TOKENS_COUNT][1]:
-        raise FieldError(f"{K.layer_window(layer)}.size is {str(size)[:40]}; expected an integer >= 1")
-    want = {"size": size, "start": n_tokens - min(n_tokens, size), "count": min(n_tokens, size)}
-    if w != want:
-        raise FieldError(f"{K.layer_window(layer)} is {str(w)[:120]}; {n_tokens} tokens need {want}")
-    return want
-
-
-def _state(records, layer):
-    st = _typed(records, K.layer_state(layer), dict)
-    size, arrays = st.get("size"), st.get("arrays")
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_STATE_ARRAYS \
-            or not isinstance(arrays, list) or len(arrays) > size:
-        raise FieldError(f"{K.layer_state(layer)} is {str(st)[:120]}; expected size 1..{MAX_STATE_ARRAYS} "
-                         f"and at most size arrays")
-    out, last = [], -1
-    for a in arrays:
-        ok = isinstance(a, dict) and set(a) == {"index", "dtype", "shape"} and isinstance(a["index"], int) \
-            and not isinstance(a["index"], bool) and last < a["index"] < size and a["dtype"] in STATE_DTYPES \
-            and isinstance(a["shape"], list) and 1 <= len(a["shape"]) <= 8 \
-            and all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1 << 31 for n in a["shape"]) \
-            and int(np.prod(a["shape"], dtype=np.float64)) <= 1 << 34
-        if not ok:
-            raise FieldError(f"{K.layer_state(layer)}: array {str(a)[:120]} is not "
-                             f"{{index (increasing, < size), dtype ({', '.join(STATE_DTYPES)}), shape}}")
-        last = a["index"]
-        out.append((a["index"], a["dtype"], tuple(a["shape"])))
-    return size, tuple(out)
-
-
 def _layers(records, n_layers, n_kv, head_dim, n_tokens):
     """Every layer's LayerInfo; a layer without `layer.{i}.kind` (format < 1.4) is "attention" of the global shape."""
-    out = []
-    for layer in range(n_layers):
-        if K.layer_kind(layer) not in records:
-            out.append(LayerInfo("attention", (n_kv, head_dim), (n_kv, head_dim), 0, n_tokens))
-            continue
-        info = _unit(records, layer, n_tokens, KINDS)
-        if info.kind == "list":
-            count = _typed(records, K.layer_caches(layer), int)
-            if not 1 <= count <= K.MAX_LIST_CACHES:
-                raise FieldError(f"{K.layer_caches(layer)} is {count}; allowed 1..{K.MAX_LIST_CACHES}")
-            info = LayerInfo("list", parts=tuple(_unit(records, K.part(layer, j), n_tokens, KINDS[:-1])
-                                                 for j in range(count)))
-        out.append(info)
-    return out
-
-
-def _unit(records, path, n_tokens, kinds):
-    """The LayerInfo of one cache that has a `layer.{path}.kind` record of one of `kinds`."""
-    kind = _typed(records, K.layer_kind(path), str)
-    if kind not in kinds:
-        raise FieldError(f"{K.layer_kind(path)} is {kind[:40]!r}; allowed {', '.join(kinds)}")
-    if kind == "list":
-        return LayerInfo(kind)
-    if kind == "state":
-        size, arrays = _state(records, path)
-        return LayerInfo(kind, state_size=size, arrays=arrays)
-    shapes = _shape(records, path, "k"), _shape(records, path, "v")
-    if kind == "window":
-        w = _window(records, path, n_tokens)
-        return LayerInfo(kind, *shapes, w["start"], w["count"], window=w["size"])
-    return LayerInfo(kind, *shapes, 0, n_tokens)
+    return [parse_kind(records, layer, n_tokens) if K.layer_kind(layer) in records
+            else LayerInfo("attention", (n_kv, head_dim), (n_kv, head_dim), 0, n_tokens) for layer in range(n_layers)]
 
 
 FINGERPRINT_PARTS = ("id", "config", "weights", "tokenizer", "chat_template")
@@ -352,7 +194,7 @@ FINGERPRINT_PARTS = ("id", "config", "weights", "tokenizer", "chat_template")
 
 def _fingerprint(records):
     """model.fingerprint: an object of five lowercase hex SHA-256 strings (spec 5.3)."""
-    fp = _typed(records, K.MODEL_FINGERPRINT, dict)
+    fp = typed(records, K.MODEL_FINGERPRINT, dict)
     for part in FINGERPRINT_PARTS:
         v = fp.get(part)
         if not (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)):
@@ -365,11 +207,11 @@ def _tier_map(records, layers):
     layer whose caches differ), and {"k", "v"} of every stored cache with K/V by its path."""
     by_path = {}
     for path, info in layer_units(layers):
-        if info.kind != "state":  # stored as produced, no tier
+        if info.kind_type.tiered:  # a state is stored as produced, no tier
             by_path[path] = {side: _unit_tier(records, path, side) for side in SIDES}
     rows = []
     for layer, info in enumerate(layers):
-        paths = [K.part(layer, j) for j in range(len(info.parts))] if info.kind == "list" else [layer]
+        paths = [p for p, _ in KINDS[info.kind].units(layer, info)]
         found = [by_path[p] for p in paths if p in by_path]
         same = found and all(t == found[0] for t in found)
         rows.append({"layer": layer, "k": found[0]["k"] if same else None, "v": found[0]["v"] if same else None})
@@ -377,10 +219,10 @@ def _tier_map(records, layers):
 
 
 def _unit_tier(records, layer, side):
-    name = _typed(records, K.layer_tier(layer, side), str)
+    name = typed(records, K.layer_tier(layer, side), str)
     if name not in TIERS:
         raise FieldError(f"layer {layer} {side}: unknown tier {name[:40]!r}; known: {', '.join(TIERS)}")
-    version = _typed(records, K.layer_codec_version(layer, side), int)
+    version = typed(records, K.layer_codec_version(layer, side), int)
     if version > TIERS[name].codec_version:
         raise UnsupportedVersionError(
             f"layer {layer} {side}: tier {name} codec version {version}; this reader knows up to {TIERS[name].codec_version}"
@@ -398,14 +240,14 @@ def parse_header(records, manifest):
     Raises:
         FieldError, LayoutError (CorruptCartridgeError), UnsupportedVersionError: on any failed check.
     """
-    major = _typed(records, K.FORMAT_MAJOR, int)
+    major = typed(records, K.FORMAT_MAJOR, int)
     if major != FORMAT_MAJOR or major != manifest["major"]:
         raise UnsupportedVersionError(f"cartridge file is format {major}; this cartridge reads up to {FORMAT_MAJOR}")
-    n_tokens = _typed(records, K.TOKENS_COUNT, int)
+    n_tokens = typed(records, K.TOKENS_COUNT, int)
     ids = records.get(K.TOKENS_IDS)
     if ids is None or len(ids) != 4 * n_tokens:
         raise FieldError(f"tokens.ids: {0 if ids is None else len(ids)} bytes, expected {4 * n_tokens}")
-    geometry = tuple(_typed(records, k, int) for k in (K.N_LAYERS, K.N_KV_HEADS, K.HEAD_DIM, K.PAGE_SIZE, K.N_PAGES))
+    geometry = tuple(typed(records, k, int) for k in (K.N_LAYERS, K.N_KV_HEADS, K.HEAD_DIM, K.PAGE_SIZE, K.N_PAGES))
     n_layers, _, _, page_size, n_pages = geometry
     if n_pages != -(-n_tokens // page_size):
         raise FieldError(f"cache.n_pages is {n_pages}; {n_tokens} tokens in pages of {page_size} need {-(-n_tokens // page_size)}")
@@ -414,17 +256,17 @@ def parse_header(records, manifest):
     _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
     first, last, protected = protect.read(records, layers, n_tokens)
     return CartridgeInfo(
-        format_version=f"{major}.{_typed(records, K.FORMAT_MINOR, int)}",
+        format_version=f"{major}.{typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
         n_layers=n_layers, n_kv_heads=geometry[1], head_dim=geometry[2], page_size=page_size, n_pages=n_pages,
         tiers=tiers,
         extents=_extents(records, layers, unit_tiers, page_size, manifest["data_size"]),
-        model_ref=_typed(records, K.MODEL_REF, str),
+        model_ref=typed(records, K.MODEL_REF, str),
         fingerprint=_fingerprint(records),
-        model_config=_typed(records, K.MODEL_CONFIG, dict),
+        model_config=typed(records, K.MODEL_CONFIG, dict),
         prompt_mode=_choice(records, K.PROMPT_MODE),
-        separator=_typed(records, K.PROMPT_SEPARATOR, str),
-        system=_typed(records, K.PROMPT_SYSTEM, str) if K.PROMPT_SYSTEM in records else None,
+        separator=typed(records, K.PROMPT_SEPARATOR, str),
+        system=typed(records, K.PROMPT_SYSTEM, str) if K.PROMPT_SYSTEM in records else None,
         source_dtype=_choice(records, K.SOURCE_DTYPE),
         data_size=manifest["data_size"],
         params=_params(records, unit_tiers, layers),
@@ -441,10 +283,10 @@ def _params(records, tiers, layers):
     """Every (path, side)'s params object, checked by its tier (spec/FORMAT.md section 6)."""
     out = {}
     for path, info in layer_units(layers):
-        if info.kind == "state":
+        if not info.kind_type.tiered:
             continue
         for side in SIDES:
-            params = _typed(records, K.layer_params(path, side), dict)
+            params = typed(records, K.layer_params(path, side), dict)
             try:
                 TIERS[tiers[path][side]].check_params(params, *info.shape(side))
             except CorruptCartridgeError as e:  # the codec names the field; we name the (layer, side)
@@ -462,10 +304,10 @@ def _hex64(value):
 
 def _lineage(records, ids, n_tokens):
     """The format 1.3 keys (all OPTIONAL): document end, parts, source cartridge (spec/FORMAT.md 4.5.3)."""
-    doc = _typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
+    doc = typed(records, K.DOCUMENT_TOKENS, int) if K.DOCUMENT_TOKENS in records else n_tokens
     if not 1 <= doc <= n_tokens:
         raise FieldError(f"index key {K.DOCUMENT_TOKENS!r} is {doc}; allowed 1..{n_tokens}")
-    parts = _typed(records, K.LINEAGE_PARTS, list) if K.LINEAGE_PARTS in records else []
+    parts = typed(records, K.LINEAGE_PARTS, list) if K.LINEAGE_PARTS in records else []
     at = 0
     for i, part in enumerate(parts):
         if not (isinstance(part, dict) and part.get("kind") in PART_KINDS and part.get("start") == at
@@ -477,7 +319,7 @@ def _lineage(records, ids, n_tokens):
         at = part["end"]
     if parts and at != n_tokens:
         raise FieldError(f"lineage.parts cover tokens 0..{at}; the cartridge holds {n_tokens}")
-    source = _typed(records, K.LINEAGE_SOURCE, str) if K.LINEAGE_SOURCE in records else ""
+    source = typed(records, K.LINEAGE_SOURCE, str) if K.LINEAGE_SOURCE in records else ""
     if source and not _hex64(source):
         raise FieldError(f"index key {K.LINEAGE_SOURCE!r} is {source[:70]!r}; expected 64 lowercase hex digits")
     return {"document_tokens": doc, "parts": parts, "lineage_source": source}

@@ -63,7 +63,7 @@ def _check_schema(info):
     """Each (layer, side): the component page bytes per token equal the tier's bytes/token formula."""
     units = dict(info.units())
     for (layer, side), extents in info.extents.items():
-        if units[layer].kind == "state":  # stored as produced: no tier formula
+        if not units[layer].kind_type.tiered:  # a state is stored as produced: no tier formula
             continue
         tier = TIERS[info.unit_tiers[layer][side]]
         stored = sum(e.page_bytes for e in extents)

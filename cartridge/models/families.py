@@ -11,7 +11,8 @@ arrive) with those caches, and records for every layer:
   computes attention itself, latent attention multiplies the cached latent, gemma4's KV-shared layers
   attend over an earlier layer's K/V) the layer is loaded back into mlx-lm's own cache ("dense").
 
-Kinds (spec/FORMAT.md section 5.5):
+Kinds (spec/FORMAT.md section 5.5; one class each in `cartridge.attention.kinds`, which plans, stores and
+restores them):
     attention   KVCache, attention routed: pages, attended by `CartridgeCache`.
     dense       KVCache, attention computed by the model: pages, decoded into an mlx-lm KVCache.
     window      RotatingKVCache(keep=0): the last `window` tokens, decoded into a RotatingKVCache.
@@ -23,55 +24,14 @@ Kinds (spec/FORMAT.md section 5.5):
 Any other cache kind is refused with one line naming the model family and the kind.
 """
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..attention import route
-from ..attention.cache import CartridgeCache
-from ..attention.layers import DenseLayer, StateLayer, WindowLayer, stored_kv
-from ..attention.pages import make_prefix
+from ..attention.kinds import KINDS, plan_cache
 from ..errors import InputError
-from ..tiers import get_tier
 
-KINDS = ("attention", "dense", "window", "state", "list")
 SUPPORTED = "KVCache, RotatingKVCache (keep=0), ArraysCache and CacheLists of them"
-
-
-@dataclass
-class LayerPlan:
-    """What one layer's cache holds and how a cartridge stores it.
-
-    Attributes:
-        kind (str): one of `KINDS`.
-        k_shape, v_shape (tuple | None): (n_kv_heads, head_dim) of K and V as the model wrote them.
-        window (int | None): a "window" layer's size (mlx-lm's `max_size`).
-        state (list | None): a "state" layer's arrays: [(index, dtype name, shape)], one per
-            non-empty slot of the ArraysCache; `size` is its slot count.
-        size (int | None): the ArraysCache's number of slots.
-        dtype (str | None): K/V dtype as the model computed them ("float16", ...).
-        parts (list | None): a "list" layer's caches, one `LayerPlan` each (none of them a "list").
-    """
-
-    kind: str
-    k_shape: tuple = None
-    v_shape: tuple = None
-    window: int = None
-    state: list = None
-    size: int = None
-    dtype: str = None
-    parts: list = None
-
-    def stored_tokens(self, n_tokens):
-        """Prefix tokens this layer stores: all of them, the last `window`, or 0 for a state or a list."""
-        if self.kind in ("state", "list"):
-            return 0
-        return min(n_tokens, self.window) if self.kind == "window" else n_tokens
-
-    def units(self):
-        """The plans of the caches this layer stores: its parts for a "list", else itself."""
-        return self.parts if self.kind == "list" else [self]
 
 
 def family(model):
@@ -161,20 +121,6 @@ def _forward(model, caches, tokens):
     return {k: v and k not in recorder.read for k, v in routed.items()}
 
 
-def _plan(cache, routed):
-    if isinstance(cache, CacheList):
-        return LayerPlan("list", parts=[_plan(c, routed) for c in cache.caches])
-    if isinstance(cache, ArraysCache):
-        arrays = [(i, str(a.dtype).replace("mlx.core.", ""), list(a.shape))
-                  for i, a in enumerate(cache.cache) if a is not None]
-        return LayerPlan("state", state=arrays, size=len(cache.cache))
-    shapes = (cache.keys.shape[1], cache.keys.shape[3]), (cache.values.shape[1], cache.values.shape[3])
-    dtype = str(cache.keys.dtype).replace("mlx.core.", "")
-    if isinstance(cache, RotatingKVCache):
-        return LayerPlan("window", *shapes, window=cache.max_size, dtype=dtype)
-    return LayerPlan("attention" if routed.get(id(cache)) else "dense", *shapes, dtype=dtype)
-
-
 def plan_layers(model, tokens):
     """Probe the model on the first tokens of the document; one `LayerPlan` per cache layer.
 
@@ -201,37 +147,14 @@ def plan_layers(model, tokens):
     for c in leaves(caches):
         if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is None:
             raise InputError(f"model family {family(model)}: a {type(c).__name__} layer got no keys in the probe")
-    plans = [_plan(c, routed) for c in caches]
+    plans = [plan_cache(c, routed) for c in caches]
     if _restored_runs(model, plans, caches, tokens) is None:
         return plans
-    plans = [_dense(p) for p in plans]
+    plans = [KINDS[p.kind].unrouted(p) for p in plans]
     error = _restored_runs(model, plans, caches, tokens)
     if error is not None:
         raise InputError(f"model family {family(model)}: it cannot generate over restored caches ({error})")
     return plans
-
-
-def _dense(plan):
-    """The plan with every "attention" cache (in a list too) made "dense"."""
-    if plan.kind == "list":
-        return LayerPlan("list", parts=[_dense(p) for p in plan.parts])
-    return LayerPlan("dense", plan.k_shape, plan.v_shape, dtype=plan.dtype) if plan.kind == "attention" else plan
-
-
-def _restore(plan, cache):
-    """The probe's filled cache stored (fp16 pages) and restored as a cartridge would."""
-    if plan.kind == "list":
-        return CacheList(*(_restore(p, c) for p, c in zip(plan.parts, cache.caches)))
-    if plan.kind == "state":
-        return StateLayer(plan.size, {i: cache[i] for i, _, _ in plan.state}).cache()
-    k, v = stored_kv(cache, plan.kind, cache.offset)
-    fp16 = get_tier("fp16")
-    prefix = make_prefix(fp16, k, fp16, v, page_size=2)
-    if plan.kind == "attention":
-        return CartridgeCache(prefix)
-    if plan.kind == "window":
-        return WindowLayer(prefix, k.dtype, plan.window, cache.offset).cache()
-    return DenseLayer(prefix, k.dtype).cache()
 
 
 def _restored_runs(model, plans, caches, tokens):
@@ -239,7 +162,7 @@ def _restored_runs(model, plans, caches, tokens):
     are numbers (-inf is one: phi3small masks the ids it never emits with it; NaN and +inf are not);
     otherwise what went wrong, in a few words."""
     try:
-        restored = [_restore(p, c) for p, c in zip(plans, caches)]
+        restored = [KINDS[p.kind].restore(p, c) for p, c in zip(plans, caches)]
         for chunk in (tokens[:2], tokens[:1]):
             logits = model(mx.array([chunk], dtype=mx.uint32), cache=restored)
             if mx.any(mx.isnan(logits) | (logits == float("inf"))).item():

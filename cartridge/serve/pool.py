@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli.report import fold_tiers
+from ..tiers.schema import fold_tiers
 from ..errors import CartridgeError, InputError
 from ..format.layout import MANIFEST_NAME
 from ..format.pack import is_pack

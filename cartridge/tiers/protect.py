@@ -90,11 +90,6 @@ def bytes_per_token(first, last, n_tokens, shapes):
     return round((first + last) * sum(2 * h * d for h, d in shapes) / n_tokens) if first + last else 0
 
 
-def protects(kind):
-    """Whether a layer of this kind (spec/FORMAT.md 5.5) holds protected copies: the kinds that store every token."""
-    return kind in ("attention", "dense")
-
-
 def header_keys(first, last):
     """The header records of the protection (always written from format 1.5 on)."""
     return {K.PROTECT_FIRST: first, K.PROTECT_LAST: last}
@@ -104,7 +99,8 @@ def read(records, layers, n_tokens):
     """(N, M, {(layer, side): np.ndarray (n_kv, N + M, head_dim) float16}) from the index records.
 
     Args:
-        records (dict[str, bytes]): the index. layers (list[LayerInfo]): each layer's kind and shapes.
+        records (dict[str, bytes]): the index. layers (list[LayerInfo]): each layer's kind and shapes
+            (`stores_every_token`: the kinds that hold copies).
         n_tokens (int): prefix tokens.
 
     Absent keys (before format 1.5) mean no protection; only "attention" and "dense" layers hold copies.
@@ -117,7 +113,7 @@ def read(records, layers, n_tokens):
         raise FieldError(f"{K.PROTECT_FIRST} + {K.PROTECT_LAST} is {first + last}; allowed 0..{n_tokens - 1}")
     arrays = {}
     for layer, info in enumerate(layers if first + last else ()):
-        if not protects(info.kind):
+        if not info.stores_every_token:
             continue
         for side in ("k", "v"):
             n_kv, head_dim = info.shape(side)

@@ -182,3 +182,15 @@ def read_tier_options(tier, k_tier, v_tier, boundary_protect, schema):
         raise InputError(f"a schema sets the tier of every (layer, side); it cannot be combined with "
                          f"{', '.join(given)}")
     return read_schema(schema)
+
+
+def fold_tiers(tiers):
+    """Fold runs of layers with equal (k, v) tiers: [{"layers": "0-29", "k": "fp16", "v": "fp16"}]."""
+    runs = []
+    for row in tiers:
+        if runs and (runs[-1]["k"], runs[-1]["v"]) == (row["k"], row["v"]) and runs[-1]["last"] == row["layer"] - 1:
+            runs[-1]["last"] = row["layer"]
+        else:
+            runs.append({"first": row["layer"], "last": row["layer"], "k": row["k"], "v": row["v"]})
+    return [{"layers": f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
+             "k": r["k"], "v": r["v"]} for r in runs]

@@ -1,5 +1,6 @@
-"""The CPU device: portable and dense paths only (K codes unpacked to bytes under a budget:
-`cartridge.attention.unpacked`; extend's prefill: `cartridge.attention.kernels.cpu`)."""
+"""The CPU device: portable and dense paths for decode steps (K codes unpacked to bytes under a budget:
+`cartridge.attention.unpacked`); a question's prefill over the pages decoded for that call
+(`cartridge.attention.kernels.cpu.QuestionPrefill`; extend's prefill: `kernels.cpu.attention`)."""
 
 import mlx.core as mx
 
@@ -7,8 +8,9 @@ from .base import AttentionBackend
 
 
 class Cpu(AttentionBackend):
-    """MLX's CPU device; no fused kernel. Where unmeasured, `auto` decodes once: BLAS matmuls over dense pages
-    are several times faster than MLX's scalar CPU dequantization (docs/performance.md "Memory on CPU")."""
+    """MLX's CPU device; no fused decode kernel. Where unmeasured, `auto` decodes once: BLAS matmuls over dense
+    pages are several times faster than MLX's scalar CPU dequantization (docs/performance.md "Memory on CPU").
+    A question's prefill (mode "prefill") decodes each layer's pages for the call and attends with BLAS."""
 
     name = "cpu"
     device = "cpu"
@@ -21,7 +23,12 @@ class Cpu(AttentionBackend):
         return self.is_current()
 
     def supports(self, prefix, head_dim, mode):
-        return False
+        return mode == "prefill" and self.is_current()
+
+    def build(self, prefix):
+        from ..kernels import cpu
+
+        return cpu.QuestionPrefill(prefix)
 
 
 CPU = Cpu()

@@ -15,6 +15,7 @@ whole tail in, a call from the same cache copies only what was written since (`C
 The buffer is a second copy of the prefix beside the pages (made on the first call, in the queries' dtype).
 """
 
+import threading
 import weakref
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ class ContiguousAttention:
         self.prefix = prefix
         self.keys = self.values = None  # (1, n_kv, capacity, D) in the queries' dtype, made on the first call
         self.owner = None  # weakref to the cache whose tail the room holds
+        self.lock = threading.Lock()  # caches of one cartridge on several threads (serve) share the buffer
 
     def _layout(self, parts, dtype, capacity):
         """A side's pages (n_pages, n_kv, P, D) as (1, n_kv, capacity, D) of `dtype`: the prefix, then zeros."""
@@ -90,9 +92,10 @@ class ContiguousAttention:
         Returns:
             mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
         """
-        self._sync(cache, queries.dtype)
-        n = self.prefix.n_tokens + cache.tail_len
-        k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        with self.lock:  # MLX arrays are values: the slices below keep this call's tail even if another cache syncs next
+            self._sync(cache, queries.dtype)
+            n = self.prefix.n_tokens + cache.tail_len
+            k, v = self.keys[..., :n, :], self.values[..., :n, :]
         # "causal" with fewer queries than keys lines the queries up with the last keys: every prefix token visible
         mask = "causal" if queries.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)

@@ -1,4 +1,5 @@
-"""Dense attention of a block of queries on CPU, with the softmax in numpy (extend's prefill).
+"""Dense attention of a block of queries on CPU, with the softmax in numpy (extend's prefill, and a question's
+prefill over a cartridge's pages: `QuestionPrefill`).
 
 MLX 0.32's CPU exp is scalar code: 17 ns per float32 element on the shared 2-core AMD EPYC (AVX2)
 these numbers come from, against 2.2 ns for numpy's SIMD exp (CPU seconds, 10M elements). In the
@@ -12,6 +13,8 @@ checks one against the other.
 
 import mlx.core as mx
 import numpy as np
+
+from . import dense
 
 
 def _scores(queries, keys, scale):
@@ -76,3 +79,38 @@ def reference(queries, keys, values, scale, causal=True):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         out[h] = p @ v[h // group] / p.sum(axis=-1, keepdims=True)
     return out[None]
+
+
+# query rows per KV head (GQA group x question tokens) from which a call decodes the layer's pages for itself:
+# below it (a decode step: a GQA group of rows) the portable path over the stored pages is cheaper than a
+# decode of every page (docs/performance.md "CPU: a question's prefill over compressed pages")
+PREFILL_MIN_ROWS = 16
+
+
+def _causal(queries, keys, values, scale, sinks):
+    return attention(queries, keys, values, scale, causal=True)
+
+
+class QuestionPrefill:
+    """A question's prefill over one layer's pages on the CPU: the pages decoded for this call only (rotated
+    sides stay in their stored basis: `kernels.dense.prefill_attention`), then `attention` (BLAS matmuls, the
+    softmax in numpy). The call evaluates its output, so the decoded K/V of one layer are freed before the
+    next layer's are made: a forward pass holds one layer's float32 K/V beyond the stored pages, never the
+    whole prefix.
+
+    Args:
+        prefix (LayerPrefix): the layer's pages as placed (stored, unpacked or dense sides).
+    """
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def __call__(self, cache, queries, scale, sinks=None):
+        """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None (the portable path) for
+        fewer than `PREFILL_MIN_ROWS` rows per KV head, or with sinks (`attention` has none)."""
+        _, n_q, L, _ = queries.shape
+        if sinks is not None or n_q // self.prefix.n_kv_heads * L < PREFILL_MIN_ROWS:
+            return None
+        out = dense.prefill_attention(self.prefix, cache, queries, scale, None, _causal)
+        mx.eval(out)
+        return out

@@ -62,7 +62,12 @@ def _per_kv_head(fn, x, n_kv):
     return fn(x.reshape(n_kv, n_q // n_kv * L, D)).reshape(1, n_q, L, D)
 
 
-def prefill_attention(prefix, cache, queries, scale, sinks=None):
+def _sdpa(queries, keys, values, scale, sinks):
+    # "causal" with fewer queries than keys lines the queries up with the last keys: every prefix token visible
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal", sinks=sinks)
+
+
+def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa):
     """Attention of the last L tail tokens over prefix + tail, causal among the tail, by MLX's SDPA.
 
     Args:
@@ -70,6 +75,9 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None):
         cache (CartridgeCache): its tail (`tail_kv`) holds the L query tokens' K/V at its end.
         queries (mx.array): (1, n_q_heads, L, head_dim). scale (float): softmax scale.
         sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
+        attend (callable): attend(queries, keys, values, scale, sinks) over the (1, n_kv, S, D) sequences,
+            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.QuestionPrefill`
+            passes its own).
 
     Returns:
         mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
@@ -81,6 +89,5 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None):
     v, v_basis = _sequence(prefix, "v", dt, tv, n)
     if k_basis is not None:
         queries = _per_kv_head(k_basis.rotate, queries, n_kv).astype(dt)
-    # "causal" with fewer queries than keys lines the queries up with the last keys: every prefix token visible
-    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal", sinks=sinks)
+    out = attend(queries, k, v, scale, sinks)
     return out if v_basis is None else _per_kv_head(v_basis.unrotate, out, n_kv).astype(dt)

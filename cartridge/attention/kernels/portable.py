@@ -7,13 +7,16 @@ reads its stored page layout (`TierCodec.scores` / `weighted_values`).
 
 import os
 import platform
+import threading
 from dataclasses import replace
 
 import mlx.core as mx
 
 
 CPU_SPLIT_PAGES = 8  # on CPU, a prefix of at least this many pages is split over streams
-_STREAMS = []  # CPU streams (one thread each), made on first use
+# MLX streams belong to the thread that made them (MLX >= 0.32: a stream used from another thread raises
+# "There is no Stream(cpu, N) in current thread"), so each thread makes its own extra CPU streams
+_LOCAL = threading.local()
 LOG2_E = 1.4426950408889634
 # MLX's CPU exp is a polynomial evaluated with std::fma, which an x86 build without FMA code emulates in
 # software: 15 ns an element on the 2-core x86 machine of docs/performance.md, 6 ns for 2^x by std::pow,
@@ -29,10 +32,13 @@ def _exp(x):
 
 
 def _cpu_streams():
-    if not _STREAMS:
+    """The current CPU stream (where the caller's ops run: mlx-lm's generation stream inside its loops), then
+    this thread's extra CPU streams (one thread each), made on its first split."""
+    extra = getattr(_LOCAL, "streams", None)
+    if extra is None:
         n = max(1, min(os.cpu_count() or 1, 4))
-        _STREAMS.extend([mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)])
-    return _STREAMS
+        extra = _LOCAL.streams = [mx.new_stream(mx.cpu) for _ in range(n - 1)]
+    return [mx.default_stream(mx.cpu), *extra]
 
 
 def prefix_partial(q, prefix, n_tokens):
