@@ -92,7 +92,7 @@ class ContiguousAttention:
         Returns:
             mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
         """
-        with self.lock:  # MLX arrays are values: the slices below keep this call's tail even if another cache syncs next
+        with self.lock:  # MLX arrays are values: the slices keep this call's tail even if another cache syncs next
             self._sync(cache, queries.dtype)
             n = self.prefix.n_tokens + cache.tail_len
             k, v = self.keys[..., :n, :], self.values[..., :n, :]
