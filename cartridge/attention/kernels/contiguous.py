@@ -12,7 +12,8 @@ The buffer is the layer's, shared by every cache made from one loaded cartridge;
 `CartridgeCache`'s chunks (trim, `tail_chunks` readers, composed and distributed caches are unchanged), and the
 room mirrors the tail of the cache that called last: a call from another cache first copies that cache's
 whole tail in, a call from the same cache copies only what was written since (`CartridgeCache.written_from`).
-The buffer is a second copy of the prefix beside the pages (made on the first call, in the queries' dtype).
+The buffer is a second copy of the prefix beside the pages (made on the first call, in the queries' dtype, and
+again when a call comes from another thread than the last).
 """
 
 import threading
@@ -38,6 +39,7 @@ class ContiguousAttention:
         self.keys = self.values = None  # (1, n_kv, capacity, D) in the queries' dtype, made on the first call
         self.owner = None  # weakref to the cache whose tail the room holds
         self.lock = threading.Lock()  # caches of one cartridge on several threads (serve) share the buffer
+        self.thread = None  # the thread whose streams the buffer's pending writes run on
 
     def _layout(self, parts, dtype, capacity):
         """A side's pages (n_pages, n_kv, P, D) as (1, n_kv, capacity, D) of `dtype`: the prefix, then zeros."""
@@ -69,6 +71,11 @@ class ContiguousAttention:
     def _sync(self, cache, dtype):
         """Write the cache's tail tokens not yet in the room (all of them for a new owner) into it."""
         n = self.prefix.n_tokens
+        if self.thread != threading.get_ident():
+            # MLX streams belong to a thread: writes queued on another thread's stream (a prefill chunk whose output
+            # mlx-lm never evaluates) cannot be evaluated here, so the buffer is laid out anew
+            self.keys = self.values = None
+            self.thread = threading.get_ident()
         fresh = self._reserve(n + cache.tail_len, dtype)
         owner = self.owner() if self.owner is not None else None
         start = 0 if fresh or owner is not cache else min(cache.written_from, cache.tail_len)
