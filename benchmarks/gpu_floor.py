@@ -3,24 +3,27 @@ mlx4g32 step (32 q / 8 kv heads, head_dim 128, 131072 tokens, chained like `cart
 kernel (the fixed cost of one more call in a chain), and plain streaming reads of the fused step's prefix
 bytes (and of the dense K/V bytes) over launch shapes: 16-byte streaming loads (`__ldcs`), U of them in
 flight per thread, grid-stride. The fastest read of the prefix's bytes is what any kernel reading them
-once could approach, doing nothing else.
-    python benchmarks/gpu_floor.py OUT_DIR              (writes OUT_DIR/h200-floor.json; needs a CUDA GPU)
-    python benchmarks/gpu_floor.py --fp16-gap OUT_DIR   (writes OUT_DIR/h200-fp16-gap.json)
-Results: results/h200-floor.json, results/h200-floor-2.json (a second run), results/h200-fp16-gap.json.
+once could approach, doing nothing else. `--part` runs instead one part of issue 34 (same shape):
 
-`--fp16-gap`: where an fp16 cartridge's decode step loses time to MLX's dense SDPA on the GPU machine
-(issue 34 item 1): one layer, 32 q / 8 kv heads, head_dim 128, fp16, chained like `cartridge bench`
-(`bench.timeit`), at 32K and 128K tokens, in one run:
+1. `dense`: an fp16/bf16 cartridge's attention against MLX's SDPA over one contiguous cache, at 32K and 128K
+   tokens: decode (1 query token) and questions of 32 and 256 tokens, for
+   - `sdpa`: MLX's SDPA over a (1, n_kv, N + L, D) K/V (the baseline of `cartridge bench`, with the tail);
+   - `contiguous`: the CUDA backend's path for dense pages now (`kernels/contiguous.py`);
+   - `flash`: the flash-decoding kernel over the same pages (`kernels/cuda.FusedAttention`, the path before);
+   and, for decode, whole steps that also write the token's K/V (trim 1, then update, from the chained output):
+   `kvcache-step` (mlx-lm's KVCache + SDPA), `contiguous-step`, `flash-step`. Each output's max abs error
+   against the portable path.
+2. `e2e`: decode tokens/s through mlx-lm's generate_step (bench.end_to_end: a random llama3-8b, 32 layers) with
+   a prefix of 32K and 128K tokens: mlx-lm's KVCache, and fp16 / int8 cartridges fused, fp16 both ways (the
+   contiguous buffer, then the flash kernel with `CONTIGUOUS_DENSE` off).
+3. `floors`: per tier at 32K and 128K, a bare streaming read of its stored bytes (best of a launch sweep of
+   `READ_SRC`), to set beside its fused time from `cartridge bench`.
 
-- `sdpa`: MLX's SDPA over one contiguous (1, n_kv, N + 1, D) K/V (the bench's dense baseline, + the tail token);
-- `sdpa-room`: the same over the first N + 1 tokens of a (1, n_kv, N + 4096, D) buffer (a KVCache with room);
-- `sdpa-pages`: the same after concatenating the (n_pages, n_kv, P, D) pages and the tail per step (a copy);
-- `fused`: the fused fp16 kernel, single launch (pass 1 + tail + merge in one kernel);
-- `fused-2k`: the fused kernel as two launches (pass 1, then the finish);
-- `fused-b{B}-u{U}`: single launch with TARGET_BLOCKS B and UNROLL U (the plain pass 1's launch shape);
-- `dequantize-once (...)`: the dequantize-once fp16 layer as `policy.place` builds it (its kernel class named).
-
-Each variant's output is checked against the portable path's (max abs error, fp16 output).
+    python benchmarks/gpu_floor.py OUT_DIR                        (writes OUT_DIR/h200-floor.json; needs a CUDA GPU)
+    python benchmarks/gpu_floor.py --part dense|e2e|floors OUT_DIR  (writes OUT_DIR/h200-{PART}.json)
+Results: results/h200-floor.json, results/h200-floor-2.json (a second run); h200-dense.*, h200-e2e.*,
+h200-floors.* (issue 34). (`--fp16-gap`, which gave results/h200-fp16-gap.json, is `git show 36f2680:benchmarks/
+gpu_floor.py`; `--part dense` measures the same comparison on the current paths.)
 """
 
 import argparse
@@ -29,9 +32,13 @@ import json
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 
-from cartridge.attention import policy
-from cartridge.attention.cache import CartridgeCache, LayerPrefix
-from cartridge.attention.kernels import cuda
+from dataclasses import replace
+
+from mlx_lm.models.cache import KVCache
+
+from cartridge.attention.backends import cuda as cuda_backend
+from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.kernels import contiguous, cuda
 from cartridge.attention.pages import make_prefix
 from cartridge.eval import bench
 from cartridge.tiers import TIERS
@@ -120,113 +127,161 @@ N_Q, N_KV, D = 32, 8, 128
 SCALE = D ** -0.5
 
 
-def _cache(prefix, kernel):
-    return CartridgeCache(LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
-                                      prefix.k_params, prefix.v_params, kernel))
+def _timed(rows, outs, name, fn, q, **info):
+    try:
+        outs[name] = fn(q)
+        mx.eval(outs[name])
+        us = bench.timeit(fn, 20 if q.shape[2] == 1 else 5, chain=q) * 1e6
+        rows.append({"variant": name, "us": us, "error": None, **info})
+    except Exception as e:  # recorded: a variant that does not run here
+        rows.append({"variant": name, "us": None, "error": f"{type(e).__name__}: {e}", **info})
 
 
-def fp16_gap_rows(n):
-    """The --fp16-gap rows at context `n`: each variant's us per step and its error against the portable path."""
+def _step(cache, attend):
+    """A decode step from the chained output x (1, n_q, 1, D): trim the last token, write x's first KV heads as
+    the new token's K/V, attend."""
+    def fn(x):
+        cache.trim(1)
+        new = x[:, :N_KV]
+        cache.update_and_fetch(new, new)
+        return attend(x)
+    return fn
+
+
+def dense_rows(n, tier):
     k, v = bench._kv(N_KV, n, D, seed=n)
-    q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
-    new = mx.random.normal((1, N_KV, 1, D)).astype(mx.float16)
-    prefix = make_prefix(TIERS["fp16"], k, TIERS["fp16"], v, bench.PAGE_SIZE)
-    mx.eval(q, new, prefix.k_parts, prefix.v_parts)
-    rows, outs = [], {}
-
-    def time(name, fn):
-        try:
-            outs[name] = fn(q)
-            mx.eval(outs[name])
-            us = bench.timeit(fn, 20, chain=q) * 1e6
-            rows.append({"variant": name, "context": n, "us": us, "error": None})
-        except Exception as e:  # recorded: a variant that does not build or run here
-            rows.append({"variant": name, "context": n, "us": None, "error": f"{type(e).__name__}: {e}"})
-
-    dk = mx.concatenate([k[None], new], axis=2)
-    dv = mx.concatenate([v[None], new], axis=2)
-    mx.eval(dk, dv)
-    time("sdpa", lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=SCALE))
-    del dk, dv
-    rk = mx.zeros((1, N_KV, n + 4096, D), dtype=mx.float16)
-    rv = mx.zeros((1, N_KV, n + 4096, D), dtype=mx.float16)
-    rk[:, :, :n], rv[:, :, :n] = k[None], v[None]
-    rk[:, :, n:n + 1], rv[:, :, n:n + 1] = new, new
-    mx.eval(rk, rv)
-    time("sdpa-room", lambda x: mx.fast.scaled_dot_product_attention(x, rk[:, :, :n + 1], rv[:, :, :n + 1],
-                                                                        scale=SCALE))
-    del rk, rv
-    pk, pv = prefix.k_parts["values"], prefix.v_parts["values"]
-
-    def paged(x):
-        ks = mx.concatenate([pk.transpose(1, 0, 2, 3).reshape(1, N_KV, -1, D), new], axis=2)
-        vs = mx.concatenate([pv.transpose(1, 0, 2, 3).reshape(1, N_KV, -1, D), new], axis=2)
-        return mx.fast.scaled_dot_product_attention(x, ks, vs, scale=SCALE)
-
-    time("sdpa-pages", paged)
-
-    portable = _cache(prefix, None)
-    portable.update_and_fetch(new, new)
-    ref = portable.attention(q, SCALE)
-    mx.eval(ref)
-
-    def fused_variant(name, **settings):
-        saved = {key: getattr(cuda, key) for key in settings}
-        for key, value in settings.items():
-            setattr(cuda, key, value)
-        try:
-            c = _cache(prefix, cuda.FusedAttention(prefix))
+    dtype = mx.bfloat16 if tier == "bf16" else mx.float16
+    prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE)
+    mx.eval(prefix.k_parts, prefix.v_parts)
+    rows = []
+    for L in (1, 32, 256):
+        info = {"tier": tier, "context": n, "query_tokens": L}
+        q = mx.random.normal((1, N_Q, L, D)).astype(dtype)
+        new = mx.random.normal((1, N_KV, L, D)).astype(dtype)
+        mask = "causal" if L > 1 else None
+        outs, start = {}, len(rows)
+        dk = mx.concatenate([k[None].astype(dtype), new], axis=2)
+        dv = mx.concatenate([v[None].astype(dtype), new], axis=2)
+        mx.eval(q, new, dk, dv)
+        _timed(rows, outs, "sdpa", lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=SCALE, mask=mask),
+               q, **info)
+        if L == 1:
+            kv = KVCache()
+            kv.update_and_fetch(dk, dv)
+            _timed(rows, outs, "kvcache-step", _step(kv, lambda x: mx.fast.scaled_dot_product_attention(
+                x, kv.keys[..., :kv.offset, :], kv.values[..., :kv.offset, :], scale=SCALE)), q, **info)
+            del kv
+        del dk, dv
+        ref = CartridgeCache(prefix)
+        ref.update_and_fetch(new, new)
+        want = ref.attention(q, SCALE, mask)
+        mx.eval(want)
+        for name, kernel in (("contiguous", contiguous.ContiguousAttention(prefix)),
+                             ("flash", cuda.FusedAttention(prefix))):
+            c = CartridgeCache(replace(prefix, kernel=kernel))
             c.update_and_fetch(new, new)
-            mx.eval(c.state)
-            time(name, lambda x: c.attention(x, SCALE))
-        finally:
-            for key, value in saved.items():
-                setattr(cuda, key, value)
-
-    fused_variant("fused")
-    fused_variant("fused-2k", SINGLE_LAUNCH=False)
-    for blocks in (264, 528, 1056):
-        for unroll in (2, 4, 8):
-            if (blocks, unroll) != (cuda.TARGET_BLOCKS, cuda.UNROLL):
-                fused_variant(f"fused-b{blocks}-u{unroll}", TARGET_BLOCKS=blocks, UNROLL=unroll)
-    placed, _ = policy.place([prefix], "dequantize-once", mx.float16, [(D, D)])
-    c = CartridgeCache(placed[0])
-    c.update_and_fetch(new, new)
-    mx.eval(c.state)
-    time(f"dequantize-once ({type(placed[0].kernel).__name__})", lambda x: c.attention(x, SCALE))
-    for r in rows:
-        out = outs.get(r["variant"])
-        r["max_abs_err_vs_portable"] = None if out is None else float(mx.max(mx.abs(out.astype(mx.float32) -
-                                                                                    ref.astype(mx.float32))))
+            _timed(rows, outs, name, lambda x: c.attention(x, SCALE, mask), q, **info)
+            if L == 1:
+                _timed(rows, outs, name + "-step", _step(c, lambda x: c.attention(x, SCALE, mask)), q, **info)
+            del c, kernel
+            mx.clear_cache()
+        for r in rows[start:]:
+            got = outs.get(r["variant"])
+            if r["variant"].endswith("step") or got is None:
+                continue
+            r["max_abs_err_vs_portable"] = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))))
     return rows
 
 
-def fp16_gap(out_dir):
-    """--fp16-gap: every variant at 32K and 128K; writes out_dir/h200-fp16-gap.json and prints a table."""
+def read_floor(prefix):
+    """Best µs of a bare streaming read of the prefix's stored bytes (one buffer of as many bytes)."""
+    nbytes = prefix.nbytes // 16 * 16
+    buf = mx.zeros((nbytes // 4,), dtype=mx.uint32)
+    nv = mx.array([nbytes // 16], dtype=mx.int64)
+    q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
+    mx.eval(buf, nv, q)
+    best = None
+    for unroll in (4, 8):
+        kernel = mx.fast.cuda_kernel(name=f"dense_floor_read_u{unroll}", input_names=["buf", "n_vec", "q"],
+                                     output_names=["out", "sink"], source=f"constexpr int U = {unroll};\n" + READ_SRC)
+        for blocks in (528, 1056, 2112):
+            def step(x):
+                return kernel(inputs=[buf, nv, x], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                              output_shapes=[x.shape, (blocks,)], output_dtypes=[x.dtype, mx.uint32])[0]
+            us = bench.timeit(step, 10, chain=q) * 1e6
+            best = us if best is None else min(best, us)
+    return best
+
+
+def floors():
     rows = []
     for n in (32768, 131072):
-        rows += fp16_gap_rows(n)
-        mx.clear_cache()
-    dense = {r["context"]: r["us"] for r in rows if r["variant"] == "sdpa"}
-    with open(f"{out_dir}/h200-fp16-gap.json", "w") as f:
-        json.dump({"device": mx.device_info().get("device_name"), "rows": rows}, f, indent=1)
-    print(f"{'context':>8} {'variant':36} {'us':>8} {'vs sdpa':>8} {'err':>9}")
-    for r in rows:
+        k, v = bench._kv(N_KV, n, D, seed=n)
+        for tier in TIERS:
+            prefix, error = bench._tier_prefix(tier, k, v)
+            if prefix is None:
+                continue
+            mx.eval(prefix.k_parts, prefix.v_parts)
+            rows.append({"tier": tier, "context": n, "bytes": prefix.nbytes, "read_us": read_floor(prefix)})
+            print(json.dumps(rows[-1]), flush=True)
+            del prefix
+            mx.clear_cache()
+    return rows
+
+
+def e2e():
+    model, rows = bench.random_model("llama3-8b"), []
+    bench.POLICIES = ["fused"]
+    for n in (32768, 131072):
+        for contiguous_dense in (True, False):
+            cuda_backend.CONTIGUOUS_DENSE = contiguous_dense
+            found = bench.end_to_end(model, n, ["fp16", "int8"] if contiguous_dense else ["fp16"], mx.float16)
+            for r in found:
+                if r["kind"] == "baseline" and not contiguous_dense:
+                    continue
+                r["contiguous_dense"] = contiguous_dense
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            mx.clear_cache()
+    cuda_backend.CONTIGUOUS_DENSE = True
+    return rows
+
+
+def part_main(part, out):
+    """One part of issue 34 (`--part`): writes out/h200-{part}.json and, for `dense`, prints a table."""
+    result = {"device": mx.device_info(), "mlx": mx.__version__, "dense": [], "floors": []}
+    result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
+    if part != "dense":
+        result[part] = floors() if part == "floors" else e2e()
+        json.dump(result, open(f"{out}/h200-{part}.json", "w"), indent=1, default=str)
+        return
+    for n in (32768, 131072):
+        for tier in ("fp16", "bf16"):
+            result["dense"] += dense_rows(n, tier)
+            mx.clear_cache()
+        json.dump(result, open(f"{out}/h200-dense.json", "w"), indent=1, default=str)
+    base = {(r["tier"], r["context"], r["query_tokens"]): r["us"] for r in result["dense"] if r["variant"] == "sdpa"}
+    print(f"copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    print(f"{'tier':5} {'context':>7} {'L':>4} {'variant':16} {'us':>8} {'vs sdpa':>8} {'err':>9}")
+    for r in result["dense"]:
+        b = base.get((r["tier"], r["context"], r["query_tokens"]))
         us = f"{r['us']:8.1f}" if r["us"] else "       -"
-        ratio = f"{r['us'] / dense[r['context']]:7.2f}x" if r["us"] and dense.get(r["context"]) else "        "
+        ratio = f"{r['us'] / b:7.3f}x" if r["us"] and b else "        "
         err = r.get("max_abs_err_vs_portable")
-        print(f"{r['context']:>8} {r['variant']:36} {us} {ratio} {err if err is not None else '-':>9.3g}"
-              if err is not None else f"{r['context']:>8} {r['variant']:36} {us} {ratio} {r['error']}")
+        print(f"{r['tier']:5} {r['context']:>7} {r['query_tokens']:>4} {r['variant']:16} {us} {ratio} "
+              f"{'' if err is None else f'{err:9.3g}'} {r['error'] or ''}")
+
+
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="The floor under the 128K decode-step target on a CUDA GPU: dense "
                                      "SDPA, the fused mlx4g32 step and plain streaming reads of the same bytes.")
-    parser.add_argument("out", help="folder for h200-floor.json (or h200-fp16-gap.json)")
-    parser.add_argument("--fp16-gap", action="store_true", help="instead: where the fp16 decode step loses time "
-                        "to MLX's dense SDPA (variants of SDPA and of the fused fp16 kernel, 32K and 128K)")
+    parser.add_argument("out", help="folder for h200-floor.json (or h200-PART.json)")
+    parser.add_argument("--part", choices=("dense", "e2e", "floors"), default=None, help="instead: one part of issue "
+                        "34 (dense pages against MLX's SDPA; decode tokens/s end to end; each tier's bare read)")
     args = parser.parse_args()
-    if args.fp16_gap:
-        fp16_gap(args.out)
+    if args.part:
+        part_main(args.part, args.out)
     else:
         main(args.out)

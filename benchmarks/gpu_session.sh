@@ -2,28 +2,35 @@
 # One GPU-machine session (MLX's CUDA wheel installed in /root/site, the default model's tokenizer saved in
 # /root/gpu/tok; see ../shared/GPU.md), everything in one device call, results under $OUT:
 #   1. nvidia-smi (clocks, temperature) -> nvidia-smi.txt;
-#   2. `cartridge bench` of every tier at 32K/128K, fused and dequantize-once -> h200-bench-seam.{json,log};
-#   3. `gpu_floor.py --fp16-gap` -> h200-fp16-gap.{json,log};
-#   4. the CUDA kernel tests (DEVICE=gpu, not slow) in SHARDS parallel pytest processes (kernel compiles by
-#      NVRTC are CPU-bound; the machine has 16 cores): node ids split round-robin, one log per shard, all
-#      shards in h200-seam-kernel-tests.log, a summary last.
-# STEPS picks steps (default "bench gap tests"); IDS: a file of node ids to run instead of all of FILES;
-# SHARDS (default 8); LIMIT: seconds per shard (default 480).
+#   2. `dense`: `gpu_floor.py --part dense` (dense pages against MLX's SDPA) -> h200-dense.{json,log}; `floors`: its
+#      `--part floors` (each tier's bare read) -> h200-floors.{json,log}; `e2e`: its `--part e2e` (decode
+#      tokens/s, fp16 contiguous and flash) -> h200-e2e.{json,log};
+#   3. `bench`: `cartridge bench` of every tier at 32K/128K, fused and dequantize-once, questions of QUERY tokens
+#      (default none) -> h200-bench-$TAG.{json,log};
+#   4. `tests`: the CUDA kernel tests (DEVICE=gpu, not slow, -k $K if set) in SHARDS parallel pytest processes
+#      (kernel compiles by NVRTC are CPU-bound; the machine has 16 cores): node ids split round-robin, one log
+#      per shard, all shards in h200-$TAG-kernel-tests.log, a summary last.
+# STEPS picks steps (default "dense bench tests"); TAG names the files (default seam); IDS: a file of node ids to
+# run instead of all of FILES; SHARDS (default 8); LIMIT: seconds per shard (default 480).
 export PYTHONPATH=/root/site:$PWD CARTRIDGE_TEST_TOKENIZER=/root/gpu/tok PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; SHARDS=${SHARDS:-8}; LIMIT=${LIMIT:-480}; STEPS=${STEPS:-bench gap tests}
-FILES="tests/test_kernels.py tests/test_tail_boundaries.py tests/test_protect.py tests/test_backends.py"
+OUT=${OUT:-out}; SHARDS=${SHARDS:-8}; LIMIT=${LIMIT:-480}; STEPS=${STEPS:-dense bench tests}; TAG=${TAG:-seam}
+FILES=${FILES:-tests/test_kernels.py tests/test_tail_boundaries.py tests/test_protect.py tests/test_backends.py}
 mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/nvidia-smi.txt 2>&1
+case " $STEPS " in *" dense "*)
+  python3 benchmarks/gpu_floor.py --part dense $OUT > $OUT/h200-dense.log 2>&1
+  tail -40 $OUT/h200-dense.log;; esac
+for part in floors e2e; do case " $STEPS " in *" $part "*)
+  python3 benchmarks/gpu_floor.py --part $part $OUT > $OUT/h200-$part.log 2>&1
+  tail -12 $OUT/h200-$part.log;; esac; done
 case " $STEPS " in *" bench "*)
   python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused,dequantize-once --no-e2e \
-    --query-tokens none --json $OUT/h200-bench-seam.json > $OUT/h200-bench-seam.log 2>&1
-  grep -A40 '^gate' $OUT/h200-bench-seam.log | head -40;; esac
-case " $STEPS " in *" gap "*)
-  python3 benchmarks/gpu_floor.py --fp16-gap $OUT > $OUT/h200-fp16-gap.log 2>&1
-  tail -32 $OUT/h200-fp16-gap.log;; esac
+    --query-tokens ${QUERY:-none} --json $OUT/h200-bench-$TAG.json > $OUT/h200-bench-$TAG.log 2>&1
+  grep -A40 '^gate' $OUT/h200-bench-$TAG.log | head -40;; esac
 case " $STEPS " in *" tests "*)
   if [ -n "$IDS" ]; then cp "$IDS" /tmp/ids; else
-    DEVICE=gpu python3 -m pytest -q -p no:cacheprovider -m "not slow" --collect-only $FILES | grep '::' > /tmp/ids; fi
+    DEVICE=gpu python3 -m pytest -q -p no:cacheprovider -m "not slow" ${K:+-k "$K"} --collect-only $FILES |
+      grep '::' > /tmp/ids; fi
   wc -l < /tmp/ids
   i=0; while [ $i -lt $SHARDS ]; do
     awk -v n=$SHARDS -v i=$i 'NR % n == i' /tmp/ids > /tmp/shard$i
@@ -32,5 +39,5 @@ case " $STEPS " in *" tests "*)
     i=$((i+1)); done
   wait
   i=0; while [ $i -lt $SHARDS ]; do echo "== shard $i"; cat /tmp/shard$i.log; i=$((i+1)); done \
-    > $OUT/h200-seam-kernel-tests.log
-  grep -h -E '^(FAILED|ERROR)|passed|failed' $OUT/h200-seam-kernel-tests.log;; esac
+    > $OUT/h200-$TAG-kernel-tests.log
+  grep -h -E '^(FAILED|ERROR)|passed|failed' $OUT/h200-$TAG-kernel-tests.log;; esac

@@ -10,6 +10,7 @@ stream change nothing), and turns on worker threads and on the main thread share
 """
 
 import threading
+from dataclasses import replace
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
@@ -19,6 +20,8 @@ import pytest
 from conftest import make_tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
+
+from cartridge.attention.kernels import contiguous
 
 DOC = "The ferry to Inishmore leaves Rossaveal at 10:30 and returns at 17:00 daily in summer. " * 6
 # (prompt tokens, generated tokens) per turn: single-token prompts, chunk-sized pastes, a 300-token question
@@ -33,13 +36,18 @@ def model(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=5, max_position_embeddings=4096, head_dim=64)
 
 
-@pytest.fixture(scope="module", params=[("fp16", "auto"), ("fp16", "portable"), ("mlx4g32+rot", "auto")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[("fp16", "auto"), ("fp16", "portable"), ("mlx4g32+rot", "auto"),
+                                        ("fp16", "contiguous")], ids=lambda p: f"{p[0]}-{p[1]}")
 def cart(request, model, tmp_path_factory):
     tier, attention = request.param
     path = tmp_path_factory.mktemp("loop") / f"{tier}.cart"
     cartridge.build(DOC, path, model=model, tier=tier, page_size=PAGE)
-    return cartridge.load(path, model=model, attention=attention)
+    if attention != "contiguous":
+        return cartridge.load(path, model=model, attention=attention)
+    # the CUDA backend's path for dense pages (MLX's SDPA over one buffer with room), taken here on any device
+    cart = cartridge.load(path, model=model, attention="portable")
+    cart.prefixes = [replace(p, kernel=contiguous.ContiguousAttention(p)) for p in cart.prefixes]
+    return cart
 
 
 def _reference_logprobs(cart, stream):

@@ -30,13 +30,21 @@ def model(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=3, max_position_embeddings=4096, head_dim=64)  # a fused kernel's head_dim
 
 
-@pytest.fixture(scope="module", params=["portable", "dequantize-once", "fused", "question-prefill"])
+@pytest.fixture(scope="module", params=["portable", "dequantize-once", "fused", "question-prefill",
+                                                "contiguous"])
 def cart(request, model, tmp_path_factory):
     if request.param == "fused" and backend() != "cuda":
         pytest.skip("the fused kernels need the CUDA backend (run with DEVICE=gpu on an NVIDIA GPU)")
     path = tmp_path_factory.mktemp("tail") / "doc.cart"
     if not path.exists():
         cartridge.build(DOC, path, model=model, page_size=64)
+    if request.param == "contiguous":  # the CUDA backend's path for dense pages, taken here on any device
+        from cartridge.attention.kernels import contiguous
+
+        cart = cartridge.load(path, model=model, attention="portable")
+        cart.prefixes = [replace(p, kernel=contiguous.ContiguousAttention(p)) for p in cart.prefixes]
+        yield cart
+        return
     if request.param != "question-prefill":
         cart = cartridge.load(path, model=model, attention=request.param)
         if request.param != "dequantize-once":  # which runs the fused kernel over its dense pages on CUDA

@@ -83,6 +83,7 @@ class CartridgeCache(_BaseCache):
         self.chunk_size = chunk_size
         self._k_chunks, self._v_chunks = [], []
         self.tail_len = 0
+        self.written_from = 0  # lowest tail position written since a kernel last mirrored the tail (contiguous.py)
         self.scratch = {}  # device state a prefix kernel keeps per cache (cartridge.attention.kernels.cuda)
 
     @property
@@ -111,6 +112,7 @@ class CartridgeCache(_BaseCache):
         """
         if keys.shape[0] != 1:
             raise CartridgeError(f"a cartridge holds one sequence; got batch size {keys.shape[0]}")
+        self.written_from = min(self.written_from, self.tail_len)
         self._write(self._k_chunks, keys, self.tail_len)
         self._write(self._v_chunks, values, self.tail_len)
         self.tail_len += keys.shape[2]

@@ -1,0 +1,120 @@
+"""Attention over dense pages as MLX's own SDPA over one contiguous K/V buffer per side (issue 34 item 1).
+
+An fp16/bf16 cartridge's pages (or the dense pages of "dequantize-once") are laid out once per layer as
+(1, n_kv_heads, n_tokens + room, head_dim), the layout mlx-lm's `KVCache` holds, with room for the tail
+(grown `ROOM_STEP` tokens at a time, as `KVCache.step`). Each call writes the cache's new tail tokens into
+the room in place and calls `mx.fast.scaled_dot_product_attention` over the first `offset` tokens: one kernel,
+no split of prefix and tail, no merge. On an H200 the fused flash-decoding kernel over the same fp16 pages
+took 1.09-1.11x MLX's SDPA over a contiguous cache (docs/performance.md "Attention backends"); MLX's SDPA
+over the first N + 1 tokens of a buffer with room ran at dense speed (benchmarks/results/h200-fp16-gap.json).
+
+The buffer is the layer's, shared by every cache made from one loaded cartridge; the tail stays in each
+`CartridgeCache`'s chunks (trim, `tail_chunks` readers, composed and distributed caches are unchanged), and the
+room mirrors the tail of the cache that called last: a call from another cache first copies that cache's
+whole tail in, a call from the same cache copies only what was written since (`CartridgeCache.written_from`).
+The buffer is a second copy of the prefix beside the pages (made on the first call, in the queries' dtype, and
+again when a call comes from another thread than the last).
+"""
+
+import threading
+import weakref
+
+import mlx.core as mx
+
+from ...tiers.layout import BF16, F32, FP16, layout_of
+
+ROOM_STEP = 256  # tail tokens the buffer grows by (mlx-lm's KVCache.step)
+
+
+class ContiguousAttention:
+    """One layer's attention over dense pages by `mx.fast.scaled_dot_product_attention` on a contiguous buffer.
+
+    Args:
+        prefix (LayerPrefix): the layer's dense pages: both sides' `values` (n_pages, n_kv_heads, P, head_dim),
+            float16, bfloat16 or float32 (an fp16/bf16 tier, or the "dequantize-once" codec), no protected tokens.
+    """
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.keys = self.values = None  # (1, n_kv, capacity, D) in the queries' dtype, made on the first call
+        self.owner = None  # weakref to the cache whose tail the room holds
+        self.lock = threading.Lock()  # caches of one cartridge on several threads (serve) share the buffer
+        self.thread = None  # the thread whose streams the buffer's pending writes run on
+
+    def _layout(self, parts, dtype, capacity):
+        """A side's pages (n_pages, n_kv, P, D) as (1, n_kv, capacity, D) of `dtype`: the prefix, then zeros."""
+        x = parts["values"]
+        n_pages, n_kv, page, D = x.shape
+        # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), the valid tokens, then the room
+        seq = x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, D)[:, :, :self.prefix.n_tokens]
+        room = mx.zeros((1, n_kv, capacity - self.prefix.n_tokens, D), dtype=dtype)
+        return mx.concatenate([seq.astype(dtype), room], axis=2)
+
+    def _reserve(self, need, dtype):
+        """Make the buffers hold at least `need` tokens in `dtype` (True if they were made anew: room empty)."""
+        if self.keys is not None and self.keys.dtype == dtype and self.keys.shape[2] >= need:
+            return False
+        capacity = -(-need // ROOM_STEP) * ROOM_STEP + ROOM_STEP
+        if self.keys is None or self.keys.dtype != dtype:
+            self.keys = self._layout(self.prefix.k_parts, dtype, capacity)
+            self.values = self._layout(self.prefix.v_parts, dtype, capacity)
+            self.owner = None
+            return True
+        # growth keeps the room's contents (one copy of the buffer per ROOM_STEP tail tokens, as KVCache)
+        extra = capacity - self.keys.shape[2]
+        n_kv, D = self.keys.shape[1], self.keys.shape[3]
+        pad = mx.zeros((1, n_kv, extra, D), dtype=dtype)
+        self.keys = mx.concatenate([self.keys, pad], axis=2)
+        self.values = mx.concatenate([self.values, pad], axis=2)
+        return False
+
+    def _sync(self, cache, dtype):
+        """Write the cache's tail tokens not yet in the room (all of them for a new owner) into it."""
+        n = self.prefix.n_tokens
+        if self.thread != threading.get_ident():
+            # MLX streams belong to a thread: writes queued on another thread's stream (a prefill chunk whose output
+            # mlx-lm never evaluates) cannot be evaluated here, so the buffer is laid out anew
+            self.keys = self.values = None
+            self.thread = threading.get_ident()
+        fresh = self._reserve(n + cache.tail_len, dtype)
+        owner = self.owner() if self.owner is not None else None
+        start = 0 if fresh or owner is not cache else min(cache.written_from, cache.tail_len)
+        size = cache.chunk_size
+        for i, (k, v) in enumerate(zip(*cache.tail_chunks)):
+            a, b = max(start, i * size), min(cache.tail_len, (i + 1) * size)
+            if a < b:  # tail tokens [a, b) of chunk i, at buffer positions n + a ..
+                self.keys[..., n + a:n + b, :] = k[..., a - i * size:b - i * size, :].astype(dtype)
+                self.values[..., n + a:n + b, :] = v[..., a - i * size:b - i * size, :].astype(dtype)
+        self.owner = weakref.ref(cache)
+        cache.written_from = cache.tail_len
+
+    def __call__(self, cache, queries, scale, sinks=None):
+        """Attention of the last L tail tokens over prefix + tail, causal among the tail.
+
+        Args:
+            cache (CartridgeCache): the tail (its chunks, `tail_len`, `written_from`).
+            queries (mx.array): (1, n_q_heads, L, head_dim). scale (float): softmax scale.
+            sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
+
+        Returns:
+            mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
+        """
+        with self.lock:  # MLX arrays are values: the slices keep this call's tail even if another cache syncs next
+            self._sync(cache, queries.dtype)
+            n = self.prefix.n_tokens + cache.tail_len
+            k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        # "causal" with fewer queries than keys lines the queries up with the last keys: every prefix token visible
+        mask = "causal" if queries.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def reads(prefix):
+    """True if `ContiguousAttention` reads this layer: both sides dense pages (an fp16/bf16/float32 tier's or the
+    "dequantize-once" codec's, not rotated) of one dtype and head_dim, and no protected tokens."""
+    sides = ((prefix.k_codec, prefix.k_parts), (prefix.v_codec, prefix.v_parts))
+    found = [layout_of(codec, parts) for codec, parts in sides]
+    if prefix.protected is not None or any(f is None or f.tier_id not in (FP16, BF16, F32) for f in found) \
+            or any(hasattr(codec, "base") for codec, _ in sides):  # a +rot side: stored in its rotated basis
+        return False
+    k, v = prefix.k_parts["values"], prefix.v_parts["values"]
+    return k.dtype == v.dtype and k.shape[-1] == v.shape[-1]
