@@ -83,3 +83,18 @@ def test_reads_dense_pages_only(prefix):
     for tier in ("int8", "mlx4g32+rot"):
         assert not contiguous.reads(make_prefix(TIERS[tier], k, TIERS[tier], k, 64)), tier
     assert not contiguous.reads(make_prefix(TIERS["fp16"], k, TIERS["int8"], k, 64))
+
+
+def test_place_counts_the_copy_and_keeps_a_memory_budget(prefix, monkeypatch):
+    from cartridge.attention import policy
+
+    monkeypatch.setattr(policy, "kernel_for", lambda choice, q, head_dim: contiguous.ContiguousAttention(q))
+    monkeypatch.setattr(contiguous.ContiguousAttention, "without_copy", lambda self: "flash kernel")
+    need = contiguous.ContiguousAttention(prefix).held_bytes(mx.float16)
+    assert need == 2 * N_KV * (300 + contiguous.ROOM_STEP) * D * 2  # K and V, prefix + one step of room, fp16
+    out, report = policy.place([prefix], "fused", mx.float16, [(D, D)])
+    assert isinstance(out[0].kernel, contiguous.ContiguousAttention)
+    assert report["memory"]["resident_bytes"] == prefix.nbytes + need
+    out, report = policy.place([prefix], "fused", mx.float16, [(D, D)], max_memory=prefix.nbytes + need - 1)
+    assert out[0].kernel == "flash kernel"  # the copy would not fit: the flash kernel reads the pages as they are
+    assert report["memory"]["resident_bytes"] == prefix.nbytes

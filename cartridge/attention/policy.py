@@ -278,6 +278,11 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
         dev = _reads_prefill(c[0]) if i in prefill and kernel is None else None
         if dev is not None and dev.supports(q, k_dim, "prefill"):
             kernel = dev.build(q)
+        extra = kernel.held_bytes(dtype) if hasattr(kernel, "held_bytes") else 0  # a copy the kernel lays out
+        if extra and limit is not None and resident + extra > limit:
+            kernel = kernel.without_copy()
+        else:
+            resident += extra
         out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
                              q.protected)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next

@@ -41,6 +41,20 @@ class ContiguousAttention:
         self.lock = threading.Lock()  # caches of one cartridge on several threads (serve) share the buffer
         self.thread = None  # the thread whose streams the buffer's pending writes run on
 
+    def held_bytes(self, dtype):
+        """Bytes of the buffers the first call lays out: both sides' prefix + `ROOM_STEP` tokens in `dtype`
+        (`cartridge.attention.policy.place` counts them, and within a memory budget that they would exceed
+        takes `without_copy` instead)."""
+        _, n_kv, _, D = self.prefix.k_parts["values"].shape
+        return 2 * n_kv * (self.prefix.n_tokens + ROOM_STEP) * D * dtype.size
+
+    def without_copy(self):
+        """The flash-decoding kernel over the same dense pages (`cartridge.attention.kernels.cuda`): no second
+        copy of the prefix, ~1.1x MLX's SDPA on an H200 (docs/performance.md)."""
+        from . import cuda  # (it builds CUDA arrays at import)
+
+        return cuda.FusedAttention(self.prefix)
+
     def _layout(self, parts, dtype, capacity):
         """A side's pages (n_pages, n_kv, P, D) as (1, n_kv, capacity, D) of `dtype`: the prefix, then zeros."""
         x = parts["values"]
