@@ -58,7 +58,7 @@ def test_a_calibrated_build_stores_the_chosen_schema_its_bytes_and_measured_kl(t
                         calibration_progress=lambda d, t: seen.append((d, t)))
     info, _ = cartridge.open_cartridge(r.path)
     rec = r.calibration
-    assert info.format_version == "1.8" and seen[0] == (0, 4) and seen[-1] == (4, 4)
+    assert info.format_version == "1.8" and seen[0] == (0, 2) and seen[-1] == (2, 2)
     assert rec["target"] == {"preset": "balanced"} and rec["fp16_bytes_per_token"] == 2 * 2 * 256
     assert rec["bytes_per_token"] <= 1024 // 3 and rec["bytes_per_token"] == r.bytes_per_token
     assert info.tiers == r.schema and rec["measured_kl"] >= 0 and 0 <= rec["top1_agreement"] <= 1
@@ -125,3 +125,71 @@ def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
     n, share = heavy_hitters(mx.array(mass))
     assert (n, share) == (3, pytest.approx(0.701, abs=1e-6))
     assert heavy_hitters(mx.full((t,), 1 / t)) == (0, 0.0)
+
+
+def test_the_batched_walk_measures_what_one_forward_per_replaced_layer_measures(tiny64):
+    from cartridge.build import prefill
+    from cartridge.calibrate import measure
+    from cartridge.models.prompt import prefix_tokens, prompt_mode
+
+    mode = prompt_mode(tiny64.tokenizer)
+    tokens = prefix_tokens(tiny64.tokenizer, DOC, mode)
+    caches = prefill(tiny64.model, tokens)
+    sens = measure.measure(tiny64.model, tiny64.tokenizer, mode, caches, tokens)
+    probe = sens.probe
+    assert sens.eval_tokens == probe.ids.shape[1] == probe.logprobs.shape[0]
+    for j in range(len(caches)):
+        k, v = probe.kv[j]
+        kv = list(probe.kv)
+        kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in ((k, "k"), (v, "v")))
+        one = measure.kl_mean(probe.logprobs, measure.run_from(tiny64.model, 0, probe.embedded, kv))
+        assert sens.measured[j] == pytest.approx(one, rel=1e-2)  # float32 sums of a batch of 3 rows vs 1
+        share = sum(sens.kl[(j, s, measure.REFERENCE_TIER)] for s in "kv")  # the layer's KL, split between K and V
+        assert share == pytest.approx(sens.measured[j], rel=1e-6, abs=1e-9)
+    assert sens.measured[0] > 0
+
+
+FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built instead)
+    "gemma3_text": "this model has RotatingKVCache caches",  # sliding-window layers
+    "gpt_oss": "this model has RotatingKVCache caches",  # sinks and sliding windows
+    "qwen3_next": "this model has ArraysCache caches",  # linear-attention state
+    "gemma": "forward of this model differs from its own",  # KVCache only, but a scaled embedding
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3", *FALLBACK])
+def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenizer, tmp_path):
+    import warnings
+
+    from cartridge.calibrate import CalibrationFallbackWarning
+    from cartridge.tiers import presets
+    from family_models import make_model
+
+    lm = make_model(family, smol_tokenizer)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = cartridge.build(DOC, tmp_path / "b.cart", model=lm, reserve=0, page_size=32, preset="balanced")
+    fallbacks = [str(w.message) for w in seen if w.category is CalibrationFallbackWarning]
+    info, _ = cartridge.open_cartridge(r.path)
+    if family not in FALLBACK:
+        assert fallbacks == [] and r.calibration["measured_layers"] == 4 and K.CALIBRATION in info.records
+        assert r.calibration["bytes_per_token"] <= r.calibration["fp16_bytes_per_token"] // 3
+        return
+    recipe = presets.resolve("balanced")
+    assert len(fallbacks) == 1 and FALLBACK[family] in fallbacks[0]
+    assert fallbacks[0].endswith("preset balanced is built with its fixed recipe (K mlx4g32+rot, V mlx4g32+rot), "
+                                 "not measured")
+    assert r.calibration is None and K.CALIBRATION not in info.records  # absent = not measured (spec 4.7)
+    kv_rows = [row for row in info.tiers if row["k"] not in (None, "fp16")]  # None: a recurrent-state layer
+    assert kv_rows and all((row["k"], row["v"]) == (recipe["k_tier"], recipe["v_tier"]) for row in kv_rows)
+
+
+def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before_the_prefill(smol_tokenizer, tmp_path):
+    from cartridge.errors import CalibrationUnsupportedError
+    from family_models import make_model
+
+    lm = make_model("qwen3_next", smol_tokenizer)
+    with pytest.raises(CalibrationUnsupportedError, match="ArraysCache caches; build with --preset, a tier or --schema"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=lm, reserve=0, budget=Budget(target_ratio=3.0),
+                        progress=lambda d, t: pytest.fail("prefilled"))
+    assert not (tmp_path / "x.cart").exists()
