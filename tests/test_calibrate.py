@@ -113,6 +113,13 @@ def test_eval_table_shows_the_build_kl_of_a_measured_row():
     cells = dict(zip(COLUMNS, row_cells(row)))
     assert (cells["build KL"], cells["compression"], cells["first token"]) == ("0.0123", "3.00x", "19/20")
     assert dict(zip(COLUMNS, row_cells({**row, "build_kl": None})))["build KL"] == "-"
+    assert (cells["needles"], cells["needles vs fp16"]) == ("-", "-")
+    needles = {"found": 2, "n": 3, "recall": 2 / 3, "by_depth": {"0.5": {"found": 2, "n": 3}}}
+    lost = {**row, "needles": needles, "vs_fp16": {**row["vs_fp16"], "needles": {"same": 2, "lost": 1, "gained": 0,
+                                                                                  "n": 3}}}
+    assert dict(zip(COLUMNS, row_cells(lost)))["needles vs fp16"] == "-1 +0"
+    same = {**lost, "vs_fp16": {**row["vs_fp16"], "needles": {"same": 3, "lost": 0, "gained": 0, "n": 3}}}
+    assert dict(zip(COLUMNS, row_cells(same)))["needles vs fp16"] == "same"
 
 
 def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
