@@ -200,3 +200,21 @@ def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before
         cartridge.build(DOC, tmp_path / "x.cart", model=lm, reserve=0, budget=Budget(target_ratio=3.0),
                         progress=lambda d, t: pytest.fail("prefilled"))
     assert not (tmp_path / "x.cart").exists()
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_the_protected_attention_error_equals_the_error_with_the_leading_tokens_put_back(side):
+    import mlx.core as mx
+
+    from cartridge.calibrate.measure import AttentionError
+
+    mx.random.seed(3)
+    q, k, v = mx.random.normal((6, 5, 16)), mx.random.normal((1, 2, 40, 16)), mx.random.normal((1, 2, 40, 16))
+    ref = k if side == "k" else v
+    x2 = ref + 0.1 * mx.random.normal(ref.shape)
+    error = AttentionError(q, k, v)
+    err, pieces = error(side, x2)
+    for first in (0, 1, 7):
+        kept = mx.concatenate([ref[:, :, :first], x2[:, :, first:]], axis=2)
+        assert error.protected(side, pieces, first).item() == pytest.approx(error(side, kept)[0].item(), rel=1e-4)
+    assert error(side, ref)[0].item() == pytest.approx(0.0, abs=1e-10) and err.item() > 1e-4

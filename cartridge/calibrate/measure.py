@@ -56,6 +56,8 @@ class Sensitivity:
         protect_first (int): N leading heavy-hitter tokens (`heavy_hitters`), 0 if none.
         kl_protected (dict): like `kl`, with the first N tokens kept in fp16 (empty when N is 0).
         lead_mass (float): the share of the attention mass on those N tokens (mean over layers).
+        stages (dict): wall seconds of "answer" (E and the model's own forward), "walk" (with the attention
+            errors) and "protected" (the attention errors with the heavy hitters kept).
     """
 
     kl: dict = field(default_factory=dict)
@@ -68,6 +70,7 @@ class Sensitivity:
     protect_first: int = 0
     kl_protected: dict = field(default_factory=dict)
     lead_mass: float = 0.0
+    stages: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -215,7 +218,9 @@ def round_trip(name, x, layer, side):
 
 class AttentionError:
     """Squared relative error ||o' - o||^2 / ||o||^2 of one layer's softmax(q K^T / sqrt(D)) V over the prefix
-    when K or V is replaced; the fp16 softmax and output are computed once per layer.
+    when K or V is replaced; the fp16 softmax and output are computed once per layer. Each error keeps the
+    pieces over the first LEAD_TOKENS tokens that give it again with any leading tokens kept in fp16
+    (`protected`), without another pass over the prefix.
 
     Args:
         q (mx.array): (n_heads, E, D) float32 queries. k, v (mx.array): (1, n_kv, T, D) reference K/V.
@@ -224,26 +229,40 @@ class AttentionError:
     def __init__(self, q, k, v):
         h, e, d = q.shape
         self.q = q.reshape(k.shape[1], h // k.shape[1] * e, d) * d ** -0.5  # (n_kv, group * E, D): GQA groups
-        self.k, self.v = k, v
-        self.p = self._softmax(k)  # (n_kv, group * E, T)
-        self.o = self.p @ v[0].astype(mx.float32)  # (n_kv, group * E, D)
+        self.v32 = v[0].astype(mx.float32)  # (n_kv, T, D)
+        self.s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
+        self.p = mx.softmax(self.s, axis=-1)
+        self.o = self.p @ self.v32  # (n_kv, group * E, D)
         self.norm = (self.o ** 2).sum()
-
-    def _softmax(self, k):
-        return mx.softmax(self.q @ k[0].astype(mx.float32).swapaxes(-1, -2), axis=-1)
+        self.lead = min(LEAD_TOKENS, k.shape[2])
 
     def mass(self):
         """(T,) float32: the mean attention probability of each prefix token over heads and query rows."""
         return self.p.mean(axis=(0, 1))
 
-    def __call__(self, side, x2, first=0):
-        """The error (a lazy scalar) with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D), its first
-        `first` tokens kept."""
-        if first:
-            ref = self.k if side == "k" else self.v
-            x2 = mx.concatenate([ref[:, :, :first], x2[:, :, first:]], axis=2)
-        o2 = (self._softmax(x2) @ self.v[0].astype(mx.float32) if side == "k"
-              else self.p @ x2[0].astype(mx.float32))
+    def __call__(self, side, x2):
+        """(error, pieces): the error (a lazy scalar) with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D),
+        and what `protected` needs (lazy arrays)."""
+        x2, n = x2[0].astype(mx.float32), self.lead
+        if side == "v":
+            o2 = self.p @ x2
+            return self._err(o2), (o2, self.v32[:, :n] - x2[:, :n])
+        s2 = self.q @ x2.swapaxes(-1, -2)  # (n_kv, group * E, T)
+        top = mx.maximum(s2.max(axis=-1, keepdims=True), self.s[..., :n].max(axis=-1, keepdims=True))
+        e2 = mx.exp(s2 - top)
+        z2, u2 = e2.sum(axis=-1, keepdims=True), e2 @ self.v32  # softmax's sum and unnormalized output
+        return self._err(u2 / z2), (u2, z2, mx.exp(self.s[..., :n] - top) - e2[..., :n])
+
+    def protected(self, side, pieces, first):
+        """The error of `__call__`'s replacement with its first `first` (<= LEAD_TOKENS) tokens kept in fp16."""
+        if side == "v":
+            o2, diff = pieces  # (n_kv, rows, D), (n_kv, lead, D): V minus its replacement
+            return self._err(o2 + self.p[..., :first] @ diff[:, :first])
+        u2, z2, de = pieces  # de: exp of the reference logits minus the replaced ones', over the lead tokens
+        de = de[..., :first]
+        return self._err((u2 + de @ self.v32[:, :first]) / (z2 + de.sum(axis=-1, keepdims=True)))
+
+    def _err(self, o2):
         return ((o2 - self.o) ** 2).sum() / self.norm
 
 
@@ -278,8 +297,9 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     x = mx.array(ids, dtype=mx.uint32)[None]
     probe = Probe(split, x, kv, model.model.embed_tokens(x))
     out = Sensitivity(eval_tokens=len(ids), forwards=ANSWER_TOKENS + 1, probe=probe)
+    t1 = time.perf_counter()
     try:
-        errors = wavefront(model, probe, candidates, out, progress)
+        errors, pieces = wavefront(model, probe, candidates, out, progress)
     except (TypeError, ValueError, AttributeError) as e:  # a family whose blocks are not called llama's way
         raise CalibrationUnsupportedError(f"calibration cannot walk this model's layers ({type(e).__name__}: "
                                           f"{e})") from None
@@ -287,19 +307,21 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     if not faithful <= FAITHFUL_KL:
         raise CalibrationUnsupportedError(f"calibration's layer-by-layer forward of this model differs from its "
                                           f"own (KL {faithful:.3g} nats, at most {FAITHFUL_KL} allowed)")
+    t2 = time.perf_counter()
     mass = mx.stack([e.mass() for e in errors]).mean(axis=0)  # (T,)
     out.protect_first, out.lead_mass = heavy_hitters(mass)
     if out.protect_first:
-        _protected_errors(probe, candidates, out, errors)
+        _protected_errors(out, errors, pieces)
     _scale(len(caches), candidates, out)
     out.seconds = time.perf_counter() - t0
+    out.stages = {"answer": round(t1 - t0, 3), "walk": round(t2 - t1, 3), "protected": round(out.seconds - t2, 3)}
     return out
 
 
 def wavefront(model, probe, candidates, out, progress=None):
     """The batched walk over the layers (module docstring): fills probe.queries, probe.logprobs,
-    out.measured and out.attn_err; returns the per-layer AttentionError."""
-    layers, errors = model.model.layers, []
+    out.measured and out.attn_err; returns (per-layer AttentionError, `_layer_errors`' pieces)."""
+    layers, errors, pieces = model.model.layers, [], {}
     h = probe.embedded  # (rows, E, hidden): row 0 the reference, row j + 1 replaces layer j
     seen = lambda q, k, v, cache, mask: probe.queries.append(q[0].astype(mx.float32))  # (n_heads, E, D)
     route.install()
@@ -316,9 +338,10 @@ def wavefront(model, probe, candidates, out, progress=None):
             cache = _cache(keys, values)
             h = block(h, create_attention_mask(h, cache), cache=cache)
             errors.append(AttentionError(probe.queries[j], k, v))
-            lazy = _layer_errors(errors[j], j, k, v, candidates, {"k": k2, "v": v2})
-            mx.eval(h, lazy)
+            lazy, layer_pieces = _layer_errors(errors[j], j, k, v, candidates, {"k": k2, "v": v2})
+            mx.eval(h, lazy, layer_pieces)
             out.attn_err.update({key: e.item() for key, e in lazy.items()})
+            pieces.update(layer_pieces)
             if progress:
                 progress(j + 1, len(layers))
     kls = []
@@ -329,26 +352,25 @@ def wavefront(model, probe, candidates, out, progress=None):
         kls.append(kl_rows(probe.logprobs, logits))
         mx.eval(kls[-1], probe.logprobs)
     out.measured = {j: max(0.0, kl) for j, kl in enumerate(mx.concatenate(kls)[1:].tolist())}
-    return errors
+    return errors, pieces
 
 
 def _layer_errors(error, layer, k, v, candidates, ref_trips):
-    """{(layer, side, tier): lazy attention error} of every candidate on both sides of one layer."""
-    lazy = {}
+    """({(layer, side, tier): lazy attention error}, {same key: `AttentionError.protected`'s pieces}) of every
+    candidate on both sides of one layer."""
+    lazy, pieces = {}, {}
     for side, x in (("k", k), ("v", v)):
         for name in candidates:
             x2 = ref_trips[side] if name == REFERENCE_TIER else round_trip(name, x, layer, side)
-            lazy[(layer, side, name)] = error(side, x2)
-    return lazy
+            lazy[(layer, side, name)], pieces[(layer, side, name)] = error(side, x2)
+    return lazy, pieces
 
 
-def _protected_errors(probe, candidates, out, errors):
-    """The attention errors with the first `out.protect_first` tokens kept in fp16, one sync per layer."""
-    for j, error in enumerate(errors):
-        lazy = {(j, s, name, "protected"): error(s, round_trip(name, x, j, s), out.protect_first)
-                for s, x in zip("kv", probe.kv[j]) for name in candidates}
-        mx.eval(lazy)
-        out.attn_err.update({key: e.item() for key, e in lazy.items()})
+def _protected_errors(out, errors, pieces):
+    """The attention errors with the first `out.protect_first` tokens kept in fp16 (one sync)."""
+    lazy = {(*key, "protected"): errors[key[0]].protected(key[1], p, out.protect_first) for key, p in pieces.items()}
+    mx.eval(lazy)
+    out.attn_err.update({key: e.item() for key, e in lazy.items()})
 
 
 def _scale(n_layers, candidates, out):
