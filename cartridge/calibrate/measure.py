@@ -30,6 +30,7 @@ from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..models.prompt import question_tokens
 from ..tiers import TIERS
+from .walk import SharedPrefixCache
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
@@ -331,12 +332,8 @@ def wavefront(model, probe, candidates, out, progress=None):
         for j, block in enumerate(layers):
             k, v = probe.kv[j]
             k2, v2 = (round_trip(REFERENCE_TIER, a, j, s) for a, s in ((k, "k"), (v, "v")))
-            h = mx.concatenate([h, h[:1]])
-            rows = h.shape[0]
-            keys = mx.concatenate([mx.broadcast_to(k, (rows - 1, *k.shape[1:])), k2])  # (rows, n_kv, split, D)
-            values = mx.concatenate([mx.broadcast_to(v, (rows - 1, *v.shape[1:])), v2])
-            cache = _cache(keys, values)
-            h = block(h, create_attention_mask(h, cache), cache=cache)
+            h = mx.concatenate([h, h[:1]])  # (j + 2, E, hidden)
+            h = block(h, "causal", cache=SharedPrefixCache(k, v, k2, v2))
             errors.append(AttentionError(probe.queries[j], k, v))
             lazy, layer_pieces = _layer_errors(errors[j], j, k, v, candidates, {"k": k2, "v": v2})
             mx.eval(h, lazy, layer_pieces)
