@@ -218,3 +218,24 @@ def test_the_protected_attention_error_equals_the_error_with_the_leading_tokens_
         kept = mx.concatenate([ref[:, :, :first], x2[:, :, first:]], axis=2)
         assert error.protected(side, pieces, first).item() == pytest.approx(error(side, kept)[0].item(), rel=1e-4)
     assert error(side, ref)[0].item() == pytest.approx(0.0, abs=1e-10) and err.item() > 1e-4
+
+
+def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
+    import mlx.core as mx
+
+    from cartridge.calibrate.walk import SharedPrefixCache
+
+    mx.random.seed(5)
+    rows, n_kv, g, s, e, d = 3, 2, 3, 37, 9, 16  # GQA 3, odd prefix and own lengths
+    k, v, k2, v2 = (mx.random.normal((1, n_kv, s, d)) for _ in range(4))
+    q, own_k, own_v = mx.random.normal((rows, n_kv * g, e, d)), *(mx.random.normal((rows, n_kv, e, d)) for _ in range(2))
+    cache = SharedPrefixCache(k, v, k2, v2)
+    keys, values = cache.update_and_fetch(own_k, own_v)
+    got = cache.attention(q, keys, values, d ** -0.5, "causal")
+    assert cache.offset == s + e and got.shape == (rows, n_kv * g, e, d)
+    for r in range(rows):
+        pk, pv = (k2, v2) if r == rows - 1 else (k, v)
+        want = mx.fast.scaled_dot_product_attention(q[r:r + 1], mx.concatenate([pk, own_k[r:r + 1]], axis=2),
+                                                    mx.concatenate([pv, own_v[r:r + 1]], axis=2),
+                                                    scale=d ** -0.5, mask="causal")
+        assert mx.allclose(got[r:r + 1], want, atol=1e-5).item()
