@@ -171,7 +171,9 @@ def calibration_run(path, lm):
     shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
     fp16 = len(caches) * 2 * 2 * k.shape[1] * k.shape[3]
     out = {"document": str(path), "tokens": len(tokens), "prefill_s": round(t1 - t0, 2),
-           "calibrate_s": round(sens.seconds, 2), "eval_tokens": sens.eval_tokens, "forwards": sens.forwards,
+           "calibrate_s": round(sens.seconds, 2), "calibrate_stages_s": sens.stages,
+           "calibrate_over_prefill": round(sens.seconds / (t1 - t0), 3), "eval_tokens": sens.eval_tokens,
+           "forwards": sens.forwards, "heavy_hitters": sens.protect_first,
            "budgets": {}}
     for name in BUDGETS:
         choice = search.choose(sens.kl, len(caches), shapes, Budget(preset=name).bytes_bound(fp16))
@@ -187,7 +189,8 @@ def calibration_run(path, lm):
         print(f"{Path(path).name:22} {name:8} {fp16 / choice.bytes_per_token:.2f}x predicted KL "
               f"{choice.predicted_kl:.4f} measured {kl:.4f} top-1 {agree:.0%} | uniform {ku}/{vu} KL {ukl:.4f} "
               f"top-1 {uagree:.0%}", flush=True)
-    print(f"{Path(path).name:22} prefill {t1 - t0:.1f} s, calibrate {sens.seconds:.1f} s", flush=True)
+    print(f"{Path(path).name:22} prefill {t1 - t0:.1f} s, calibrate {sens.seconds:.1f} s "
+          f"({sens.seconds / (t1 - t0):.2f}x; {sens.stages})", flush=True)
     return out
 
 

@@ -318,7 +318,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             measured schema; excludes `preset` and the tier options. Default: None.
         calibrate (bool): measure budget presets on the document (False: today's fixed recipes, no
             extra cost; a `budget` then is refused). Default: True.
-        calibration_progress (callable | None): progress(done, total) over the measured layer-sides.
+        calibration_progress (callable | None): progress(done, total) over the layers of the measurement.
 
     Returns:
         BuildResult
@@ -331,6 +331,9 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         WriteError: the output's file system has less free space than the cartridge needs (checked
             before prefill), or a write failed.
         ModelLoadError: the model cannot be loaded.
+        CalibrationUnsupportedError: a target ratio, bytes/token or KL `budget` for a model calibration
+            cannot measure (a budget preset is then built with its fixed recipe, with a
+            CalibrationFallbackWarning).
 
     Example:
         >>> import cartridge
@@ -347,6 +350,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     if system is not None:
         check_text(system, "the system message")
     lm = model if isinstance(model, LoadedModel) else load_model(model)
+    declined = None if budget is None else calibrate_mod.checked_model(lm.model, budget)
     schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system, page_size)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
     kept = protect.clamp(o["protect_first"], o["protect_last"], len(tokens))
@@ -356,10 +360,11 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system)
     if budget is not None:
-        schema, extras[K.CALIBRATION], first = calibrate_mod.calibrated_schema(lm, mode, caches, tokens, budget,
-                                                                                calibration_progress)
+        schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, budget, plans,
+                                                                     declined, calibration_progress)
+        extras.update({} if record is None else {K.CALIBRATION: record})
         check_layer_tiers(plans, schema)
-        kept = protect.clamp(first, 0, len(tokens))
+        kept = protect.clamp(*protected, len(tokens))
     path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force, extras, kept)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)

@@ -83,3 +83,8 @@ class ModelLoadError(CartridgeError):
 class RankMismatchError(CartridgeError):
     """Under `mlx.launch`, the ranks did not all open the same cartridge with the same model, or one of
     them failed to open its slice; every rank raises it with the same message."""
+
+
+class CalibrationUnsupportedError(InputError):
+    """Calibration cannot measure this model: a cache kind other than full attention, or a family whose
+    layer-by-layer forward does not reproduce its own (`cartridge.calibrate.measure.measurable`)."""

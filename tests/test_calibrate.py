@@ -58,7 +58,7 @@ def test_a_calibrated_build_stores_the_chosen_schema_its_bytes_and_measured_kl(t
                         calibration_progress=lambda d, t: seen.append((d, t)))
     info, _ = cartridge.open_cartridge(r.path)
     rec = r.calibration
-    assert info.format_version == "1.8" and seen[0] == (0, 4) and seen[-1] == (4, 4)
+    assert info.format_version == "1.8" and seen[0] == (0, 2) and seen[-1] == (2, 2)
     assert rec["target"] == {"preset": "balanced"} and rec["fp16_bytes_per_token"] == 2 * 2 * 256
     assert rec["bytes_per_token"] <= 1024 // 3 and rec["bytes_per_token"] == r.bytes_per_token
     assert info.tiers == r.schema and rec["measured_kl"] >= 0 and 0 <= rec["top1_agreement"] <= 1
@@ -113,6 +113,13 @@ def test_eval_table_shows_the_build_kl_of_a_measured_row():
     cells = dict(zip(COLUMNS, row_cells(row)))
     assert (cells["build KL"], cells["compression"], cells["first token"]) == ("0.0123", "3.00x", "19/20")
     assert dict(zip(COLUMNS, row_cells({**row, "build_kl": None})))["build KL"] == "-"
+    assert (cells["needles"], cells["needles vs fp16"]) == ("-", "-")
+    needles = {"found": 2, "n": 3, "recall": 2 / 3, "by_depth": {"0.5": {"found": 2, "n": 3}}}
+    lost = {**row, "needles": needles, "vs_fp16": {**row["vs_fp16"], "needles": {"same": 2, "lost": 1, "gained": 0,
+                                                                                  "n": 3}}}
+    assert dict(zip(COLUMNS, row_cells(lost)))["needles vs fp16"] == "-1 +0"
+    same = {**lost, "vs_fp16": {**row["vs_fp16"], "needles": {"same": 3, "lost": 0, "gained": 0, "n": 3}}}
+    assert dict(zip(COLUMNS, row_cells(same)))["needles vs fp16"] == "same"
 
 
 def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
@@ -125,3 +132,110 @@ def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
     n, share = heavy_hitters(mx.array(mass))
     assert (n, share) == (3, pytest.approx(0.701, abs=1e-6))
     assert heavy_hitters(mx.full((t,), 1 / t)) == (0, 0.0)
+
+
+def test_the_batched_walk_measures_what_one_forward_per_replaced_layer_measures(tiny64):
+    from cartridge.build import prefill
+    from cartridge.calibrate import measure
+    from cartridge.models.prompt import prefix_tokens, prompt_mode
+
+    mode = prompt_mode(tiny64.tokenizer)
+    tokens = prefix_tokens(tiny64.tokenizer, DOC, mode)
+    caches = prefill(tiny64.model, tokens)
+    sens = measure.measure(tiny64.model, tiny64.tokenizer, mode, caches, tokens)
+    probe = sens.probe
+    assert sens.eval_tokens == probe.ids.shape[1] == probe.logprobs.shape[0]
+    for j in range(len(caches)):
+        k, v = probe.kv[j]
+        kv = list(probe.kv)
+        kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in ((k, "k"), (v, "v")))
+        one = measure.kl_mean(probe.logprobs, measure.run_from(tiny64.model, 0, probe.embedded, kv))
+        assert sens.measured[j] == pytest.approx(one, rel=1e-2)  # float32 sums of a batch of 3 rows vs 1
+        share = sum(sens.kl[(j, s, measure.REFERENCE_TIER)] for s in "kv")  # the layer's KL, split between K and V
+        assert share == pytest.approx(sens.measured[j], rel=1e-6, abs=1e-9)
+    assert sens.measured[0] > 0
+
+
+FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built instead)
+    "gemma3_text": "this model has RotatingKVCache caches",  # sliding-window layers
+    "gpt_oss": "this model has RotatingKVCache caches",  # sinks and sliding windows
+    "qwen3_next": "this model has ArraysCache caches",  # linear-attention state
+    "gemma": "forward of this model differs from its own",  # KVCache only, but a scaled embedding
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3", *FALLBACK])
+def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenizer, tmp_path):
+    import warnings
+
+    from cartridge.calibrate import CalibrationFallbackWarning
+    from cartridge.tiers import presets
+    from family_models import make_model
+
+    lm = make_model(family, smol_tokenizer)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = cartridge.build(DOC, tmp_path / "b.cart", model=lm, reserve=0, page_size=32, preset="balanced")
+    fallbacks = [str(w.message) for w in seen if w.category is CalibrationFallbackWarning]
+    info, _ = cartridge.open_cartridge(r.path)
+    if family not in FALLBACK:
+        assert fallbacks == [] and r.calibration["measured_layers"] == 4 and K.CALIBRATION in info.records
+        assert r.calibration["bytes_per_token"] <= r.calibration["fp16_bytes_per_token"] // 3
+        return
+    recipe = presets.resolve("balanced")
+    assert len(fallbacks) == 1 and FALLBACK[family] in fallbacks[0]
+    assert fallbacks[0].endswith("preset balanced is built with its fixed recipe (K mlx4g32+rot, V mlx4g32+rot), "
+                                 "not measured")
+    assert r.calibration is None and K.CALIBRATION not in info.records  # absent = not measured (spec 4.7)
+    kv_rows = [row for row in info.tiers if row["k"] not in (None, "fp16")]  # None: a recurrent-state layer
+    assert kv_rows and all((row["k"], row["v"]) == (recipe["k_tier"], recipe["v_tier"]) for row in kv_rows)
+
+
+def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before_the_prefill(smol_tokenizer, tmp_path):
+    from cartridge.errors import CalibrationUnsupportedError
+    from family_models import make_model
+
+    lm = make_model("qwen3_next", smol_tokenizer)
+    with pytest.raises(CalibrationUnsupportedError, match="ArraysCache caches; build with --preset, a tier or --schema"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=lm, reserve=0, budget=Budget(target_ratio=3.0),
+                        progress=lambda d, t: pytest.fail("prefilled"))
+    assert not (tmp_path / "x.cart").exists()
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_the_protected_attention_error_equals_the_error_with_the_leading_tokens_put_back(side):
+    import mlx.core as mx
+
+    from cartridge.calibrate.measure import AttentionError
+
+    mx.random.seed(3)
+    q, k, v = mx.random.normal((6, 5, 16)), mx.random.normal((1, 2, 40, 16)), mx.random.normal((1, 2, 40, 16))
+    ref = k if side == "k" else v
+    x2 = ref + 0.1 * mx.random.normal(ref.shape)
+    error = AttentionError(q, k, v)
+    err, pieces = error(side, x2)
+    for first in (0, 1, 7):
+        kept = mx.concatenate([ref[:, :, :first], x2[:, :, first:]], axis=2)
+        assert error.protected(side, pieces, first).item() == pytest.approx(error(side, kept)[0].item(), rel=1e-4)
+    assert error(side, ref)[0].item() == pytest.approx(0.0, abs=1e-10) and err.item() > 1e-4
+
+
+def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
+    import mlx.core as mx
+
+    from cartridge.calibrate.walk import SharedPrefixCache
+
+    mx.random.seed(5)
+    rows, n_kv, g, s, e, d = 3, 2, 3, 37, 9, 16  # GQA 3, odd prefix and own lengths
+    k, v, k2, v2 = (mx.random.normal((1, n_kv, s, d)) for _ in range(4))
+    q, own_k, own_v = mx.random.normal((rows, n_kv * g, e, d)), *(mx.random.normal((rows, n_kv, e, d)) for _ in range(2))
+    cache = SharedPrefixCache(k, v, k2, v2)
+    keys, values = cache.update_and_fetch(own_k, own_v)
+    got = cache.attention(q, keys, values, d ** -0.5, "causal")
+    assert cache.offset == s + e and got.shape == (rows, n_kv * g, e, d)
+    for r in range(rows):
+        pk, pv = (k2, v2) if r == rows - 1 else (k, v)
+        want = mx.fast.scaled_dot_product_attention(q[r:r + 1], mx.concatenate([pk, own_k[r:r + 1]], axis=2),
+                                                    mx.concatenate([pv, own_v[r:r + 1]], axis=2),
+                                                    scale=d ** -0.5, mask="causal")
+        assert mx.allclose(got[r:r + 1], want, atol=1e-5).item()

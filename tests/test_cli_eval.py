@@ -56,6 +56,44 @@ def test_markdown_and_reuse(files, tiny_dir, first_run):
     assert report["rows"][0]["qa_cartridge"]["built"] is False  # cached by the first run
 
 
+@pytest.fixture(scope="module")
+def tiny64_dir(smol_tokenizer, tmp_path_factory):
+    """The tiny model at head_dim 64 (the rotated 4-bit tiers of preset balanced need whole groups of 32)."""
+    import mlx.core as mx
+    from conftest import TINY_CONFIG, make_tiny
+    from mlx.utils import tree_flatten
+
+    path, lm = tmp_path_factory.mktemp("tiny64-model"), make_tiny(smol_tokenizer, head_dim=64)
+    (path / "config.json").write_text(json.dumps({**TINY_CONFIG, "head_dim": 64}))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    lm.tokenizer._tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_eval_shows_bytes_build_kl_answers_and_needles_vs_fp16_per_configuration(files, tiny64_dir):
+    import re
+
+    r = _eval(files, tiny64_dir, "--tiers", "fp16,preset=balanced", "--no-fresh", "--json", files / "p.json")
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().splitlines()
+    head, ref, cal = (re.split(r"\s{2,}", line) for line in (lines[0], lines[2], lines[3]))
+    ref, cal = dict(zip(head, ref)), dict(zip(head, cal))
+    report = json.loads((files / "p.json").read_text())
+    fp16, row = report["rows"]
+    found = [a["found"] for a in row["needles"]["answers"]]
+    lost = sum(f and not g for f, g in zip((a["found"] for a in fp16["needles"]["answers"]), found))
+    gained = sum(g and not f for f, g in zip((a["found"] for a in fp16["needles"]["answers"]), found))
+    assert row["vs_fp16"]["needles"] == {"same": 1 - lost - gained, "lost": lost, "gained": gained, "n": 1}
+    assert (ref["build KL"], ref["first token"], ref["needles vs fp16"]) == ("-", "ref", "ref")
+    assert cal["tier / schema"] == "preset=balanced" and cal["bytes/token"] == f"{row['bytes_per_token']:,}"
+    assert cal["build KL"] == f"{row['build_kl']:.4f}" and row["build_kl"] >= 0
+    assert cal["first token"] == f"{row['vs_fp16']['first_token']}/2"
+    assert cal["mean BLEU"] == f"{row['vs_fp16']['bleu']:.3f}"
+    assert cal["needles"] == f"{sum(found)}/1 ({sum(found)}/1)"
+    assert cal["needles vs fp16"] == ("same" if lost + gained == 0 else f"-{lost} +{gained}")
+    assert "needles vs fp16: same = each found or missed as with the fp16 cartridge" in r.stdout.decode()
+
+
 @pytest.mark.parametrize("case, expect", [
     ("unknown tier", "--tiers entry 'int3': unknown tier 'int3'"),
     ("bad entry", "field 'bpq' must be bp followed by a whole number"),

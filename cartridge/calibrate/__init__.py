@@ -4,13 +4,14 @@ budget, and `calibrated_schema` does both and returns the header record (`cartri
 spec/FORMAT.md 4.7).
 """
 
+import warnings
 from dataclasses import dataclass
 
-from ..errors import InputError
+from ..errors import CalibrationUnsupportedError, InputError
 from ..tiers import TIERS
 from . import measure, search
 
-CALIBRATION_VERSION = 1  # bump when the measurement or search changes what a budget preset builds
+CALIBRATION_VERSION = 2  # bump when the measurement or search changes what a budget preset builds
 BUDGETS = {"safe": 2.0, "balanced": 3.0, "compact": 4.5}  # preset -> at most 1/ratio of fp16's bytes/token
 
 
@@ -94,24 +95,84 @@ def parse_ratio(text):
         raise InputError(f"target ratio {text!r} is not a number like 3x") from None
 
 
+class CalibrationFallbackWarning(UserWarning):
+    """A budget preset was built with its fixed recipe because calibration cannot measure the model."""
+
+
+def checked_model(model, budget):
+    """Before the prefill: None if calibration can walk `model`, else the reason (str) for a budget preset's
+    fixed recipe.
+
+    Raises:
+        CalibrationUnsupportedError: a model calibration cannot walk, for a budget that is not a preset (a
+            target ratio, bytes/token or KL bound has no fixed recipe).
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        measure.measurable(model, make_prompt_cache(model))
+    except CalibrationUnsupportedError as e:
+        if budget.preset is None:
+            raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
+        return str(e)
+    return None
+
+
+def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, progress=None):
+    """The measured schema within `budget`, or for a budget preset calibration cannot measure its fixed
+    recipe (`cartridge.tiers.presets`; a CalibrationFallbackWarning says so).
+
+    Args:
+        lm, mode, caches, tokens, budget, progress: as `calibrated_schema` takes them.
+        plans (list[LayerPlan]): the layers' kinds and shapes. reason (str | None): `checked_model`'s.
+
+    Returns:
+        tuple: (schema list[dict], (first, last) protected tokens before clamping, record dict | None:
+        the `cartridge.calibration` header value, None when nothing was measured).
+
+    Raises:
+        CalibrationUnsupportedError: as `checked_model`, found after the prefill (the family's own forward
+            differs from calibration's walk). InputError: a budget below every candidate schema.
+    """
+    if reason is None:
+        try:
+            schema, record, first = calibrated_schema(lm, mode, caches, tokens, budget, progress)
+            return schema, (first, 0), record
+        except CalibrationUnsupportedError as e:
+            if budget.preset is None:
+                raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
+            reason = str(e)
+    from ..tiers import presets, schema_for
+
+    recipe = presets.resolve(budget.preset)
+    warnings.warn(CalibrationFallbackWarning(f"{reason}: preset {budget.preset} is built with its fixed recipe "
+                                             f"(K {recipe['k_tier']}, V {recipe['v_tier']}), not measured"),
+                  stacklevel=2)
+    schema = schema_for(len(plans), "fp16", recipe["k_tier"], recipe["v_tier"])
+    return schema, (recipe["protect_first"], recipe["protect_last"]), None
+
+
 def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
     """Measure this document's sensitivity and choose the schema (and protected first tokens) within `budget`.
 
     Args:
         lm (LoadedModel). mode (str): prompt mode. caches (list[KVCache]): the filled prefill caches.
         tokens (list[int]): the prefix tokens. budget (Budget): checked. progress (callable | None):
-            progress(done, total) over the measured layer-sides.
+            progress(done, total) over the layers of the measurement.
 
     Returns:
         tuple: (schema list[dict], record dict: the `cartridge.calibration` header value, N int: leading
         tokens to protect in fp16, 0 when protecting the heavy hitters did not win).
 
     Raises:
-        InputError: a model calibration cannot measure, or a budget below every candidate schema.
+        CalibrationUnsupportedError: a model calibration cannot measure. InputError: a budget below every
+            candidate schema.
     """
-    sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, progress=progress)
+    measure.measurable(lm.model, caches)
     k, v = caches[0].keys, caches[0].values
     shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
+    candidates = fitting(shapes)
+    sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, candidates, progress)
     fp16_bpt = len(caches) * sum(TIERS["fp16"].bytes_per_token(*shapes[s]) for s in ("k", "v"))
     first, choice = _best(sens, len(caches), shapes, budget.bytes_bound(fp16_bpt), budget.max_kl, len(tokens))
     kl, agree = measure.verify(lm.model, sens.probe, choice.schema, first)
@@ -119,10 +180,32 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
               "predicted_kl": round(choice.predicted_kl, 6), "measured_kl": round(kl, 6),
               "top1_agreement": round(agree, 4), "protect_first": first,
               "heavy_hitters": {"first": sens.protect_first, "attention_share": round(sens.lead_mass, 4)},
-              "eval_tokens": sens.eval_tokens, "probe": measure.PROBE,
-              "candidates": ["fp16", *measure.CANDIDATES], "reference_tier": measure.REFERENCE_TIER,
+              "eval_tokens": sens.eval_tokens, "probe": measure.PROBE, "measured_layers": len(caches),
+              "calibration_version": CALIBRATION_VERSION,
+              "candidates": ["fp16", *candidates], "reference_tier": measure.REFERENCE_TIER,
               "forwards": sens.forwards + 1, "seconds": round(sens.seconds, 2)}
     return choice.schema, record, first
+
+
+def fitting(shapes):
+    """The candidate tiers that can store both sides' (n_kv_heads, head_dim) `shapes`.
+
+    Raises:
+        CalibrationUnsupportedError: the reference tier cannot (the measurement runs it).
+    """
+    def fits(name):
+        try:
+            for shape in shapes.values():
+                TIERS[name].check(*shape)
+        except InputError:
+            return False
+        return True
+
+    candidates = tuple(t for t in measure.CANDIDATES if fits(t))
+    if measure.REFERENCE_TIER not in candidates:
+        raise CalibrationUnsupportedError(f"calibration's reference tier {measure.REFERENCE_TIER} cannot store "
+                                          f"K/V of {shapes['k']} / {shapes['v']} (kv heads, head_dim)")
+    return candidates
 
 
 def _best(sens, n_layers, shapes, max_bytes, max_kl, n_tokens):

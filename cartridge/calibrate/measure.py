@@ -1,17 +1,21 @@
 """Sensitivity of each (layer, side) to each candidate tier, measured on the document at build.
 
 After the fp16 prefill every layer's K/V is at hand. The last `slice_tokens` tokens of the document, then a
-generic probe question and the model's own fp16 answer to it, form the *evaluation sequence* E; it is
-teacher-forced over the cache of the earlier prefix, once with the fp16 K/V (the reference logits) and
-once per (layer, side) with that one layer-side replaced by the reference tier's encode + decode, run
-from that layer on (the layers below see the same inputs). The mean next-token KL(fp16 || replaced) over
-E's positions is that layer-side's measured damage.
+generic probe question and the model's own fp16 greedy answer to it, form the *evaluation sequence* E; it is
+teacher-forced over the cache of the earlier prefix (K/V rounded to fp16, as an fp16 cartridge stores them).
+
+One batched pass walks the layers (`wavefront`): row 0 is the reference (fp16 K/V everywhere); at layer j
+a new row starts from row 0's input with layer j's K *and* V replaced by the reference tier's encode +
+decode, and runs to the end (the layers below see the same inputs, so they are not run again). The rows
+grow from 1 to n_layers + 1; the mean next-token KL(reference || row) over E's positions is the measured
+damage of replacing layer j. The model's own forward of E (the greedy answer's) checks the walk.
 
 Running every candidate tier through the model would cost layers x sides x tiers forwards of E; instead
-the other tiers' damage is scaled from the measured one by their attention-output error on E's queries
-over the prefix (no forward): KL is quadratic in a small logit change, and the logit change roughly
-linear in the attention-output change, so KL(t) ~ KL(ref) * err(t)^2 / err(ref)^2 per layer-side.
-`cartridge.calibrate.verify` measures the chosen schema with all replacements together.
+each layer's measured KL is shared between its candidates and sides by their attention-output error on
+E's queries over the prefix (no forward): KL is quadratic in a small change of the layer's attention
+output, and K and V of one layer move the same output, so KL(side, t) ~ KL(layer) * err(side, t) /
+(err(k, ref) + err(v, ref)). `cartridge.calibrate.verify` measures the chosen schema with all
+replacements together.
 """
 
 import time
@@ -23,9 +27,10 @@ from mlx_lm.models.cache import KVCache
 
 from ..attention import route
 from ..attention.pages import encode_pages
-from ..errors import InputError
+from ..errors import CalibrationUnsupportedError
 from ..models.prompt import question_tokens
 from ..tiers import TIERS
+from .walk import SharedPrefixCache
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
@@ -35,6 +40,8 @@ ANSWER_TOKENS = 8  # fp16 greedy answer tokens to the probe, teacher-forced too
 LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
 HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
+FAITHFUL_KL = 1e-3  # nats: the walk's reference logits vs the model's own forward; more = a family it cannot walk
+LOGIT_ROWS = 4  # rows of E per LM-head chunk: (4, E, vocab) float32 logits at a time
 
 
 @dataclass
@@ -43,13 +50,15 @@ class Sensitivity:
 
     Attributes:
         kl (dict): (layer, side, tier) -> predicted mean next-token KL in nats vs fp16 (fp16 itself: 0).
-        measured (dict): (layer, side) -> KL measured by a forward with the reference tier.
+        measured (dict): layer -> KL measured with its K and V both replaced by the reference tier.
         attn_err (dict): (layer, side, tier) -> squared relative attention-output error on E's queries.
-        eval_tokens (int): positions of E. forwards (int): model passes run. seconds (float): wall time.
-        probe (Probe): the reference pass, for `verify`.
+        eval_tokens (int): positions of E. forwards (int): model passes run (the batched walk counts one).
+        seconds (float): wall time. probe (Probe): the reference pass, for `verify`.
         protect_first (int): N leading heavy-hitter tokens (`heavy_hitters`), 0 if none.
         kl_protected (dict): like `kl`, with the first N tokens kept in fp16 (empty when N is 0).
         lead_mass (float): the share of the attention mass on those N tokens (mean over layers).
+        stages (dict): wall seconds of "answer" (E and the model's own forward), "walk" (with the attention
+            errors) and "protected" (the attention errors with the heavy hitters kept).
     """
 
     kl: dict = field(default_factory=dict)
@@ -62,6 +71,7 @@ class Sensitivity:
     protect_first: int = 0
     kl_protected: dict = field(default_factory=dict)
     lead_mass: float = 0.0
+    stages: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -70,54 +80,56 @@ class Probe:
 
     Attributes:
         split (int): prefix tokens attended over. ids (mx.array): (1, E) uint32 evaluation tokens.
-        kv (list): per layer (K, V), each (1, n_kv_heads, split, head_dim) in the model's dtype.
-        hidden (list): per layer, the (1, E, hidden) input of that layer in the reference pass.
-        queries (list): per layer, (n_heads, E, head_dim) float32 post-RoPE queries of the reference pass.
-        logprobs (mx.array): (E, vocab) float32 reference log-probabilities.
+        kv (list): per layer (K, V), each (1, n_kv_heads, split, head_dim) in the model's dtype, fp16-rounded.
+        embedded (mx.array): (1, E, hidden) input of layer 0.
+        queries (list): per layer, (n_heads, E, head_dim) float32 post-RoPE queries of the reference row.
+        logprobs (mx.array): (E, vocab) float32 reference log-probabilities (the walk's row 0).
     """
 
     split: int
     ids: object
     kv: list
-    hidden: list
-    queries: list
-    logprobs: object
+    embedded: object
+    queries: list = field(default_factory=list)
+    logprobs: object = None
 
 
 def body_of(model):
-    """The transformer body (`.layers`, `.norm`, `.embed_tokens`) of a llama-style mlx-lm model, or raise."""
+    """The transformer body (`.layers`, `.norm`, `.embed_tokens`) of a llama-style mlx-lm model, or raise
+    CalibrationUnsupportedError."""
     body = getattr(model, "model", None)
     if not all(hasattr(body, a) for a in ("layers", "norm", "embed_tokens")):
-        raise InputError("calibration needs an mlx-lm model with .model.layers/.norm/.embed_tokens "
-                         "(llama-style); build with a tier or --no-calibrate")
+        raise CalibrationUnsupportedError("calibration walks .model.layers/.norm/.embed_tokens, which this "
+                                          "model does not have")
     return body
 
 
 def check_plain(caches):
-    """Refuse caches other than plain full-attention KVCache (calibration replaces whole layer-sides)."""
+    """Raise CalibrationUnsupportedError for caches other than plain full-attention KVCache (calibration
+    replaces whole layer-sides of a prefix every token attends to)."""
     kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
     if kinds:
-        raise InputError(f"calibration supports full-attention layers only; this model has {', '.join(kinds)} "
-                         f"caches; build with a tier or --no-calibrate")
+        raise CalibrationUnsupportedError(f"calibration measures full-attention layers only; this model has "
+                                          f"{', '.join(kinds)} caches")
 
 
 def logits_of(model, h):
-    """LM-head logits of the final hidden state h (1, E, hidden) -> (E, vocab) float32."""
+    """LM-head logits of final hidden states h (B, E, hidden) -> (B, E, vocab) float32."""
     body = model.model
     out = body.norm(h)
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False) or not hasattr(model, "lm_head")
     out = body.embed_tokens.as_linear(out) if tied else model.lm_head(out)
-    return out[0].astype(mx.float32)
+    return out.astype(mx.float32)
 
 
 def run_from(model, layer, h, kv):
-    """Layers `layer`.. on input h over caches holding `kv` (list of (K, V) from `layer` on): (E, vocab) logits."""
-    body = model.model
+    """Layers `layer`.. on input h (1, E, hidden) over caches holding `kv` (list of (K, V) from `layer` on):
+    (E, vocab) float32 logits."""
     caches = [_cache(k, v) for k, v in kv]
     mask = create_attention_mask(h, caches[0])
-    for block, cache in zip(body.layers[layer:], caches):
+    for block, cache in zip(model.model.layers[layer:], caches):
         h = block(h, mask, cache=cache)
-    return logits_of(model, h)
+    return logits_of(model, h)[0]
 
 
 def _cache(k, v):
@@ -126,46 +138,45 @@ def _cache(k, v):
     return cache
 
 
+def log_softmax(logits):
+    """(..., vocab) float32 logits -> log-probabilities."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def kl_rows(ref_logprobs, logits):
+    """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
+    float32 -> (B,) float32 (lazy)."""
+    return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
+
+
 def kl_mean(ref_logprobs, logits):
     """Mean over positions of KL(ref || q) in nats; ref_logprobs and logits (E, vocab) float32."""
-    q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return (mx.exp(ref_logprobs) * (ref_logprobs - q)).sum(axis=-1).mean().item()
+    return kl_rows(ref_logprobs, logits[None]).item()
 
 
-def eval_sequence(model, tokenizer, mode, caches, tokens, slice_tokens=SLICE_TOKENS, answer_tokens=ANSWER_TOKENS):
-    """E = the document's last `slice_tokens` + the probe question + the model's fp16 greedy answer.
+def eval_sequence(model, tokenizer, mode, kv, tokens, split, answer_tokens=ANSWER_TOKENS):
+    """E = tokens[split:] + the probe question + the model's fp16 greedy answer, over the prefix `kv`.
+
+    Args:
+        kv (list): per layer (K, V) of tokens[:split], (1, n_kv_heads, split, head_dim).
 
     Returns:
-        tuple: (split int, ids list[int]).
+        tuple: (ids list[int], logprobs (E, vocab) float32 of the model's own forward at E's positions).
     """
-    split = max(1, len(tokens) - min(slice_tokens, len(tokens) // 2))
-    question = question_tokens(tokenizer, PROBE, mode)
-    answer, cache = [], [_cache(c.keys[..., :len(tokens), :], c.values[..., :len(tokens), :]) for c in caches]
-    step = question
+    step = tokens[split:] + question_tokens(tokenizer, PROBE, mode)
+    answer, rows, cache = [], [], [_cache(k, v) for k, v in kv]
     for _ in range(answer_tokens):
-        nxt = int(mx.argmax(model(mx.array(step, dtype=mx.uint32)[None], cache=cache)[0, -1]).item())
-        answer.append(nxt)
-        step = [nxt]
-    return split, tokens[split:] + question + answer[:-1]
+        logits = model(mx.array(step, dtype=mx.uint32)[None], cache=cache)[0].astype(mx.float32)  # (L, vocab)
+        rows.append(logits)
+        answer.append(int(mx.argmax(logits[-1]).item()))
+        step = answer[-1:]
+    ids = tokens[split:] + question_tokens(tokenizer, PROBE, mode) + answer[:-1]
+    return ids, log_softmax(mx.concatenate(rows)[:len(ids)])
 
 
-def reference(model, caches, split, ids):
-    """The reference pass over E: per-layer inputs, queries and the fp16 log-probabilities (a `Probe`)."""
-    body = body_of(model)
-    kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
-    x = mx.array(ids, dtype=mx.uint32)[None]
-    h, hidden, queries = body.embed_tokens(x), [], []
-    seen = lambda q, k, v, cache, mask: queries.append(q[0].astype(mx.float32))  # (n_heads, E, D)
-    route.install()
-    fresh = [_cache(k, v) for k, v in kv]
-    mask = create_attention_mask(h, fresh[0])
-    with route.watching(seen):
-        for block, cache in zip(body.layers, fresh):
-            hidden.append(h)
-            h = block(h, mask, cache=cache)
-    logits = logits_of(model, h)
-    mx.eval(hidden, queries, logits)
-    return Probe(split, x, kv, hidden, queries, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+def split_of(tokens, slice_tokens=SLICE_TOKENS):
+    """Prefix tokens E attends over: all but the last `slice_tokens` (at most half the document)."""
+    return max(1, len(tokens) - min(slice_tokens, len(tokens) // 2))
 
 
 def fp16_rounded(x):
@@ -177,7 +188,7 @@ def verify(model, probe, schema, first=0):
     """KL and top-1 agreement vs fp16 on E with every (layer, side) replaced by its schema tier together.
 
     Args:
-        probe (Probe): from `reference`. schema (list[dict]): {"layer", "k", "v"} rows.
+        probe (Probe): from `measure`. schema (list[dict]): {"layer", "k", "v"} rows.
         first (int): leading prefix tokens kept in fp16 (protected). Default: 0.
 
     Returns:
@@ -185,7 +196,7 @@ def verify(model, probe, schema, first=0):
     """
     kv = [tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
                 for s, x in zip("kv", pair)) for row, pair in zip(schema, probe.kv)]
-    logits = run_from(model, 0, probe.hidden[0], kv)
+    logits = run_from(model, 0, probe.embedded, kv)
     agree = (mx.argmax(logits, axis=-1) == mx.argmax(probe.logprobs, axis=-1)).astype(mx.float32).mean().item()
     return max(0.0, kl_mean(probe.logprobs, logits)), agree
 
@@ -208,7 +219,9 @@ def round_trip(name, x, layer, side):
 
 class AttentionError:
     """Squared relative error ||o' - o||^2 / ||o||^2 of one layer's softmax(q K^T / sqrt(D)) V over the prefix
-    when K or V is replaced; the fp16 softmax and output are computed once per layer.
+    when K or V is replaced; the fp16 softmax and output are computed once per layer. Each error keeps the
+    pieces over the first LEAD_TOKENS tokens that give it again with any leading tokens kept in fp16
+    (`protected`), without another pass over the prefix.
 
     Args:
         q (mx.array): (n_heads, E, D) float32 queries. k, v (mx.array): (1, n_kv, T, D) reference K/V.
@@ -217,26 +230,47 @@ class AttentionError:
     def __init__(self, q, k, v):
         h, e, d = q.shape
         self.q = q.reshape(k.shape[1], h // k.shape[1] * e, d) * d ** -0.5  # (n_kv, group * E, D): GQA groups
-        self.k, self.v = k, v
-        self.p = self._softmax(k)  # (n_kv, group * E, T)
-        self.o = self.p @ v[0].astype(mx.float32)  # (n_kv, group * E, D)
+        self.v32 = v[0].astype(mx.float32)  # (n_kv, T, D)
+        self.s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
+        self.p = mx.softmax(self.s, axis=-1)
+        self.o = self.p @ self.v32  # (n_kv, group * E, D)
         self.norm = (self.o ** 2).sum()
-
-    def _softmax(self, k):
-        return mx.softmax(self.q @ k[0].astype(mx.float32).swapaxes(-1, -2), axis=-1)
+        self.lead = min(LEAD_TOKENS, k.shape[2])
 
     def mass(self):
         """(T,) float32: the mean attention probability of each prefix token over heads and query rows."""
         return self.p.mean(axis=(0, 1))
 
-    def __call__(self, side, x2, first=0):
-        """The error with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D), its first `first` tokens kept."""
-        if first:
-            ref = self.k if side == "k" else self.v
-            x2 = mx.concatenate([ref[:, :, :first], x2[:, :, first:]], axis=2)
-        o2 = (self._softmax(x2) @ self.v[0].astype(mx.float32) if side == "k"
-              else self.p @ x2[0].astype(mx.float32))
-        return (((o2 - self.o) ** 2).sum() / self.norm).item()
+    def __call__(self, side, x2):
+        """(error, pieces): the error (a lazy scalar) with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D),
+        and what `protected` needs (lazy arrays)."""
+        x2, n = x2[0].astype(mx.float32), self.lead
+        if side == "v":
+            o2 = self.p @ x2
+            return self._err(o2), (o2, self.v32[:, :n] - x2[:, :n])
+        s2 = self.q @ x2.swapaxes(-1, -2)  # (n_kv, group * E, T)
+        top = mx.maximum(s2.max(axis=-1, keepdims=True), self.s[..., :n].max(axis=-1, keepdims=True))
+        e2 = mx.exp(s2 - top)
+        z2, u2 = e2.sum(axis=-1, keepdims=True), e2 @ self.v32  # softmax's sum and unnormalized output
+        return self._err(u2 / z2), (u2, z2, mx.exp(self.s[..., :n] - top) - e2[..., :n])
+
+    def protected(self, side, pieces, first):
+        """The error of `__call__`'s replacement with its first `first` (<= LEAD_TOKENS) tokens kept in fp16."""
+        if side == "v":
+            o2, diff = pieces  # (n_kv, rows, D), (n_kv, lead, D): V minus its replacement
+            return self._err(o2 + self.p[..., :first] @ diff[:, :first])
+        u2, z2, de = pieces  # de: exp of the reference logits minus the replaced ones', over the lead tokens
+        de = de[..., :first]
+        return self._err((u2 + de @ self.v32[:, :first]) / (z2 + de.sum(axis=-1, keepdims=True)))
+
+    def _err(self, o2):
+        return ((o2 - self.o) ** 2).sum() / self.norm
+
+
+def measurable(model, caches):
+    """Raise CalibrationUnsupportedError unless calibration can walk this model's layers and caches."""
+    body_of(model)
+    check_plain(caches)
 
 
 def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progress=None):
@@ -247,33 +281,109 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         caches (list[KVCache]): the filled caches of the prefill of `tokens` (not modified).
         tokens (list[int]): the prefix tokens.
         candidates (tuple[str]): tiers to rate; must include REFERENCE_TIER. Default: CANDIDATES.
-        progress (callable | None): progress(done, total) over the (layer, side) forwards, from 0.
+        progress (callable | None): progress(done, total) over the layers of the walk, from 0.
 
     Returns:
         Sensitivity
 
     Raises:
-        InputError: a model or cache kind calibration cannot replace layer-sides of.
+        CalibrationUnsupportedError: a model or cache kind calibration cannot walk, or a family whose
+            layer-by-layer forward differs from its own by more than FAITHFUL_KL.
     """
     t0 = time.perf_counter()
-    body_of(model)
-    check_plain(caches)
-    split, ids = eval_sequence(model, tokenizer, mode, caches, tokens)
-    probe = reference(model, caches, split, ids)
-    out = Sensitivity(eval_tokens=len(ids), forwards=1 + ANSWER_TOKENS, probe=probe)
-    total = 2 * len(caches)
-    if progress:
-        progress(0, total)
-    errors = [AttentionError(probe.queries[i], *probe.kv[i]) for i in range(len(caches))]
+    measurable(model, caches)
+    split = split_of(tokens)
+    kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
+    ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split)
+    x = mx.array(ids, dtype=mx.uint32)[None]
+    probe = Probe(split, x, kv, model.model.embed_tokens(x))
+    out = Sensitivity(eval_tokens=len(ids), forwards=ANSWER_TOKENS + 1, probe=probe)
+    t1 = time.perf_counter()
+    try:
+        errors, pieces = wavefront(model, probe, candidates, out, progress)
+    except (TypeError, ValueError, AttributeError) as e:  # a family whose blocks are not called llama's way
+        raise CalibrationUnsupportedError(f"calibration cannot walk this model's layers ({type(e).__name__}: "
+                                          f"{e})") from None
+    faithful = kl_mean(own, probe.logprobs)
+    if not faithful <= FAITHFUL_KL:
+        raise CalibrationUnsupportedError(f"calibration's layer-by-layer forward of this model differs from its "
+                                          f"own (KL {faithful:.3g} nats, at most {FAITHFUL_KL} allowed)")
+    t2 = time.perf_counter()
     mass = mx.stack([e.mass() for e in errors]).mean(axis=0)  # (T,)
     out.protect_first, out.lead_mass = heavy_hitters(mass)
-    for layer in range(len(caches)):
-        for i, side in enumerate(("k", "v")):
-            _rate(model, probe, layer, side, candidates, out, errors[layer])
-            if progress:
-                progress(2 * layer + i + 1, total)
-    out.seconds = time.perf_counter() - t0
+    if out.protect_first:
+        _protected_errors(out, errors, pieces)
+    _scale(len(caches), candidates, out)
+    t3 = time.perf_counter()
+    out.seconds = t3 - t0
+    out.stages = {"answer": round(t1 - t0, 3), "walk": round(t2 - t1, 3), "protected": round(t3 - t2, 3)}
     return out
+
+
+def wavefront(model, probe, candidates, out, progress=None):
+    """The batched walk over the layers (module docstring): fills probe.queries, probe.logprobs,
+    out.measured and out.attn_err; returns (per-layer AttentionError, `_layer_errors`' pieces)."""
+    layers, errors, pieces = model.model.layers, [], {}
+    h = probe.embedded  # (rows, E, hidden): row 0 the reference, row j + 1 replaces layer j
+    seen = lambda q, k, v, cache, mask: probe.queries.append(q[0].astype(mx.float32))  # (n_heads, E, D)
+    route.install()
+    if progress:
+        progress(0, len(layers))
+    with route.watching(seen):
+        for j, block in enumerate(layers):
+            k, v = probe.kv[j]
+            k2, v2 = (round_trip(REFERENCE_TIER, a, j, s) for a, s in ((k, "k"), (v, "v")))
+            h = mx.concatenate([h, h[:1]])  # (j + 2, E, hidden)
+            h = block(h, "causal", cache=SharedPrefixCache(k, v, k2, v2))
+            errors.append(AttentionError(probe.queries[j], k, v))
+            lazy, layer_pieces = _layer_errors(errors[j], j, k, v, candidates, {"k": k2, "v": v2})
+            mx.eval(h, lazy, layer_pieces)
+            out.attn_err.update({key: e.item() for key, e in lazy.items()})
+            pieces.update(layer_pieces)
+            if progress:
+                progress(j + 1, len(layers))
+    kls = []
+    for r in range(0, h.shape[0], LOGIT_ROWS):
+        logits = logits_of(model, h[r:r + LOGIT_ROWS])  # (<= LOGIT_ROWS, E, vocab)
+        if r == 0:
+            probe.logprobs = log_softmax(logits[0])
+        kls.append(kl_rows(probe.logprobs, logits))
+        mx.eval(kls[-1], probe.logprobs)
+    out.measured = {j: max(0.0, kl) for j, kl in enumerate(mx.concatenate(kls)[1:].tolist())}
+    return errors, pieces
+
+
+def _layer_errors(error, layer, k, v, candidates, ref_trips):
+    """({(layer, side, tier): lazy attention error}, {same key: `AttentionError.protected`'s pieces}) of every
+    candidate on both sides of one layer."""
+    lazy, pieces = {}, {}
+    for side, x in (("k", k), ("v", v)):
+        for name in candidates:
+            x2 = ref_trips[side] if name == REFERENCE_TIER else round_trip(name, x, layer, side)
+            lazy[(layer, side, name)], pieces[(layer, side, name)] = error(side, x2)
+    return lazy, pieces
+
+
+def _protected_errors(out, errors, pieces):
+    """The attention errors with the first `out.protect_first` tokens kept in fp16 (one sync)."""
+    lazy = {(*key, "protected"): errors[key[0]].protected(key[1], p, out.protect_first) for key, p in pieces.items()}
+    mx.eval(lazy)
+    out.attn_err.update({key: e.item() for key, e in lazy.items()})
+
+
+def _scale(n_layers, candidates, out):
+    """Share each layer's measured KL between its sides and candidates by attention error (module docstring)."""
+    for layer in range(n_layers):
+        ref = sum(out.attn_err[(layer, s, REFERENCE_TIER)] for s in "kv")
+        scale = out.measured[layer] / ref if ref > 0 else 0.0
+        for side in "kv":
+            for name in candidates:
+                out.kl[(layer, side, name)] = scale * out.attn_err[(layer, side, name)]
+                if out.protect_first:
+                    out.kl_protected[(layer, side, name)] = scale * out.attn_err[(layer, side, name, "protected")]
+            out.kl[(layer, side, "fp16")] = 0.0
+            if out.protect_first:
+                out.kl_protected[(layer, side, "fp16")] = 0.0
 
 
 def heavy_hitters(mass, lead=LEAD_TOKENS, factor=HEAVY_FACTOR):
@@ -281,30 +391,7 @@ def heavy_hitters(mass, lead=LEAD_TOKENS, factor=HEAVY_FACTOR):
     `factor` x uniform (attention sinks, Xiao et al. 2024; H2O's heavy hitters, Zhang et al. 2023), 0 if
     none; share = the mass on tokens 0..N-1. mass (mx.array): (T,) summing to 1."""
     t = mass.shape[0]
-    heavy = [j for j in range(min(lead, t - 1)) if mass[j].item() >= factor / t]
+    lead_mass = mass[:min(lead, t - 1)].tolist()
+    heavy = [j for j, m in enumerate(lead_mass) if m >= factor / t]
     n = heavy[-1] + 1 if heavy else 0
     return n, float(mass[:n].sum().item()) if n else 0.0
-
-
-def _rate(model, probe, layer, side, candidates, out, error):
-    """Measure (layer, side) at REFERENCE_TIER by a forward; scale the other candidates by attention error."""
-    k, v = probe.kv[layer]
-    for name in candidates:
-        x2 = round_trip(name, k if side == "k" else v, layer, side)
-        out.attn_err[(layer, side, name)] = error(side, x2)
-        if out.protect_first:
-            out.attn_err[(layer, side, name, "protected")] = error(side, x2, out.protect_first)
-        if name == REFERENCE_TIER:
-            kv = [(x2, v) if side == "k" else (k, x2)] + probe.kv[layer + 1:]
-            logits = run_from(model, layer, probe.hidden[layer], kv)
-            out.measured[(layer, side)] = max(0.0, kl_mean(probe.logprobs, logits))
-            out.forwards += 1
-    ref = out.attn_err[(layer, side, REFERENCE_TIER)]
-    for name in candidates:
-        scale = out.measured[(layer, side)] / ref if ref > 0 else 0.0
-        out.kl[(layer, side, name)] = scale * out.attn_err[(layer, side, name)]
-        if out.protect_first:
-            out.kl_protected[(layer, side, name)] = scale * out.attn_err[(layer, side, name, "protected")]
-    out.kl[(layer, side, "fp16")] = 0.0
-    if out.protect_first:
-        out.kl_protected[(layer, side, "fp16")] = 0.0

@@ -1,7 +1,7 @@
 """What `cartridge eval` prints and draws: one table (text or markdown) and a fidelity/bytes plot."""
 
 COLUMNS = ("tier / schema", "bytes/token", "compression", "build KL", "first token", "exact answer", "mean BLEU",
-           "tokens to divergence", "held-out ppl", "ppl vs fp16", "needles")
+           "tokens to divergence", "held-out ppl", "ppl vs fp16", "needles", "needles vs fp16")
 
 
 def _vs(row, key, fmt):
@@ -36,7 +36,18 @@ def row_cells(row):
         f"{row['perplexity']:.3f}",
         "ref" if "perplexity_change" not in row else f"{100 * row['perplexity_change']:+.3f}%",
         _needles(row),
+        _needles_vs(row),
     ]
+
+
+def _needles_vs(row):
+    """"ref", "same" (every needle found or missed as by fp16), "-L +G" (lost, gained), or "-" (no needles)."""
+    if row.get("vs_fp16") is None:
+        return "ref" if row.get("needles") else "-"
+    cmp = row["vs_fp16"].get("needles")
+    if cmp is None:
+        return "-"
+    return "same" if cmp["same"] == cmp["n"] else f"-{cmp['lost']} +{cmp['gained']}"
 
 
 def _caption(report):
@@ -52,7 +63,8 @@ def _caption(report):
         "(its whole length when identical)",
         f"held-out ppl: {d['heldout_tokens_scored']} tokens of the {s['heldout_source']}, teacher-forced after a "
         f"{d['probe_tokens']:,}-token probe document",
-        f"needles: {d['needles']} planted facts, exact-match recall, by depth {depths or '-'}",
+        f"needles: {d['needles']} planted facts, exact-match recall, by depth {depths or '-'}; needles vs fp16: "
+        "same = each found or missed as with the fp16 cartridge, else -lost +gained",
     ]
 
 

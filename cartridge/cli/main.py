@@ -95,7 +95,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
                    page_size=page_size, prefill_step=prefill_step, force=force,
                    source_name="stdin" if corpus == "-" else corpus, reserve=reserve, system=system)
     with progress_bar("tok", "prefill") as progress, \
-            progress_bar("layer-side", "calibrate") as calibration_progress, warnings_as_lines():
+            progress_bar("layer", "calibrate") as calibration_progress, warnings_as_lines():
         if group is None:
             r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
                                 protect_last=protect_last, preset=preset, budget=budget,

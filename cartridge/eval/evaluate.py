@@ -30,7 +30,7 @@ from ..load import load
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import SEPARATOR, full_prompt_tokens, prefix_tokens
 from .dataset import plant_needles, split_heldout
-from .metrics import BLEU_NAME, compare_answers, needle_found, perplexity, recall_by_depth
+from .metrics import BLEU_NAME, compare_answers, compare_needles, needle_found, perplexity, recall_by_depth
 from .spec import REFERENCE, build_or_reuse, cache_key, cartridge_path, check_supported, default_work_dir
 
 FRESH = "fresh prefill"
@@ -211,6 +211,8 @@ def _compare(rows, reference):
             row["vs_fp16"] = None
             continue
         row["vs_fp16"] = compare_answers(row["answers"], ref["answers"])
+        if ref.get("needles") and row.get("needles"):
+            row["vs_fp16"]["needles"] = compare_needles(row["needles"], ref["needles"])
         row["perplexity_change"] = row["perplexity"] / ref["perplexity"] - 1
 
 

@@ -148,3 +148,18 @@ def recall_by_depth(found, depths):
     total = sum(found)
     return {"found": total, "n": len(found), "recall": total / len(found) if found else float("nan"),
             "by_depth": by}
+
+
+def compare_needles(result, reference):
+    """Needle by needle, this row's recall against the reference's (the fp16 cartridge's).
+
+    Args:
+        result, reference (dict): `needle_result`s of the same needles, "answers" in the same order.
+
+    Returns:
+        dict: {"same": needles found or missed by both, "lost": found by the reference only, "gained": found
+        by this row only, "n": needles}.
+    """
+    pairs = [(a["found"], r["found"]) for a, r in zip(result["answers"], reference["answers"])]
+    return {"same": sum(a == r for a, r in pairs), "lost": sum(r and not a for a, r in pairs),
+            "gained": sum(a and not r for a, r in pairs), "n": len(pairs)}
