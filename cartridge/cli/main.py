@@ -110,7 +110,8 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     if r is None:  # a rank other than 0 under --parallel: rank 0 wrote and reports
         return
     tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
-    click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s ({r.tokens_per_second:.0f} tokens/s prefill), "
+    click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s (prefill {r.prefill_seconds:.1f} s, "
+               f"{r.tokens_per_second:.0f} tokens/s prefill), "
                f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
     if r.calibration:
         c = r.calibration

@@ -140,7 +140,7 @@ class LayerKind:
     def holds(self, run):
         """What a run of `describe` rows (with "bytes_each") holds, in words, for the `inspect` table."""
         k, v = run["k_shape"], run["v_shape"]
-        return f"{self.held_tokens(run)}; K {k[0]}x{k[1]}, V {v[0]}x{v[1]} ({run['bytes_each']:,} bytes each)"
+        return f"{self.held_tokens(run)}; K {k[0]}x{k[1]}, V {v[0]}x{v[1]} ({run['bytes_each']:,} bytes a layer)"
 
     def held_tokens(self, run):
         """The tokens part of `holds`."""
@@ -226,7 +226,7 @@ class StateKind(LayerKind):
 
     def holds(self, run):
         arrays = ", ".join(f"{a['dtype']}{a['shape']}" for a in run["arrays"])
-        return f"recurrent state {arrays} ({run['bytes_each']:,} bytes each)"
+        return f"recurrent state {arrays} ({run['bytes_each']:,} bytes a layer)"
 
 
 def _state_array_ok(a, last, size):
