@@ -239,3 +239,19 @@ def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
                                                     mx.concatenate([pv, own_v[r:r + 1]], axis=2),
                                                     scale=d ** -0.5, mask="causal")
         assert mx.allclose(got[r:r + 1], want, atol=1e-5).item()
+
+
+def test_heavy_hitters_are_not_protected_by_default_so_preset_cartridges_extend_and_compose():
+    from types import SimpleNamespace
+
+    from cartridge import calibrate
+
+    shapes = {"k": (2, 64), "v": (2, 64)}
+    tiers = ("fp16", "int8", "mlx4g32")
+    kl = {(0, s, t): {"fp16": 0.0, "int8": 0.01, "mlx4g32": 0.1}[t] for s in "kv" for t in tiers}
+    sens = SimpleNamespace(kl=kl, protect_first=1, kl_protected={key: x / 10 for key, x in kl.items()})
+    bound = calibrate.TIERS["fp16"].bytes_per_token(2, 64)  # half of fp16's K+V bytes/token of the one layer
+    first, plain = calibrate._best(sens, 1, shapes, bound, None, 4096)
+    assert first == 0 and not calibrate.PROTECT_HEAVY_HITTERS
+    first, kept = calibrate._best(sens, 1, shapes, bound, None, 4096, protect_heavy_hitters=True)
+    assert first == 1 and kept.predicted_kl < plain.predicted_kl  # measured, and it would win: off by choice

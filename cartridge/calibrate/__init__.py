@@ -118,6 +118,11 @@ def checked_model(model, budget):
     return None
 
 
+# Heavy hitters kept in fp16 are measured and recorded, but not chosen by default: extend and compose take
+# cartridges without protected tokens only (spec 4.6), and a preset's cartridge must take both.
+PROTECT_HEAVY_HITTERS = False
+
+
 def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, progress=None):
     """The measured schema within `budget`, or for a budget preset calibration cannot measure its fixed
     recipe (`cartridge.tiers.presets`; a CalibrationFallbackWarning says so).
@@ -208,14 +213,15 @@ def fitting(shapes):
     return candidates
 
 
-def _best(sens, n_layers, shapes, max_bytes, max_kl, n_tokens):
+def _best(sens, n_layers, shapes, max_bytes, max_kl, n_tokens, protect_heavy_hitters=None):
     """(N, Choice): the better of no protection and the measured heavy hitters kept in fp16 (their bytes
-    taken from the budget); bytes_per_token of the Choice includes the copies."""
+    taken from the budget); bytes_per_token of the Choice includes the copies. With `protect_heavy_hitters`
+    False (default: `PROTECT_HEAVY_HITTERS`), no protection."""
     from ..tiers import protect
 
     plain = search.choose(sens.kl, n_layers, shapes, max_bytes, max_kl)
     n = sens.protect_first
-    if not n:
+    if not n or not (PROTECT_HEAVY_HITTERS if protect_heavy_hitters is None else protect_heavy_hitters):
         return 0, plain
     extra = protect.bytes_per_token(n, 0, n_tokens, [shapes[s] for _ in range(n_layers) for s in ("k", "v")])
     try:

@@ -138,7 +138,8 @@ def require_attention_layers(info, what):
                              f"takes attention layers of {shape} only")
     if info.protect_first + info.protect_last:  # their fp16 copies sit at positions a new cartridge would move
         raise InputError(f"the cartridge keeps {info.protect_first} first and {info.protect_last} last tokens in "
-                         f"fp16 (format 1.5); {what} takes cartridges without protected tokens only")
+                         f"fp16; {what} takes cartridges without protected tokens only (convert the fp16 cartridge without "
+                         f"--protect-first/--protect-last)")
 
 
 CHOICES = {  # key -> allowed string values
