@@ -40,6 +40,8 @@ def test_ask_questions_file_answers_each_from_a_fresh_cache(built, tmp_path, suf
     (["--json", "a.jsonl"], "--json needs --questions"),
     ([], "give a QUESTION"),
     (["--questions", "missing.txt"], "does not exist"),
+    (["Who?", "--recompute-ratio", "0.5"], "apply when composing several cartridges"),
+    (["Who?", "--recompute", "4"], "apply when composing several cartridges"),
 ])
 def test_ask_bad_question_options(built, tmp_path, args, expect):
     out, _ = built

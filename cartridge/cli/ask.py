@@ -210,6 +210,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         raise InputError("--json needs --questions")
     if recompute_ratio is not None:
         check_ratio(recompute_ratio, "--recompute-ratio")
+    if len(paths) == 1 and (recompute_ratio is not None or recompute != 16):
+        raise InputError("--recompute and --recompute-ratio apply when composing several cartridges; one was given")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
     cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
