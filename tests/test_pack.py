@@ -50,7 +50,7 @@ def test_round_trip_restores_identical_files(packed, tmp_path):
 def test_pack_refuses_a_damaged_cartridge(packed, tmp_path):
     src, _ = packed
     flip(src / DATA_NAME, 100)
-    with pytest.raises(ChecksumError):
+    with pytest.raises(ChecksumError, match=f"^{src}: page checksum mismatch"):  # named, as verify names it
         P.pack(src, tmp_path / "c.cartz")
     assert not (tmp_path / "c.cartz").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 

@@ -80,7 +80,9 @@ def pack(src, dest, level=DEFAULT_LEVEL, force=False, progress=None):
     """
     dest = Path(dest)
     _check_pack_output(dest, force)
-    verify_directory(src).raise_for_error()
+    error = verify_directory(src).error
+    if error is not None:  # named by the cartridge, as `cartridge verify` names it
+        raise error if str(src) in str(error) else type(error)(f"{src}: {error}") from None
     snap = open_snapshot(src)
     total = MANIFEST_SIZE + snap.manifest["index_size"] + snap.manifest["data_size"]
     tmp = _temp(dest, directory=False)
