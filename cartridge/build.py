@@ -192,11 +192,14 @@ def _whole_tokens(name, value):
         raise InputError(f"{name} must be an integer number of tokens, got {value!r}")
 
 
+MAX_PREFILL_STEP = 2**31 - 1  # MLX slices take 32-bit indices
+
+
 def check_prefill_step(prefill_step):
     """Raise InputError unless `prefill_step` is a whole number of tokens >= 1 (build and extend)."""
     _whole_tokens("prefill step", prefill_step)
-    if prefill_step < 1:
-        raise InputError(f"prefill step {prefill_step} must be at least 1 token")
+    if not 1 <= prefill_step <= MAX_PREFILL_STEP:
+        raise InputError(f"prefill step {prefill_step} must be 1 to {MAX_PREFILL_STEP:,} tokens")
 
 
 def _check_options(page_size, prefill_step, reserve=0):

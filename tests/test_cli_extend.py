@@ -81,3 +81,13 @@ def test_extend_warns_when_little_context_is_left(tiny_dir, tmp_path):
     assert r.returncode == 0 and "warning:" not in r.stderr, r.stderr
     r = run("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext3.cart", "--reserve", 513 - n)
     assert r.returncode == 0 and f"only {512 - n:,} are left" in r.stderr and "(reserve " in r.stderr, r.stderr
+
+
+def test_ask_save_as_refuses_an_unsaveable_cartridge_before_answering(tiny_dir, tmp_path):
+    cart = tmp_path / "p.cart"
+    cartridge.build(DOC, cart, model=str(tiny_dir), page_size=16, protect_first=2)
+    r = run("ask", cart, "Who?", "--max-tokens", 3, "--save-as", tmp_path / "chat.cart")
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and r.stdout == "" and len(err) == 1, (r.stdout, err)
+    assert "save takes cartridges without protected tokens only" in err[0]
+    assert not (tmp_path / "chat.cart").exists()

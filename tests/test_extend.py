@@ -246,8 +246,9 @@ def test_seam_that_retokenizes_reprefills_the_changed_tokens(tiny, tmp_path):
 
 @pytest.mark.parametrize("text, match, options", [
     ("", "the new text is empty", {}), ("  \n", "the new text is empty", {}),
-    ("More.", "prefill step 0 must be at least 1 token", {"prefill_step": 0}),
-    ("More.", "prefill step -5 must be at least 1 token", {"prefill_step": -5}),
+    ("More.", "prefill step 0 must be 1 to 2,147,483,647 tokens", {"prefill_step": 0}),
+    ("More.", "prefill step -5 must be 1 to 2,147,483,647 tokens", {"prefill_step": -5}),
+    ("More.", "prefill step 2147483648 must be 1 to 2,147,483,647 tokens", {"prefill_step": 2**31}),
     ("More.", "prefill step must be an integer number of tokens, got 2.5", {"prefill_step": 2.5}),
     ("More.", "separator must be text, got NoneType", {"separator": None}),
 ])

@@ -216,6 +216,12 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     qs = _questions(question, questions_file)
     cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
                                   max_memory, recompute_ratio)
+    if save_as is not None:  # a cartridge that cannot be saved is refused before the answer, not after it
+        from cartridge.append import require_per_token_tiers
+        from cartridge.format.header import require_attention_layers
+
+        require_attention_layers(cart.info, "save")
+        require_per_token_tiers(cart.info, "save")
     prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
     rows = []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
