@@ -355,6 +355,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     declined = None if budget is None else calibrate_mod.checked_model(lm.model, budget)
     schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system, page_size)
+    if budget is not None and declined is None:
+        calibrate_mod.check_reachable(budget, plans)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
     kept = protect.clamp(o["protect_first"], o["protect_last"], len(tokens))
 

@@ -255,3 +255,15 @@ def test_heavy_hitters_are_not_protected_by_default_so_preset_cartridges_extend_
     assert first == 0 and not calibrate.PROTECT_HEAVY_HITTERS
     first, kept = calibrate._best(sens, 1, shapes, bound, None, 4096, protect_heavy_hitters=True)
     assert first == 1 and kept.predicted_kl < plain.predicted_kl  # measured, and it would win: off by choice
+
+
+def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_path, monkeypatch):
+    import sys
+
+    build_mod = sys.modules["cartridge.build"]  # (the package's `build` attribute is the function)
+    monkeypatch.setattr(build_mod, "prefill", lambda *a, **k: pytest.fail("prefilled before refusing the budget"))
+    with pytest.raises(InputError, match="budget 1 bytes/token is below the cheapest measured schema"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(max_bytes_per_token=1))
+    with pytest.raises(InputError, match="budget 16 bytes/token is below the cheapest measured schema"):
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(target_ratio=64.0))
+    assert not (tmp_path / "x.cart").exists()

@@ -118,6 +118,33 @@ def checked_model(model, budget):
     return None
 
 
+def check_reachable(budget, plans):
+    """Before the prefill: refuse a byte budget below the cheapest schema the search could choose (every layer-side
+    in its smallest candidate tier), in the words `search.choose` would use after the measurement.
+
+    Args:
+        budget (Budget): checked. plans (list[LayerPlan]): the probe's layers (attention layers of one K/V shape,
+            as calibration measures them; other plans are left to `checked_model`'s fallback).
+
+    Raises:
+        InputError: the budget's bytes/token is below the cheapest schema's.
+    """
+    if not plans or any(p.kind != "attention" for p in plans):
+        return
+    shapes = {"k": plans[0].k_shape, "v": plans[0].v_shape}
+    fp16_bpt = len(plans) * sum(TIERS["fp16"].bytes_per_token(*shapes[s]) for s in ("k", "v"))
+    bound = budget.bytes_bound(fp16_bpt)
+    if bound is None:
+        return
+    try:
+        candidates = ("fp16", *fitting(shapes))
+    except CalibrationUnsupportedError:  # a preset then takes its fixed recipe after the prefill
+        return
+    least = len(plans) * sum(min(TIERS[t].bytes_per_token(*shapes[s]) for t in candidates) for s in ("k", "v"))
+    if bound < least:
+        raise InputError(f"budget {bound} bytes/token is below the cheapest measured schema ({least} bytes/token)")
+
+
 # Heavy hitters kept in fp16 are measured and recorded, but not chosen by default: extend and compose take
 # cartridges without protected tokens only (spec 4.6), and a preset's cartridge must take both.
 PROTECT_HEAVY_HITTERS = False
