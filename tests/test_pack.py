@@ -50,7 +50,7 @@ def test_round_trip_restores_identical_files(packed, tmp_path):
 def test_pack_refuses_a_damaged_cartridge(packed, tmp_path):
     src, _ = packed
     flip(src / DATA_NAME, 100)
-    with pytest.raises(ChecksumError, match=f"^{src}: page checksum mismatch"):  # named, as verify names it
+    with pytest.raises(ChecksumError, match=f"^cartridge {src}: page checksum mismatch"):  # named, as verify names it
         P.pack(src, tmp_path / "c.cartz")
     assert not (tmp_path / "c.cartz").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
@@ -144,6 +144,7 @@ def test_hostile_pack_refused_and_nothing_left(packed, tmp_path, case):
     with pytest.raises(CartridgeError) as e:
         P.unpack(cartz, tmp_path / "b.cart")
     assert type(e.value) is expected, repr(e.value)
+    assert expected is not PackError or str(e.value).startswith(f"cartridge {cartz}: "), str(e.value)  # the line names the pack
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cart", "a.cartz"]
 
 
@@ -164,7 +165,7 @@ def test_cli_pack_unpack_progress_and_errors(packed, tmp_path):
     r = run_cli("unpack", tmp_path / "c.cartz", "-o", tmp_path / "d.cart")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, lines
-    assert lines[0].startswith("error: packed cartridge is 200 bytes; its zstandard frame ends at ")
+    assert lines[0].startswith(f"error: cartridge {tmp_path / 'c.cartz'}: packed cartridge is 200 bytes; its zstandard frame ends at ")
     assert lines[0].endswith(" (truncated)")
     limit = 30000  # RLIMIT_FSIZE below pages.bin's size: one clear error, nothing left
     r = run_cli("unpack", tmp_path / "a.cartz", "-o", tmp_path / "e.cart",

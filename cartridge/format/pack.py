@@ -82,7 +82,7 @@ def pack(src, dest, level=DEFAULT_LEVEL, force=False, progress=None):
     _check_pack_output(dest, force)
     error = verify_directory(src).error
     if error is not None:  # named by the cartridge, as `cartridge verify` names it
-        raise error if str(src) in str(error) else type(error)(f"{src}: {error}") from None
+        raise error if str(src) in str(error) else type(error)(f"cartridge {src}: {error}") from None
     snap = open_snapshot(src)
     total = MANIFEST_SIZE + snap.manifest["index_size"] + snap.manifest["data_size"]
     tmp = _temp(dest, directory=False)
@@ -305,6 +305,8 @@ def unpack(src, dest, force=False, progress=None):
         tmp.discard()
         if isinstance(e, zstandard.ZstdError):
             raise PackError(f"{src}: corrupt zstandard stream: {e}") from None
+        if isinstance(e, PackError) and str(src) not in str(e):  # named, as `reader.name_cartridge` names it
+            raise PackError(f"cartridge {src}: {e}") from None
         if isinstance(e, OSError):
             raise WriteError(f"could not write {dest}: {e.strerror or e}; nothing was left behind") from e
         raise
