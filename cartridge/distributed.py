@@ -27,11 +27,10 @@ from .attention.policy import place, resolve
 from .attention.shard import SliceData, slice_for
 from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, header_extras,
                     kv_caches, plan, prefill, write_layers)
-from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError
+from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError, name_cartridge
 from .format.container import check_index, open_snapshot
 from .format.header import parse_header, require_attention_layers
 from .format.pack import is_pack, open_packed
-from .format.reader import name_cartridge
 from .format.writer import check_output_path, check_space
 from .loaded import Cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint

@@ -88,3 +88,11 @@ class RankMismatchError(CartridgeError):
 class CalibrationUnsupportedError(InputError):
     """Calibration cannot measure this model: a cache kind other than full attention, or a family whose
     layer-by-layer forward does not reproduce its own (`cartridge.calibrate.measure.measurable`)."""
+
+
+def name_cartridge(error, path):
+    """`error` with its message prefixed by "cartridge PATH: " unless it names PATH already (same
+    exception object and class, so its attributes, e.g. ChecksumError.page, stay)."""
+    if str(path) not in str(error):
+        error.args = (f"cartridge {path}: {error}", *error.args[1:])
+    return error

@@ -22,6 +22,7 @@ from ..errors import (
     PackError,
     UnsupportedVersionError,
     WriteError,
+    name_cartridge,
 )
 from .atomic import TempDir, crash_point
 from .container import open_snapshot, parse_manifest
@@ -81,8 +82,8 @@ def pack(src, dest, level=DEFAULT_LEVEL, force=False, progress=None):
     dest = Path(dest)
     _check_pack_output(dest, force)
     error = verify_directory(src).error
-    if error is not None:  # named by the cartridge, as `cartridge verify` names it
-        raise error if str(src) in str(error) else type(error)(f"cartridge {src}: {error}") from None
+    if error is not None:
+        raise name_cartridge(error, src)
     snap = open_snapshot(src)
     total = MANIFEST_SIZE + snap.manifest["index_size"] + snap.manifest["data_size"]
     tmp = _temp(dest, directory=False)
@@ -305,8 +306,8 @@ def unpack(src, dest, force=False, progress=None):
         tmp.discard()
         if isinstance(e, zstandard.ZstdError):
             raise PackError(f"{src}: corrupt zstandard stream: {e}") from None
-        if isinstance(e, PackError) and str(src) not in str(e):  # named, as `reader.name_cartridge` names it
-            raise PackError(f"cartridge {src}: {e}") from None
+        if isinstance(e, PackError):
+            raise name_cartridge(e, src) from None
         if isinstance(e, OSError):
             raise WriteError(f"could not write {dest}: {e.strerror or e}; nothing was left behind") from e
         raise

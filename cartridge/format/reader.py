@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..errors import CartridgeError, InputError
+from ..errors import CartridgeError, InputError, name_cartridge
 from .container import PageData, check_index, open_snapshot
 from .header import parse_header
 from .pack import is_pack, open_packed, unpack
@@ -43,14 +43,6 @@ def open_cartridge(path, verify="pages"):
     except CartridgeError as e:
         name_cartridge(e, path)
         raise
-
-
-def name_cartridge(error, path):
-    """`error` with its message prefixed by "cartridge PATH: " unless it names PATH already (same
-    exception object and class, so its attributes, e.g. ChecksumError.page, stay)."""
-    if str(path) not in str(error):
-        error.args = (f"cartridge {path}: {error}", *error.args[1:])
-    return error
 
 
 def _open_dir(path, verify):
