@@ -36,6 +36,29 @@ class ContextWarning(UserWarning):
     """The document leaves fewer than `reserve` tokens of the model's context for questions."""
 
 
+class PageSizeWarning(UserWarning):
+    """A page size far beyond the document was lowered to what the document needs (`fit_page_size`)."""
+
+
+def fit_page_size(page_size, n_tokens):
+    """The page size a build of `n_tokens` writes: `page_size`, or less where one page would be mostly padding.
+
+    A page size above both the default (256) and the document is lowered to the smallest power of two
+    >= max(n_tokens, 256), with a PageSizeWarning: the padded last page (spec/FORMAT.md 3.1) would
+    otherwise make the file bytes of `page_size` tokens per (layer, side). Powers of two >= 256 are
+    whole token groups of every tier (kivi4's 32).
+
+    Returns:
+        int: tokens per page.
+    """
+    fitted = max(DEFAULT_PAGE_SIZE, 1 << max(0, n_tokens - 1).bit_length())
+    if page_size <= fitted:
+        return page_size
+    warnings.warn(PageSizeWarning(f"page size {page_size} is larger than the document ({n_tokens} tokens); "
+                                  f"writing pages of {fitted} tokens"), stacklevel=3)
+    return fitted
+
+
 @dataclass
 class BuildResult:
     """What `build` wrote.
@@ -299,7 +322,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             N layers (the chosen tier elsewhere). Default: 0.
         schema (list[dict] | str | Path | None): per layer {"layer": i, "k": tier, "v": tier}, or a
             JSON file of that list; excludes the four options above. Default: None.
-        page_size (int): tokens per page. Default: 256.
+        page_size (int): tokens per page; one far beyond the document is lowered (`fit_page_size`).
+            Default: 256.
         prefill_step (int): tokens per forward pass. Default: 512.
         force (bool): replace an existing cartridge at `output`. Default: False.
         progress (callable | None): progress(done_tokens, total_tokens) during prefill, from 0.
@@ -355,6 +379,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     declined = None if budget is None else calibrate_mod.checked_model(lm.model, budget)
     schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system, page_size)
+    page_size = fit_page_size(page_size, len(tokens))
     if budget is not None and declined is None:
         calibrate_mod.check_reachable(budget, plans)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))

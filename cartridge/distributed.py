@@ -25,8 +25,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .attention.cache import CartridgeCache
 from .attention.policy import place, resolve
 from .attention.shard import SliceData, slice_for
-from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, header_extras,
-                    kv_caches, plan, prefill, write_layers)
+from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, fit_page_size,
+                    header_extras, kv_caches, plan, prefill, write_layers)
 from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError, name_cartridge
 from .format.container import check_index, open_snapshot
 from .format.header import parse_header, require_attention_layers
@@ -344,6 +344,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         _require_kv_caches(model.model)
         geometry = _global_geometry(model.model)
         schema, mode, tokens, left = plan(document, model, geometry, options, reserve, system, page_size)
+        page_size = fit_page_size(page_size, len(tokens))
         if group.rank() == 0:
             check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
         part = slice_for(model.model, geometry[0], geometry[1], group.rank(), group.size())

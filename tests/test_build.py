@@ -1,11 +1,13 @@
 """build(): options are checked before any prefill; what it writes is what inspect and load report."""
 
 import shutil
+import warnings
 
 import pytest
 from conftest import make_tiny
 
 import cartridge
+from cartridge.build import PageSizeWarning, fit_page_size
 from cartridge.errors import InputError, OutputExistsError
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 6
@@ -203,3 +205,13 @@ def test_disk_space_checked_before_prefill(tiny, tmp_path, monkeypatch):
     monkeypatch.undo()
     r = cartridge.build(DOC, tmp_path / "d.cart", model=tiny)
     assert r.bytes <= need  # the estimate covers what was written
+
+
+@pytest.mark.parametrize("asked, n_tokens, written", [(65536, 100, 256), (65536, 257, 512), (65536, 1024, 1024),
+                                                      (300, 100, 256), (256, 100, 256), (64, 10, 64),
+                                                      (1000, 999, 1000), (4096, 5000, 4096)])
+def test_fit_page_size(asked, n_tokens, written):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fit_page_size(asked, n_tokens) == written
+    assert [type(w.message) for w in caught] == ([PageSizeWarning] if written != asked else [])

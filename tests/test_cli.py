@@ -206,12 +206,16 @@ def test_existing_non_cartridge_is_not_offered_force(tiny_dir, tmp_path):
     assert corpus.read_text() == DOC
 
 
-def test_large_page_size_notes_the_padding(tiny_dir, tmp_path):
+def test_page_size_far_beyond_the_document_is_lowered(tiny_dir, tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text(DOC)
-    r = run("build", corpus, "-o", tmp_path / "p.cart", "--model", tiny_dir, "--page-size", "1024")
+    r = run("build", corpus, "-o", tmp_path / "p.cart", "--model", tiny_dir, "--page-size", "65536")
     assert r.returncode == 0, r.stderr.decode()
-    assert "note: --page-size 1024 is larger than the document" in r.stderr.decode()
+    info = json.loads(run("inspect", tmp_path / "p.cart", "--json").stdout)
+    lines = [line for line in r.stderr.decode().splitlines() if line.startswith(("warning", "note", "error"))]
+    assert lines == [f"warning: page size 65536 is larger than the document "
+                                              f"({info['tokens']} tokens); writing pages of 256 tokens"]
+    assert info["page_size"] == 256
 
 
 def test_inspect_says_same_as_fp16(built):

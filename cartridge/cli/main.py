@@ -118,9 +118,6 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
         click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16, predicted KL "
                    f"{c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, top-1 agreement "
                    f"{c['top1_agreement']:.0%} over {c['eval_tokens']} tokens")
-    if page_size > r.tokens:
-        click.echo(f"note: --page-size {page_size} is larger than the document ({r.tokens} tokens); the padded "
-                   f"last page makes the file {r.bytes:,} bytes on disk", err=True)
 
 
 def _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
