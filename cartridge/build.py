@@ -368,6 +368,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
+    named = {} if preset is None else {K.PRESET: preset}
     budget, preset = calibrate_mod.resolve_budget(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect,
                                                   schema, protect_first, protect_last)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
@@ -388,7 +389,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     t0 = time.perf_counter()
     caches = prefill(lm.model, tokens, prefill_step, progress)
     t1 = time.perf_counter()
-    extras = header_extras(document, source_name, system)
+    extras = header_extras(document, source_name, system) | named
     if budget is not None:
         schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, budget, plans,
                                                                      declined, calibration_progress)

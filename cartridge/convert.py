@@ -130,7 +130,7 @@ def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundar
         rows = _preset_schema(info, preset, o, source)
         kept = protect.clamp(o["protect_first"], o["protect_last"], len(info.tokens))
         check_space(output, cartridge_bytes(rows, info.n_kv_heads, info.head_dim, len(info.tokens), info.page_size))
-        path = _write(info, data, rows, output, force, progress, kept)
+        path = _write(info, data, rows, output, force, progress, kept, preset)
     finally:
         data.close()
     total = sum(f.stat().st_size for f in Path(path).iterdir())
@@ -150,7 +150,7 @@ def _preset_schema(info, preset, o, source):
         raise InputError(f"preset {preset!r} cannot be applied to {source}: {e}") from None
 
 
-def _write(info, data, rows, output, force, progress, kept=(0, 0)):
+def _write(info, data, rows, output, force, progress, kept=(0, 0), preset=None):
     params = {}
     with CartridgeWriter(output, force) as writer:
         for layer in range(info.n_layers):
@@ -167,7 +167,7 @@ def _write(info, data, rows, output, force, progress, kept=(0, 0)):
             if progress:
                 progress(layer + 1, info.n_layers)
         header = _header(info, rows, params)
-        header.update(protect.header_keys(*kept))
+        header.update(protect.header_keys(*kept), **({} if preset is None else {K.PRESET: preset}))
         return writer.commit(header, info.tokens)
 
 
@@ -180,8 +180,8 @@ def _is_tier_key(key):
 
 def _header(info, rows, params):
     """The source's JSON header records (every key, known or not) with the new schema's tier keys."""
-    header = {key: json.loads(raw) for key, raw in info.records.items()
-              if key != K.TOKENS_IDS and not _is_tier_key(key)}
+    header = {key: json.loads(raw) for key, raw in info.records.items()  # the source's choice of tiers is not kept
+              if key not in (K.TOKENS_IDS, K.PRESET, K.CALIBRATION) and not _is_tier_key(key)}
     header.update({K.FORMAT_MAJOR: FORMAT_MAJOR, K.FORMAT_MINOR: FORMAT_MINOR})
     header.update(tier_keys(rows, params, info.head_dim))
     return header

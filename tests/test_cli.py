@@ -34,7 +34,7 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
-    assert info["format_version"] == "1.8"
+    assert info["format_version"] == "1.9"
     assert info["source"] == {"name": "doc.txt", "bytes": len((DOC * 3).encode()),
                               "sha256": hashlib.sha256((DOC * 3).encode()).hexdigest(),
                               "first_line": DOC.strip()}
@@ -220,7 +220,17 @@ def test_page_size_far_beyond_the_document_is_lowered(tiny_dir, tmp_path):
 
 def test_inspect_says_same_as_fp16(built):
     out, _ = built
-    assert "same as fp16" in run("inspect", out).stdout.decode()
+    shown = run("inspect", out).stdout.decode()
+    assert "same as fp16" in shown
+    assert "\npreset        -\n" in shown and json.loads(run("inspect", out, "--json").stdout)["preset"] is None
+
+
+def test_inspect_names_the_preset_of_a_fixed_recipe_build(tiny_dir, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(DOC)
+    r = run("build", corpus, "-o", tmp_path / "p.cart", "--model", tiny_dir, "--preset", "exact", "--no-calibrate")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "\npreset        exact\n" in run("inspect", tmp_path / "p.cart").stdout.decode()
 
 
 def test_interrupt_while_importing_exits_130(monkeypatch, capsys):

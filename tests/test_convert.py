@@ -218,3 +218,16 @@ def test_cli_convert_preset(tiny16, tmp_path):
     assert r.output.rstrip().endswith("layers 0-1 K mlx4g32+rot V mlx4g32+rot; first 4 and last 28 tokens also fp16)")
     info, _ = cartridge.open_cartridge(tmp_path / "b.cart")
     assert (info.protect_first, info.protect_last) == (4, 28)
+    shown = CliRunner().invoke(cli, ["inspect", str(tmp_path / "b.cart")]).output.splitlines()
+    assert [line for line in shown if line.startswith("preset")] == ["preset        balanced"]
+
+
+def test_preset_is_recorded_by_build_and_convert_and_never_copied(tiny16, tmp_path):
+    from cartridge.cli.report import preset
+
+    exact = cartridge.build(DOC, tmp_path / "exact.cart", model=tiny16, page_size=32, preset="exact",
+                            calibrate=False)
+    plain = cartridge.convert(exact.path, tmp_path / "int8.cart", tier="int8")
+    safe = cartridge.convert(exact.path, tmp_path / "safe.cart", preset="safe")
+    shown = [preset(cartridge.open_cartridge(p)[0]) for p in (exact.path, plain.path, safe.path)]
+    assert shown == ["exact", None, "safe"]

@@ -79,7 +79,17 @@ def inspect_dict(info, path):
         "sources": info.sources,
         "attention": _auto(info),
         "calibration": calibration(info),
+        "preset": preset(info),
     }
+
+
+def preset(info):
+    """The preset a build or convert was given (`cartridge.preset`, format 1.9), or None if not recorded."""
+    try:
+        value = json.loads(info.records.get(K.PRESET, b"null"))
+    except ValueError:  # informational only: a malformed value reads as not recorded
+        return None
+    return value if isinstance(value, str) else None
 
 
 def calibration(info):
@@ -164,6 +174,7 @@ def inspect_table(d):
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
         f"also kept in fp16",
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
+        f"preset        {d.get('preset') or '-'}",
         *calibration_lines(d.get("calibration")),
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device: "
         f"{d['attention']['reason']}",

@@ -48,6 +48,9 @@ PROTECT_LAST = "cache.protect_last"  # JSON integer M: the last M prefix tokens 
 # Format 1.8 (issue 33): OPTIONAL; absent = the schema was not chosen by measurement.
 CALIBRATION = "cartridge.calibration"  # JSON object: target, bytes_per_token, predicted_kl, measured_kl, ...
 
+# Format 1.9: OPTIONAL; absent = no preset was named (inspect shows "-").
+PRESET = "cartridge.preset"  # JSON string: the preset the tiers and protection were resolved from
+
 
 def layer_protected(layer, side):
     """Binary: float16 little-endian (n_kv_heads, N + M, head_dim), tokens 0..N-1 then T-M..T-1."""

@@ -73,8 +73,8 @@ def read_schema(schema):
         list[dict]: rows sorted by layer, each exactly {"layer", "k", "v"}.
 
     Raises:
-        InputError: unreadable file, bad JSON, a row of the wrong form, an unknown tier, layers not
-            exactly 0 .. n-1.
+        InputError: unreadable file, bad JSON, a row of the wrong form, an unknown tier, a layer named
+            twice. Whether the layers are the model's 0 .. n-1 is `check_layer_count`'s check.
     """
     if isinstance(schema, (str, Path)):
         schema = _load_json(Path(schema))
@@ -83,26 +83,36 @@ def read_schema(schema):
         raise InputError(f"schema must be a non-empty JSON list of {{\"layer\", \"k\", \"v\"}} rows; got {got}")
     rows = [_row(r, i) for i, r in enumerate(schema)]
     rows.sort(key=lambda r: r["layer"])
-    layers = [r["layer"] for r in rows]
-    if layers != list(range(len(rows))):
-        twice = sorted({n for n in layers if layers.count(n) > 1})
-        missing = sorted(set(range(len(rows))) - set(layers))
-        raise InputError(f"a schema of {len(rows)} row{'' if len(rows) == 1 else 's'} must name layers 0..{len(rows) - 1} "
-                         f"(one row a layer, each once); found "
-                         f"{_runs(layers)}" + (f"; layer {_runs(twice)} more than once" if twice else "")
-                         + (f"; missing {_runs(missing)}" if missing else ""))
+    _refuse_repeats([r["layer"] for r in rows])
     return rows
 
 
+def _refuse_repeats(layers, what="schema"):
+    twice = sorted({n for n in layers if layers.count(n) > 1})
+    if twice:
+        raise InputError(f"{what} names layer {_runs(twice)} more than once (one row a layer)")
+
+
 def check_layer_count(schema, n_layers, what="schema"):
-    """Refuse a schema of another length than the model's layers.
+    """Refuse a schema whose rows are not exactly the model's layers 0 .. n_layers-1, one row each.
 
     Raises:
-        InputError: "schema has 1 layer row; the model has 2 layers" (`what` names the schema).
+        InputError: "schema names layer 99; the model has 30 layers (0..29)", "schema has no row for layer 3;
+            the model has 30 layers (0..29)" or "schema has 1 layer row; the model has 2 layers" (`what`
+            names the schema).
     """
-    if len(schema) != n_layers:
+    layers = sorted(r["layer"] for r in schema)
+    _refuse_repeats(layers, what)
+    beyond = [n for n in layers if not 0 <= n < n_layers]
+    missing = sorted(set(range(n_layers)) - set(layers))
+    model = f"the model has {n_layers} layers (0..{n_layers - 1})"
+    if beyond:
+        raise InputError(f"{what} names layer {_runs(beyond)}; {model}")
+    if layers == list(range(len(layers))) and len(layers) != n_layers:
         raise InputError(f"{what} has {len(schema)} layer row{'' if len(schema) == 1 else 's'}; the model has "
                          f"{n_layers} layers")
+    if missing:
+        raise InputError(f"{what} has no row for layer {_runs(missing)}; {model}")
 
 
 def check_schema(schema, n_layers, n_kv_heads, head_dim):
