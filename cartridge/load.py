@@ -84,10 +84,11 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     if isinstance(path, (list, tuple)):
         from .compose import compose  # compose builds on load
 
-        if model is None and path:
-            first = load(path[0], verify=verify, attention=attention, max_memory=max_memory)
-            model, tokenizer = first.model, first.tokenizer
-        carts = [load(p, model, tokenizer, verify, attention, max_memory=max_memory) for p in path]
+        carts = []
+        if model is None and path:  # the first cartridge names the model the others are loaded with
+            carts.append(load(path[0], verify=verify, attention=attention, max_memory=max_memory))
+            model, tokenizer = carts[0].model, carts[0].tokenizer
+        carts += [load(p, model, tokenizer, verify, attention, max_memory=max_memory) for p in path[len(carts):]]
         return compose(carts, recompute, **({} if recompute_ratio is None else {"recompute_ratio": recompute_ratio}))
     if group is not None:
         from .distributed import load_sharded
