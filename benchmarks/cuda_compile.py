@@ -113,7 +113,7 @@ def main():
     for label, kind, consts in variants():
         name, text = wrapper(kind, consts)
         labels[name] = label
-        parts.append(cuda._header()[0] + text)
+        parts.append(cuda.kernel_header()[0] + text)
     (work / "kernels.cu").write_text("\n".join(parts))
     run = subprocess.run(["nvcc", f"-arch={args.arch}", "-cubin", "-Xptxas", "-v", "-o", str(work / "k.cubin"),
                           str(work / "kernels.cu")], capture_output=True, text=True)

@@ -149,7 +149,7 @@ def _step(cache, attend):
 
 
 def dense_rows(n, tier):
-    k, v = bench._kv(N_KV, n, D, seed=n)
+    k, v = bench.random_kv(N_KV, n, D, seed=n)
     dtype = mx.bfloat16 if tier == "bf16" else mx.float16
     prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE)
     mx.eval(prefix.k_parts, prefix.v_parts)
@@ -216,9 +216,9 @@ def read_floor(prefix):
 def floors():
     rows = []
     for n in (32768, 131072):
-        k, v = bench._kv(N_KV, n, D, seed=n)
+        k, v = bench.random_kv(N_KV, n, D, seed=n)
         for tier in TIERS:
-            prefix, error = bench._tier_prefix(tier, k, v)
+            prefix, error = bench.tier_prefix(tier, k, v)
             if prefix is None:
                 continue
             mx.eval(prefix.k_parts, prefix.v_parts)

@@ -46,3 +46,33 @@ def test_help_runs(script):
                           env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage: ")
+
+
+def private_cartridge_names(source):
+    """'line: name' for each private name a script takes from cartridge: `from cartridge.x import _y`, or
+    `m._y` on a module it imported from cartridge."""
+    import ast
+
+    tree, found, modules = ast.parse(source), [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cartridge"):
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_")]
+            modules |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("cartridge")}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and ast.unparse(node.value).split(".")[0] in modules):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
+def test_the_private_name_check_finds_what_it_looks_for():
+    source = "from cartridge.eval import bench\nfrom cartridge.x import _y\nimport cartridge\nbench._kv(1)\n" \
+             "cartridge.tiers._z\nother._w\n"
+    assert private_cartridge_names(source) == ["2: _y", "4: bench._kv", "5: cartridge.tiers._z"]
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.endswith(".py")])
+def test_scripts_use_only_public_cartridge_names(script):
+    assert private_cartridge_names((BENCH / script).read_text()) == []

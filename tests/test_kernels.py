@@ -317,7 +317,7 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
 
     from cartridge.attention.kernels import cuda
 
-    header, digest = cuda._header()
+    header, digest = cuda.kernel_header()
     assert header == f'#include "{cuda.SOURCE.resolve()}"\n'
     assert digest == hashlib.sha256(cuda.SOURCE.read_text().encode()).hexdigest()[:16]
     names = set()

@@ -34,7 +34,12 @@ def copy_bandwidth(nbytes=1 << 30):
     return 2 * nbytes / t
 
 
-def _kv(n_kv, n, head_dim, seed):
+def random_kv(n_kv, n, head_dim, seed):
+    """Seeded standard-normal K and V, each float16 (n_kv, n, head_dim): the inputs `cartridge bench` times.
+
+    Returns:
+        tuple[mx.array, mx.array]: (K, V).
+    """
     key = mx.random.key(seed)
     k1, k2 = mx.random.split(key)
     return (mx.random.normal((n_kv, n, head_dim), key=k1).astype(mx.float16),
@@ -73,7 +78,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
     """
     n_q, n_kv, D = shape
     dtype = dtype or (mx.float32 if backend() == "cpu" else mx.float16)
-    k, v = _kv(n_kv, n_tokens, D, seed=n_tokens)
+    k, v = random_kv(n_kv, n_tokens, D, seed=n_tokens)
     q = mx.random.normal((1, n_q, 1, D)).astype(dtype)
     new_k = mx.random.normal((1, n_kv, 1, D)).astype(dtype)
     rows = []
@@ -85,7 +90,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
                  "prefix_bytes": dense_k.nbytes * 2, "error": None})
     rows.append(_mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats))
     for tier in tiers:
-        prefix, error = _tier_prefix(tier, k, v)
+        prefix, error = tier_prefix(tier, k, v)
         if prefix is None:
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "context": n_tokens, "us": None,
                          "prefix_bytes": None, "error": error})
@@ -99,9 +104,15 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
     return rows
 
 
-def _tier_prefix(tier, k, v):
-    """(LayerPrefix of K/V (n_kv_heads, N, head_dim) in `tier`, None), or (None, why) for a tier that cannot
-    store this shape."""
+def tier_prefix(tier, k, v):
+    """One layer's K/V encoded in `tier` as a LayerPrefix, in pages of `PAGE_SIZE` tokens.
+
+    Args:
+        tier (str): a tier name (`cartridge.tiers.TIERS`). k, v (mx.array): (n_kv_heads, N, head_dim).
+
+    Returns:
+        tuple: (LayerPrefix, None), or (None, why: str) for a tier that cannot store this shape.
+    """
     codec = TIERS[tier]
     try:
         codec.check(k.shape[0], k.shape[-1])
@@ -139,7 +150,7 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
     """
     n_q, n_kv, D = shape
     L, dtype = query_tokens, dtype or (mx.float32 if backend() == "cpu" else mx.float16)
-    k, v = _kv(n_kv, n_tokens, D, seed=n_tokens)
+    k, v = random_kv(n_kv, n_tokens, D, seed=n_tokens)
     q = mx.random.normal((1, n_q, L, D)).astype(dtype)
     new_k = mx.random.normal((1, n_kv, L, D)).astype(dtype)
     dk = mx.concatenate([k[None].astype(dtype), new_k], axis=2)
@@ -151,7 +162,7 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
     rows = [{"kind": "baseline", "tier": f"dense {str(dtype)[9:]}", "policy": "mlx-sdpa", "us": us, **base}]
     del dk, dv
     for tier in tiers:
-        prefix, error = _tier_prefix(tier, k, v)
+        prefix, error = tier_prefix(tier, k, v)
         if prefix is None:
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": error})
             continue
@@ -302,7 +313,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
         caches = []
         for i in range(n_layers):
             c = KVCache()
-            k, v = _kv(n_kv, n_tokens, D, seed=i)
+            k, v = random_kv(n_kv, n_tokens, D, seed=i)
             c.keys, c.values, c.offset = k[None].astype(dtype), v[None].astype(dtype), n_tokens
             caches.append(c)
         mx.eval([c.state for c in caches])
@@ -312,7 +323,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
         caches = []
         for i in range(n_layers):
             c = QuantizedKVCache(group_size=32, bits=4)
-            k, v = _kv(n_kv, n_tokens, D, seed=i)
+            k, v = random_kv(n_kv, n_tokens, D, seed=i)
             c.keys = mx.quantize(k[None].astype(dtype), group_size=32, bits=4)
             c.values = mx.quantize(v[None].astype(dtype), group_size=32, bits=4)
             c.offset = n_tokens
@@ -327,7 +338,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
             install()
             caches = []
             for i in range(n_layers):
-                k, v = _kv(n_kv, n_tokens, D, seed=i)
+                k, v = random_kv(n_kv, n_tokens, D, seed=i)
                 prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, PAGE_SIZE, layer=i)
                 cache = _layer_cache(prefix, policy, dtype, D)
                 if cache is None:

@@ -114,8 +114,13 @@ if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
 
 
 @functools.cache
-def _header():
-    """(header, digest): an #include of `SOURCE` (the whole text where the path cannot be quoted)."""
+def kernel_header():
+    """The CUDA header every kernel here is compiled with (benchmarks/cuda_compile.py compiles it too).
+
+    Returns:
+        tuple[str, str]: (an #include of `SOURCE`, or its whole text where the path cannot be quoted;
+        the first 16 hex digits of the SHA-256 of `SOURCE`, which names the kernels).
+    """
     text = SOURCE.read_text()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = str(SOURCE.resolve())
@@ -151,7 +156,7 @@ def kernel_spec(kind, n_chunks=0, consts=()):
             outputs = ["out"]
             body = SINGLE_SCRATCH + body + SINGLE_FINISH
     tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
-    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{_header()[1]}_{tag}"
+    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{kernel_header()[1]}_{tag}"
     return name, inputs, outputs, _constants(consts) + body
 
 
@@ -160,7 +165,7 @@ def _kernel(kind, n_chunks, consts, shared_memory=0):
     """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`, with `shared_memory` dynamic bytes."""
     name, inputs, outputs, body = kernel_spec(kind, n_chunks, consts)
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
-                               header=_header()[0], shared_memory=shared_memory)
+                               header=kernel_header()[0], shared_memory=shared_memory)
 
 
 def _tc_side_bytes(tid, bits, D):
