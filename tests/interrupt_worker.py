@@ -1,12 +1,12 @@
 """Subprocess used by tests/test_cli_interrupt.py: run the `cartridge` command line with a pause at one
 stage, so the parent can send SIGINT there. At the pause it writes "ready" to the file $INTERRUPT_FLAG.
 
-    python tests/interrupt_worker.py prefill|write|answer|none cartridge-arguments...
+    python tests/interrupt_worker.py prefill|write|answer|first|none cartridge-arguments...
 
 prefill: after the first prefill chunk (build, extend; give a small --prefill-step). write: after the
 first extent is written into the temporary directory (build, extend, convert). answer: every generated
-token of `chat` takes 50 ms, and the pause is the third token of each answer (it goes on, slowly). none:
-no pause.
+token of `chat` takes 50 ms, and the pause is the third token of each answer (it goes on, slowly). first:
+the pause is before each answer's first token is shown (it comes 2 s later). none: no pause.
 """
 
 import os
@@ -66,8 +66,25 @@ def slow_answers():
     mlx_lm.stream_generate = slow
 
 
+def slow_first_token():
+    """Each answer's first token arrives 2 s late, after the pause: Ctrl-C lands while it is computed."""
+    import mlx_lm
+
+    generate = mlx_lm.stream_generate
+
+    def slow(*args, **kwargs):
+        for i, r in enumerate(generate(*args, **kwargs)):
+            if i == 0:
+                FLAG.write_text("ready")
+                time.sleep(2)  # a SIGINT handler that only sets a flag lets the sleep go on (PEP 475)
+            yield r
+
+    mlx_lm.stream_generate = slow
+
+
 if __name__ == "__main__":
-    {"prefill": pause_in_prefill, "write": pause_in_write, "answer": slow_answers, "none": lambda: None}[sys.argv[1]]()
+    {"prefill": pause_in_prefill, "write": pause_in_write, "answer": slow_answers, "first": slow_first_token,
+     "none": lambda: None}[sys.argv[1]]()
     from cartridge.cli.main import main
 
     main(sys.argv[2:])

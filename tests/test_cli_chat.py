@@ -78,6 +78,27 @@ def test_ctrl_c_stops_the_answer_and_the_conversation_goes_on(built, terminal, t
     assert after[:len(conversation)] == conversation and len(after) == len(conversation) + int(stops[1])
 
 
+def test_ctrl_c_before_the_first_token_shows_nothing_of_it(built, terminal, tmp_path):
+    """Ctrl-C while the first token is computed: no text of that answer, the question dropped, and the next
+    question answered as the conversation's first."""
+    from test_cli import run
+
+    out, _ = built
+    master, slave = terminal
+    flag = tmp_path / "flag"
+    proc = start("first", "chat", out, "--max-tokens", 4, flag=flag, stdin=slave)
+    type_in(master, Q1 + "\n")
+    wait_for(flag, proc)
+    proc.send_signal(signal.SIGINT)
+    type_in(master, Q2 + "\n")
+    wait_for(flag, proc)
+    type_in(master, "\x04")
+    stdout, stderr = (s.decode() for s in proc.communicate(timeout=120))
+    assert proc.returncode == 0, stderr
+    assert stderr.count("(stopped before the answer began; the question is dropped)") == 1, stderr
+    assert stdout == run("ask", out, Q2, "--max-tokens", "4").stdout.decode()
+
+
 @pytest.mark.parametrize("key", ["ctrl-c", "ctrl-d"])
 def test_ctrl_c_or_ctrl_d_at_the_prompt_leaves_quietly(built, terminal, tmp_path, key):
     out, _ = built

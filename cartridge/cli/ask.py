@@ -118,8 +118,9 @@ def check_room(cart, cache, prompt, max_tokens, what):
 def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop=None):
     """Stream the model's answer to `prompt` (fed into `cache`); returns a dict of text and timings.
 
-    `stop` (a callable) is asked after each token; True ends the answer there ("stopped": True). The
-    cache then holds the prompt and every token of "token_ids" (mlx-lm feeds a token before yielding it).
+    `stop` (a callable) is asked as each token arrives, before it is shown; True ends the answer there
+    ("stopped": True) without showing that token. The cache then holds the prompt and every token of
+    "token_ids" (mlx-lm feeds a token before yielding it; the one not shown is trimmed back off).
     """
     import mlx_lm
 
@@ -127,6 +128,10 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
     t0 = time.perf_counter()
     ttft, n, pieces, ids, stopped = None, 0, [], [], False
     for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
+        if stop is not None and stop():  # Ctrl-C came while this token was computed: nothing more is shown
+            stopped = True
+            _unfeed_last(cache)
+            break
         ttft = time.perf_counter() - t0 if ttft is None else ttft
         n = r.generation_tokens
         pieces.append(r.text)
@@ -134,16 +139,22 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
         if echo:
             click.echo(r.text, nl=False)
             sys.stdout.flush()
-        if stop is not None and stop():
-            stopped = True
-            break
-    if echo:
+    if echo and (pieces or not stopped):
         click.echo()
         sys.stdout.flush()
     decode_s = time.perf_counter() - t0 - (ttft or 0)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     return {"answer": "".join(pieces), "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
             "prompt_tokens": len(prompt), "token_ids": ids, "stopped": stopped}
+
+
+def _unfeed_last(cache):
+    """Take the last fed token back off `cache` where every layer can trim (a chat that cannot, a window or
+    recurrent state, starts its next turn afresh anyway)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if can_trim_prompt_cache(cache):
+        trim_prompt_cache(cache, 1)
 
 
 def _questions(question, questions_file):
