@@ -85,7 +85,7 @@ def test_serve_on_a_busy_port_is_one_line_before_any_work(built):
     assert r.returncode == 1 and len(err) == 1 and err[0].startswith("error: cannot listen on 127.0.0.1:"), err
 
 
-def test_chat_save_writes_the_conversation_and_ask_continues_it(built, tmp_path):
+def test_chat_save_writes_the_conversation_and_ask_continues_it(built, tmp_path, monkeypatch):
     out, _ = built
     saved = tmp_path / "talk.cart"
     r = run("chat", out, "--max-tokens", "4", stdin=f"How much is the rent?\n/save {saved}\n/quit\n".encode())
@@ -95,6 +95,14 @@ def test_chat_save_writes_the_conversation_and_ask_continues_it(built, tmp_path)
     err = again.stderr.decode().strip().splitlines()
     assert again.returncode == 1 and len(err) == 1 and "holds a saved conversation" in err[0], err
     assert run("ask", saved, "And the notice?", "--max-tokens", "3").returncode == 0
+    from click.testing import CliRunner
+
+    from cartridge.cli import chat
+    from cartridge.cli.main import cli
+
+    monkeypatch.setattr(chat, "load_cartridge", lambda *a, **k: pytest.fail("the model was loaded first"))
+    r = CliRunner().invoke(cli, ["chat", str(saved)], input="Who?\n")
+    assert r.exit_code == 1 and "holds a saved conversation" in str(r.exception)
 
 
 def test_max_memory_below_the_stored_pages_and_a_dequantize_once_it_changed_are_said(built):

@@ -32,9 +32,8 @@ def chat(path, max_tokens, model, attention, max_memory):
     question). With piped input each question is echoed ("> QUESTION") before its answer."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
+    _refuse_saved_conversation(path)  # before the model is loaded
     cart, load_s = load_cartridge(path, model, attention, max_memory=max_memory)
-    if cart.info.document_tokens < len(cart.tokens):
-        raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
     check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     tty = sys.stdin.isatty()
     click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; {COMMANDS}", err=True)
@@ -48,6 +47,16 @@ def chat(path, max_tokens, model, attention, max_memory):
             if not tty:
                 click.echo(f"> {line}")  # the transcript on stdout reads as a conversation
             _turn(cart, cache, messages, saved, line, max_tokens)
+
+
+def _refuse_saved_conversation(path):
+    """Chat renders conversations from the bare document: a saved one is continued with `ask`."""
+    from cartridge.format.reader import open_cartridge
+
+    info, data = open_cartridge(path, "header")
+    data.close()
+    if info.document_tokens < len(info.tokens):
+        raise InputError(f"{path} holds a saved conversation; continue it with `cartridge ask {path} QUESTION`")
 
 
 def _read_line(tty):
