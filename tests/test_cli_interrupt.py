@@ -105,3 +105,18 @@ def test_convert_interrupted_writes_nothing(tiny_dir, corpus, tmp_path):
                         flag=tmp_path / "flag")
     check_one_line(rc, err)
     assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]
+
+
+def test_ask_interrupted_mid_answer_ends_the_answer_line(tiny_dir, corpus, tmp_path):
+    """Ctrl-C ends `ask` (status 130); the partial answer's line is ended first, so in a terminal the
+    "error: interrupted" line is a line of its own."""
+    cart = corpus.parent / "doc.cart"
+    cartridge.build(DOC, cart, model=str(tiny_dir), page_size=16)
+    flag = tmp_path / "flag"
+    proc = start("answer", "ask", cart, "How much is the rent?", "--max-tokens", 200, flag=flag)
+    wait_for(flag, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = (s.decode() for s in proc.communicate(timeout=120))
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert out.endswith("\n") and out.count("\n") == 1 and len(out) > 1, out
+    assert err.splitlines()[-1] == "error: interrupted", err

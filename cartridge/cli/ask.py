@@ -127,18 +127,24 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
     check_room(cart, cache, prompt, max_tokens, what)
     t0 = time.perf_counter()
     ttft, n, pieces, ids, stopped = None, 0, [], [], False
-    for r in mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache):
-        if stop is not None and stop():  # Ctrl-C came while this token was computed: nothing more is shown
-            stopped = True
-            _unfeed_last(cache)
-            break
-        ttft = time.perf_counter() - t0 if ttft is None else ttft
-        n = r.generation_tokens
-        pieces.append(r.text)
-        ids.append(r.token)
-        if echo:
-            click.echo(r.text, nl=False)
-            sys.stdout.flush()
+    stream = mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache)
+    try:
+        for r in stream:
+            if stop is not None and stop():  # Ctrl-C came while this token was computed: nothing more is shown
+                stopped = True
+                _unfeed_last(cache)
+                break
+            ttft = time.perf_counter() - t0 if ttft is None else ttft
+            n = r.generation_tokens
+            pieces.append(r.text)
+            ids.append(r.token)
+            if echo:
+                click.echo(r.text, nl=False)
+                sys.stdout.flush()
+    except KeyboardInterrupt:  # `ask` ends (exit 130): its "error: interrupted" goes on a line of its own
+        if echo and pieces:
+            click.echo()
+        raise
     if echo and (pieces or not stopped):
         click.echo()
         sys.stdout.flush()
