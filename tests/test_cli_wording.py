@@ -73,3 +73,15 @@ def test_a_folder_that_cannot_be_written_is_named_not_writable(capsys, tmp_path)
     status, _, err = cli(capsys, "build", tmp_path / "doc.txt", "-o", "/proc/doc.cart")
     assert status == 1 and err == ["error: folder /proc is not writable (creating a directory in it failed: No such "
                                    "file or directory)"], err
+
+
+def test_an_output_named_cartz_is_refused_before_any_work(capsys, tmp_path):
+    """A writer makes a cartridge directory: an output called x.cartz would be a directory that looks packed."""
+    (tmp_path / "doc.txt").write_text("A lease.")
+    out = tmp_path / "x.cartz"
+    expect = f"error: output {out}: a .cartz is a packed cartridge; write {tmp_path / 'x.cart'} and `cartridge pack` it to {out}"
+    for args in (("build", tmp_path / "doc.txt", "-o", out, "--model", tmp_path / "no-model"),
+                 ("convert", tmp_path / "none.cart", "-o", out)):
+        status, _, err = cli(capsys, *args)
+        assert status == 1 and err == [expect], (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]

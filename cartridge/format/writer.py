@@ -227,16 +227,19 @@ def check_utf8_path(path, what):
 
 
 def check_output_path(dest, force):
-    """Refuse an output path that exists (unless `force` and it is a cartridge), or that cannot be
-    written (`check_output_folder`).
+    """Refuse an output path that exists (unless `force` and it is a cartridge), that names a packed
+    .cartz (a writer makes a directory), or that cannot be written (`check_output_folder`).
 
     Raises:
         OutputExistsError: as described.
-        InputError, WriteError: from `check_output_folder`.
+        InputError, WriteError: from `check_output_folder`; InputError for a .cartz name.
     """
     check_output_folder(dest)
     check_utf8_path(dest, "output path")
     dest = Path(dest)
+    if dest.suffix == ".cartz":
+        raise InputError(f"output {dest}: a .cartz is a packed cartridge; write {dest.with_suffix('.cart')} and "
+                         f"`cartridge pack` it to {dest}")
     if not (dest.exists() or dest.is_symlink()):
         return
     is_cart = dest.is_dir() and (dest / MANIFEST_NAME).is_file()
