@@ -267,3 +267,26 @@ def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_p
     with pytest.raises(InputError, match="budget 16 bytes/token is below the cheapest measured schema"):
         cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(target_ratio=64.0))
     assert not (tmp_path / "x.cart").exists()
+
+
+def test_the_evaluation_sequence_asks_every_probe_as_a_follow_up_turn(tiny64, monkeypatch):
+    from cartridge.build import prefill
+    from cartridge.calibrate import sequence
+    from cartridge.models.prompt import followup_tokens, prefix_tokens, prompt_mode, question_tokens
+
+    tok, mode = tiny64.tokenizer, prompt_mode(tiny64.tokenizer)
+    tokens = prefix_tokens(tok, DOC, mode)
+    caches = prefill(tiny64.model, tokens)
+    split = sequence.split_of(tokens)
+    kv = [(c.keys[..., :split, :], c.values[..., :split, :]) for c in caches]
+    probes = ("What is it about?", "Which numbers does it mention?")
+    ids, logprobs = sequence.eval_sequence(tiny64.model, tok, mode, kv, tokens, split, 3, probes)
+    first = tokens[split:] + question_tokens(tok, probes[0], mode)
+    assert ids[:len(first)] == first
+    # 3 greedy tokens a probe: the first two fed alone, the third with the next turn; the last one never fed
+    rest = ids[len(first) + 2:]
+    second = followup_tokens(tok, probes[1], mode, last_token=rest[0])
+    assert rest[1:] == second + rest[-2:] and len(rest) == 1 + len(second) + 2
+    assert logprobs.shape == (len(ids), tiny64.model.args.vocab_size)
+    monkeypatch.setattr(sequence, "SCORE_DOCUMENT", False)
+    assert sequence.scored(len(ids), len(tokens) - split) == len(tokens) - split
