@@ -31,7 +31,7 @@ import numpy as np
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO  # noqa: F401
 from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
-from . import dense
+from . import cuda_decode, dense
 from .constants import constant_lines
 
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
@@ -65,6 +65,8 @@ DENSE_MIN_ROWS_OTHER = 512
 # against 49.2-49.4 for 264 at 128K, equal at 64K)
 MMA_TARGET_BLOCKS = 264
 MMA_TARGET_BLOCKS_D64 = 528
+TC_TARGET_BLOCKS = 264  # the same for flash_pass1_tc (benchmarks sweep them apart)
+TC_TARGET_BLOCKS_D64 = 528
 MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
 MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
@@ -76,6 +78,8 @@ TC_WARPS = 4
 # 103.1 / 107.9 us against 109.1 / 111.6 for mxfp4 / nvfp4, 103.6 against 106.4 for turbo4, but 145.3 / 122.1
 # against 123.4 / 89.3 for turbo3 / turbo2 (spreading 3- and 2-bit codes into nibbles costs more than it saves)
 REGISTER_LOOKUP = frozenset((MXFP4, NVFP4))
+# a question's prefill decodes compressed pages by one CUDA kernel (`cuda_decode`) rather than by MLX ops
+CUDA_DECODE = True
 MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
 # 3 = no finish in the single launch (outputs are then garbage)
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
@@ -114,7 +118,7 @@ if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
 
 
 @functools.cache
-def _header():
+def source_header():
     """(header, digest): an #include of `SOURCE` (the whole text where the path cannot be quoted)."""
     text = SOURCE.read_text()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -151,7 +155,7 @@ def kernel_spec(kind, n_chunks=0, consts=()):
             outputs = ["out"]
             body = SINGLE_SCRATCH + body + SINGLE_FINISH
     tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
-    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{_header()[1]}_{tag}"
+    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{source_header()[1]}_{tag}"
     return name, inputs, outputs, _constants(consts) + body
 
 
@@ -160,7 +164,7 @@ def _kernel(kind, n_chunks, consts, shared_memory=0):
     """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`, with `shared_memory` dynamic bytes."""
     name, inputs, outputs, body = kernel_spec(kind, n_chunks, consts)
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
-                               header=_header()[0], shared_memory=shared_memory)
+                               header=source_header()[0], shared_memory=shared_memory)
 
 
 def _tc_side_bytes(tid, bits, D):
@@ -346,6 +350,14 @@ class FusedAttention:
             self._kept_as[dtype] = kept
         return kept
 
+    def decoded(self, side, n_out, dtype, D):
+        """A side's stored tokens decoded by `cuda_decode.decode_side` as (1, n_kv, n_out, D) of `dtype` (stored
+        basis), or None where that kernel does not read the side (`dense.prefill_attention` decodes by MLX ops)."""
+        spec, arrays, cb = (self.k_spec, self.k_in, self.cbk) if side == "k" else (self.v_spec, self.v_in, self.cbv)
+        if not (cuda_decode.reads(spec, self.page, D) and self.table_ok):
+            return None
+        return cuda_decode.decode_side(spec, arrays, cb, self.prefix.n_tokens, n_out, D, dtype, source_header())
+
     def uses_mma(self, R, D):
         """True if pass 1 runs `flash_pass1_mma` (mlx4g32 K and V) for R query rows per KV head and head_dim D."""
         return TENSOR_CORES and self.mma and R <= 4 and D in MMA_HEAD_DIMS and has_tensor_cores()
@@ -370,7 +382,7 @@ class FusedAttention:
                       ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG), ("RK", self.k_rot)]
             grid = (n_splits * threads, self.n_kv, 1)
         elif self.uses_tensor_cores(R, D):
-            target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
+            target = TC_TARGET_BLOCKS_D64 if D == 64 else TC_TARGET_BLOCKS
             row_blocks = -(-R // 8)
             per, n_splits = split_plan(self.end - self.start, self.n_kv, row_blocks, 16 * TC_WARPS, target, granule=16)
             (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
@@ -426,7 +438,8 @@ class FusedAttention:
         """
         _, n_q, L, D = queries.shape
         if n_q // self.n_kv * L >= DENSE_MIN_ROWS.get(self.k_spec[0], DENSE_MIN_ROWS_OTHER):
-            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks)
+            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks,
+                                           decode=self.decoded if CUDA_DECODE else None)
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
@@ -436,7 +449,7 @@ class FusedAttention:
                   and tail_len <= chunk_size and not self.v_back and sinks is None and self.kept is None)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
                MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES, sinks is None,
-               REGISTER_LOOKUP)
+               REGISTER_LOOKUP, TC_TARGET_BLOCKS, TC_TARGET_BLOCKS_D64, TC_WARPS)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single,
