@@ -298,7 +298,8 @@ PREFILL_TIERS = ("mlx4g32", "mlx4g32+rot", "int8", "fp8", "kivi4", "nvfp4", "tur
 
 
 def _prefill_variants(prefix, L):
-    """(name, kernel, DENSE_MIN_ROWS_OTHER, CUDA_DECODE) of the question-prefill paths timed for L query tokens."""
+    """(name, kernel, rows from which the call decodes the pages, CUDA_DECODE) of the question-prefill paths timed
+    for L query tokens."""
     fused = cuda.FusedAttention(prefix)
     out = [("decoded-cuda", fused, 1, True)]
     if L >= 256:
@@ -313,7 +314,7 @@ def prefill():
     """A question's attention (L tokens, causal) over the prefix: MLX's dense SDPA; the fused kernel (L < 256); the
     pages decoded for the call by `cuda_decode` or by MLX ops, then MLX's SDPA; dequantize-once's contiguous
     buffer. Each output's max abs error against the MLX-op decode (or the kernel)."""
-    rows, saved = [], (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.CUDA_DECODE)
+    rows, saved = [], (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE)
     for n, tiers, lengths in ((131072, PREFILL_TIERS, (32, 64, 256)), (32768, PREFILL_TIERS[:3], (32, 256))):
         k, v = bench._kv(N_KV, n, D, seed=n)
         for L in lengths:
@@ -332,7 +333,8 @@ def prefill():
                 mx.eval(prefix.k_parts, prefix.v_parts)
                 ref = None
                 for name, kernel, min_rows, decode in _prefill_variants(prefix, L):
-                    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.CUDA_DECODE = {}, min_rows, decode
+                    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = \
+                        {}, min_rows, min_rows, decode
                     c = CartridgeCache(replace(prefix, kernel=kernel))
                     c.update_and_fetch(new, new)
                     row = {"tier": tier, "context": n, "query_tokens": L, "variant": name, "error": None}
@@ -348,7 +350,7 @@ def prefill():
                     print(json.dumps(row), flush=True)
                     del c
                     mx.clear_cache()
-                cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.CUDA_DECODE = saved
+                cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = saved
                 del prefix
                 mx.clear_cache()
     return rows

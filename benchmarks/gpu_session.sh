@@ -32,8 +32,13 @@ for part in floors e2e; do case " $STEPS " in *" $part "*)
   tail -12 $OUT/h200-$part.log;; esac; done
 case " $STEPS " in *" bench "*)
   python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused,dequantize-once --no-e2e \
-    --query-tokens ${QUERY:-none} --json $OUT/h200-bench-$TAG.json > $OUT/h200-bench-$TAG.log 2>&1
+    --query-tokens ${QUERY:-none} --repeats ${REPEATS:-20} --json $OUT/h200-bench-$TAG.json > $OUT/h200-bench-$TAG.log 2>&1
   grep -A40 '^gate' $OUT/h200-bench-$TAG.log | head -40;; esac
+case " $STEPS " in *" bench-e2e "*)  # E2E_TIERS decoded end to end (llama3-8b shape, fused) at 32K and 128K
+  python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused --tiers ${E2E_TIERS:-fp16,int8} \
+    --e2e-shape llama3-8b --e2e-contexts 32768,131072 --query-tokens none --repeats 10 \
+    --json $OUT/h200-e2e-$TAG.json > $OUT/h200-e2e-$TAG.log 2>&1
+  tail -30 $OUT/h200-e2e-$TAG.log;; esac
 K4=${K4:-(fused_cuda and (rot or turbo or kivi4 or sinks or protected)) or question_prefill_cuda or single_launch}
 case " $STEPS " in *" k4 "*)
   DEVICE=gpu timeout ${LIMIT_K4:-170} python3 -m pytest -q -rA -p no:cacheprovider -n 16 -m "not slow" \

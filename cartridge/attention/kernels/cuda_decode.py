@@ -1,6 +1,6 @@
 """A layer's stored pages decoded to the queries' dtype by one CUDA kernel, for a question's prefill (issue 34 item 3).
 
-A question of many tokens (`cuda.DENSE_MIN_ROWS` query rows per KV head and more) attends by MLX's own SDPA over
+A question of many tokens (`cuda.DECODED_MIN_ROWS` query rows per KV head and more) attends by MLX's own SDPA over
 the layer's pages decoded for that call (`kernels/dense.py`). Decoded by MLX ops, a compressed side costs several
 passes over the layer (unpack, float32 arithmetic, the cast, the layout); `decode_tiles` in flash_decode.cuh reads
 each 16-token tile once, as the tensor-core pass 1 reads it, and writes the values once, already laid out as

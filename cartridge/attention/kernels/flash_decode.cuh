@@ -993,7 +993,10 @@ struct TcSide {
                           : TIER == TURBO ? 2 : 0;
   static constexpr int B2 = AFFINE ? D / 16 : 0;
   static constexpr int SBR = TIER == KIVI4 ? 32 : 16;  // rows of arrays 1 and 2 in a tile (kivi4: its token group's)
-  static constexpr int RS = B0 % 16 == 0 ? B0 + 16 : B0;  // row stride of array 0 (padded against bank conflicts)
+  // row stride of array 0: an odd number of 16-byte units where the row is whole units, so that the 8 rows a
+  // fragment read touches start in 8 different 4-bank groups (an even number, e.g. turbo3's 48 + 16 bytes at
+  // head_dim 128, put rows 0, 2, 4, 6 on the same banks: 4-way conflicts, measured by Nsight Compute on an H200)
+  static constexpr int RS = B0 % 16 != 0 ? B0 : (B0 / 16) % 2 ? B0 : B0 + 16;
   static constexpr int O1 = 16 * RS;
   static constexpr int O2 = O1 + (SBR * B1 + 15) / 16 * 16;
   static constexpr int BYTES = O2 + (SBR * B2 + 15) / 16 * 16;  // one 16-token tile
