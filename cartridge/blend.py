@@ -27,6 +27,9 @@ from .errors import InputError
 
 DEFAULT_SELECT_LAYER = 1  # the paper's: layer 0's K/V do not deviate (token and position only)
 CHUNK = 256  # tokens per forward pass of the selection and of the recompute
+SELECTIONS = ("attention", "deviation")  # the score: probe attention mass x deviation, or deviation alone
+DEFAULT_SELECTION = "attention"  # measured on the LGPL halves (docs/evaluation.md, "Selective recompute")
+PROBE = "What does the document say about this?"  # a generic question: its rows stand in for later questions
 
 
 class _Stopped(Exception):
@@ -127,6 +130,46 @@ def deviation(fresh, stored):
     for f, s in zip(fresh, stored):
         out = out + ((f - s) ** 2).sum(axis=(0, 2)) / mx.maximum((f ** 2).sum(axis=(0, 2)).mean(), 1e-30)
     return out
+
+
+def part_mass(q, part, partials):
+    """Attention probability that query rows put on each of the part's stored tokens, summed over rows and heads.
+
+    Args:
+        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled, rotated back by the part's shift.
+        part (compose.Part): the stored part. partials (list[tuple]): every (o, m, l) partial of these rows
+            over the whole context (the part's included): they give each row's softmax normalizer.
+
+    Returns:
+        mx.array: (n_tokens - part.start,) float32.
+    """
+    m = partials[0][1]
+    for _, mi, _ in partials[1:]:
+        m = mx.maximum(m, mi)
+    lse = m + mx.log(sum(li * mx.exp(mi - m) for _, mi, li in partials))  # (n_kv, R)
+    p = part.prefix
+    s = p.k_codec.scores(q, p.k_parts, p.k_params)  # (n_pages, n_kv, R, P)
+    mass = mx.exp(s - lse[None, :, :, None]).sum(axis=(1, 2)).reshape(-1)
+    if part.skip is not None:
+        mass = mx.where(part.skip, 0.0, mass)
+    return mass[part.start:p.n_tokens]
+
+
+def probe_mass(model, caches, ids):
+    """Attention mass that `ids`, fed after the composed context, put on the last part's stored tokens,
+    summed over rows, heads and layers.
+
+    Args:
+        model: the mlx-lm model. caches (list[compose.ComposedCache]): a fresh prompt cache of the composition.
+        ids (list[int]): the probe's tokens (a question prompt).
+
+    Returns:
+        mx.array: (n_tokens - start,) float32, for the last part's stored tokens from its `start` on.
+    """
+    for c in caches:
+        c.record = []
+    model(mx.array(ids)[None], cache=caches)
+    return sum(m for c in caches for m in c.record)
 
 
 def select(scores, k):
