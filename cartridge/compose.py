@@ -358,7 +358,7 @@ class ComposedCartridge:
     def prompt_cache(self):
         """A fresh cache list over the composed context."""
         route.install()
-        return [ComposedCache(parts, patches, len(self.tokens), rope)
+        return [ComposedCache(list(parts), list(patches), len(self.tokens), rope)  # copies: parts are appended
                 for parts, patches, rope in zip(self._layers, self._patches, self._ropes)]
 
 
