@@ -37,17 +37,22 @@ class _Stopped(Exception):
 
 
 class _Capture:
-    """The selection layer's stand-in: keeps the K/V the model hands it and stops the forward pass."""
+    """The selection layer's stand-in: keeps the K/V the model hands it and stops the forward pass.
+
+    Its offset moves on by the tokens captured, as the layer's cache would have: the model rotates each chunk's
+    keys at this offset (left at the cache's, every chunk after the first was rotated as if it were the first).
+    """
 
     def __init__(self, cache):
-        self.cache, self.kv = cache, None
+        self.cache, self.kv, self.done = cache, None, 0
 
     @property
     def offset(self):
-        return self.cache.offset
+        return self.cache.offset + self.done
 
     def update_and_fetch(self, keys, values):
         self.kv = keys[0], values[0]  # (n_kv_heads, L, head_dim) at their composed positions
+        self.done += keys.shape[2]
         raise _Stopped
 
 

@@ -170,3 +170,20 @@ def chosen_scores(tiny, carts, part):
     tiny.model(mx.array(c.tokens[len(carts[0].tokens):len(c.tokens) - c.blended[0]["read"]])[None], cache=caches)
     fresh = blend.fresh_layer_kv(tiny.model, caches, c.tokens[len(c.tokens) - c.blended[0]["read"]:], 1)
     return np.array(blend.deviation(fresh, blend.stored_kv(part, c._ropes[1])))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_selection_pass_kv_equal_a_fresh_prefill_over_several_chunks(carts, tiny, monkeypatch, layer):
+    """The selection pass's K/V at `layer`, in chunks of 4 tokens, are the fresh prefill's at the same positions
+    (each chunk's keys rotated at its own positions, not at the first chunk's)."""
+    monkeypatch.setattr(blend, "CHUNK", 4)
+    c = compose(carts[:2], recompute=2, recompute_ratio=0.0)
+    n_read = c.blended[0]["read"]
+    first = len(c.tokens) - n_read
+    caches = [ComposedCache(p[:1], [], len(carts[0].tokens), r) for p, r in zip(c._layers, c._ropes)]
+    tiny.model(mx.array(c.tokens[len(carts[0].tokens):first])[None], cache=caches)
+    k, v = blend.fresh_layer_kv(tiny.model, caches, c.tokens[first:], layer)
+    k_ref, v_ref = _fresh_kv(tiny, c.tokens)[layer]
+    assert k.shape[1] == n_read > 3 * blend.CHUNK
+    np.testing.assert_allclose(np.array(k), np.array(k_ref[:, first:]), atol=2e-3)
+    np.testing.assert_allclose(np.array(v), np.array(v_ref[:, first:]), atol=2e-3)
