@@ -6,7 +6,7 @@ of the composed tokens (the reference) and over each composition; per (strategy,
 the mean KL (fresh || composed) over those positions and the top-1 agreement. R is `compose`'s
 recompute_ratio (boundary counted in); only the choice of the stored tokens differs between strategies:
 
-    layer1       compose(selection="deviation"): K/V deviation at layer 1 (`blend.deviation`)
+    deviation    compose(selection="deviation"): K/V deviation at --select-layer (`blend.deviation`)
     attention    compose(selection="attention"): that deviation x the probe's attention mass (`blend.probe_mass`)
     layerN       the same deviation at layer N (computed here from the fresh prefill's K/V: the same K/V
                  a selection pass stopped at layer N would see)
@@ -41,6 +41,7 @@ from cartridge.models.prompt import SEPARATOR
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 BLOCK = 32
+SELECT_LAYER = [blend.DEFAULT_SELECT_LAYER]  # compose's selection layer (--select-layer)
 
 
 def log_probs(model, ids, cache):
@@ -118,7 +119,7 @@ def top_of(scores, k):
 def strategies(pair, rng_seed=0):
     n = pair.n_read
     out = {
-        "layer1": ("deviation", None),  # compose's own selection passes
+        "deviation": ("deviation", None),  # compose's own selection passes
         "attention": ("attention", None),
         "first": lambda k: list(range(k)),
         "last": lambda k: list(range(n - k, n)),
@@ -127,7 +128,7 @@ def strategies(pair, rng_seed=0):
         "mass": lambda k: top(pair.mass, k),
         "mass*alldev": lambda k: top(pair.mass * pair.dev.sum(0), k),
     }
-    for layer in (4, 8, 16):
+    for layer in (1, 4, 8, 16):
         out[f"layer{layer}"] = partial(top_of, pair.dev[layer])
     return {k: v if isinstance(v, tuple) else ("deviation", v) for k, v in out.items()}
 
@@ -142,7 +143,7 @@ def composed(pair, ratio, how):
                 return super()._select(caches, cart, part, k)
             return choose(k)
     t0 = time.perf_counter()
-    comp = Chosen(pair.carts, 16, SEPARATOR, ratio, blend.DEFAULT_SELECT_LAYER, selection)
+    comp = Chosen(pair.carts, 16, SEPARATOR, ratio, SELECT_LAYER[0], selection)
     return comp, time.perf_counter() - t0
 
 
@@ -167,11 +168,13 @@ def main():
     ap.add_argument("report")
     ap.add_argument("out")
     ap.add_argument("--ratios", default=",".join(str(r) for r in RATIOS))
-    ap.add_argument("--strategies", default="layer1,attention,first,random")
+    ap.add_argument("--strategies", default="deviation,attention,first,random")
     ap.add_argument("--oracle", action="store_true")
     ap.add_argument("--bleu", default="", help="ratios at which to answer greedily too, e.g. 0.1,0.2,0.3")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--select-layer", type=int, default=blend.DEFAULT_SELECT_LAYER)
     args = ap.parse_args()
+    SELECT_LAYER[0] = args.select_layer
     with open(args.report) as f:
         report = json.load(f)
     t0 = time.perf_counter()
@@ -185,7 +188,7 @@ def main():
     log("deviation per layer (mean over B): " + " ".join(f"{d:.3f}" for d in pair.dev.mean(1)))
     log(f"mass on B: total {pair.mass.sum():.3f}, top-5% tokens hold {np.sort(pair.mass)[::-1][:pair.n_read // 20].sum() / pair.mass.sum():.2f}")
     table = strategies(pair)
-    result = {"report": args.report, "n_fresh": pair.n_fresh, "n_read": pair.n_read, "probe": blend.PROBE,
+    result = {"report": args.report, "select_layer": args.select_layer, "n_fresh": pair.n_fresh, "n_read": pair.n_read, "probe": blend.PROBE,
               "deviation_per_layer": pair.dev.mean(1).tolist(), "rows": []}
     if args.oracle:
         gain, blocks = block_oracle(pair, log)

@@ -363,7 +363,7 @@ class ComposedCartridge:
 
 
 def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_ratio=DEFAULT_RECOMPUTE_RATIO,
-            select_layer=blend.DEFAULT_SELECT_LAYER, selection=blend.DEFAULT_SELECTION):
+            select_layer=None, selection=blend.DEFAULT_SELECTION):
     """Lay loaded cartridges of one model out one after another.
 
     Args:
@@ -376,7 +376,8 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_r
             whose K/V at `select_layer` deviate most when prefilled after what precedes them (CacheBlend,
             arXiv:2405.16444 section 4; `cartridge.blend`). 0: the boundary only; 1: all (a fresh prefill).
             Default: DEFAULT_RECOMPUTE_RATIO.
-        select_layer (int): the layer whose K/V deviation selects the tokens. Default: 1 (the paper's).
+        select_layer (int | None): the layer whose K/V deviation selects the tokens (the paper's is 1). Default:
+            None, blend.DEFAULT_SELECT_LAYER or the model's last layer if it has fewer.
         selection (str): "attention": that deviation times the attention mass a generic probe question puts on
             each token over the boundary-only composition (`blend.probe_mass`); "deviation": the deviation alone
             (the paper's). Default: blend.DEFAULT_SELECTION.
@@ -395,6 +396,7 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_r
         raise InputError(f"recompute is {recompute!r}; it must be a whole number of tokens >= 0")
     blend.check_ratio(recompute_ratio)
     n_layers = len(carts[0].prefixes)
+    select_layer = min(blend.DEFAULT_SELECT_LAYER, n_layers - 1) if select_layer is None else select_layer
     if isinstance(select_layer, bool) or not isinstance(select_layer, int) or not 0 <= select_layer < n_layers:
         raise InputError(f"select_layer is {select_layer!r}; the model's layers are 0..{n_layers - 1}")
     if selection not in blend.SELECTIONS:
