@@ -6,8 +6,9 @@ in the composed context. Layer 0's K/V depend only on the token and its position
 keys are rotated to their composed positions; from layer 1 on they deviate, and unevenly over the tokens.
 
 1. select: the document's tokens read from pages are prefilled again over what precedes them up to layer
-   `select_layer` only (the forward pass stops there, the paper's first-layer check); the tokens whose K/V there
-   deviate most from the stored ones (rotated to their composed positions) are selected.
+   `select_layer` only (the forward pass stops there; the paper checks layer 1, the default here is 4); the
+   tokens whose K/V there deviate most from the stored ones (rotated to their composed positions) are selected,
+   optionally weighted by the attention mass a probe question puts on them (`probe_mass`).
 2. recompute (`compose.BlendCache`): the selected tokens alone run through every layer, each attending
    causally by composed position over the composed context, where the document's other tokens keep their
    stored K/V and the selected ones have their fresh K/V (the paper's fusion). Their fresh K/V become
@@ -54,6 +55,18 @@ class _Capture:
         self.kv = keys[0], values[0]  # (n_kv_heads, L, head_dim) at their composed positions
         self.done += keys.shape[2]
         raise _Stopped
+
+
+def ropes(model):
+    """Each layer's rotary embedding module (mlx-lm's `self_attn.rope`).
+
+    Raises:
+        InputError: the model's attention has no `rope` module.
+    """
+    try:
+        return [layer.self_attn.rope for layer in model.layers]
+    except AttributeError:
+        raise InputError("this model's attention has no `rope` module; cartridges cannot be composed for it") from None
 
 
 def check_ratio(ratio, name="recompute_ratio"):

@@ -193,13 +193,6 @@ class BlendCache(ComposedCache):
         return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
 
 
-def _ropes(model):
-    try:
-        return [layer.self_attn.rope for layer in model.layers]
-    except AttributeError:
-        raise InputError("this model's attention has no `rope` module; cartridges cannot be composed for it") from None
-
-
 def separator_tokens(tokenizer, before, separator, after, context=8):
     """The separator's token ids as the tokenizer splits it between two documents' text.
 
@@ -290,7 +283,7 @@ class ComposedCartridge:
         self.recompute_ratio, self.select_layer, self.blended = recompute_ratio, select_layer, []
         self.model, self.tokenizer = carts[0].model, carts[0].tokenizer
         self.info, self.attention, self.plan = carts[-1].info, carts[0].attention, carts[0].plan
-        self._ropes = _ropes(self.model)
+        self._ropes = blend.ropes(self.model)
         self._layers = [[Part(p, 0, 0)] for p in carts[0].prefixes]
         self._patches = [[] for _ in self._layers]
         self.tokens = list(carts[0].tokens)
@@ -328,9 +321,8 @@ class ComposedCartridge:
                              positions, "select_s": select_s, "recompute_s": time.perf_counter() - t0})
 
     def _select(self, caches, cart, part, k):
-        """Indices into the tokens read from `cart`'s pages of the `k` to recompute, ascending: those whose K/V at
-        `select_layer` deviate most from the stored ones when prefilled after `caches` (which hold the separator
-        and boundary), that deviation weighted by the probe's attention mass on the composition (`selection`)."""
+        """Indices into the tokens read from `cart`'s pages of the `k` to recompute, ascending: the top of their K/V
+        deviation at `select_layer` after `caches` (separator and boundary prefilled), x the probe's mass (`selection`)."""
         if k in (0, len(cart.tokens) - part.start):  # none, or every one: nothing to choose
             return list(range(k))
         fresh = blend.fresh_layer_kv(self.model, caches, cart.tokens[part.start:], self.select_layer)
