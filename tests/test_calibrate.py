@@ -258,9 +258,9 @@ def test_heavy_hitters_are_not_protected_by_default_so_preset_cartridges_extend_
 
 
 def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_path, monkeypatch):
-    import sys
+    import importlib
 
-    build_mod = sys.modules["cartridge.build"]  # (the package's `build` attribute is the function)
+    build_mod = importlib.import_module("cartridge.build")  # (the package's `build` attribute is the function)
     monkeypatch.setattr(build_mod, "prefill", lambda *a, **k: pytest.fail("prefilled before refusing the budget"))
     with pytest.raises(InputError, match="budget 1 bytes/token is below the cheapest measured schema"):
         cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(max_bytes_per_token=1))
