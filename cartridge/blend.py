@@ -6,8 +6,9 @@ in the composed context. Layer 0's K/V depend only on the token and its position
 keys are rotated to their composed positions; from layer 1 on they deviate, and unevenly over the tokens.
 
 1. select: the document's tokens read from pages are prefilled again over what precedes them up to layer
-   `select_layer` only (the forward pass stops there, the paper's first-layer check); the tokens whose K/V there
-   deviate most from the stored ones (rotated to their composed positions) are selected.
+   `select_layer` only (the forward pass stops there; the paper checks layer 1, the default here is 4); the
+   tokens whose K/V there deviate most from the stored ones (rotated to their composed positions) are selected,
+   optionally weighted by the attention mass a probe question puts on them (`probe_mass`).
 2. recompute (`compose.BlendCache`): the selected tokens alone run through every layer, each attending
    causally by composed position over the composed context, where the document's other tokens keep their
    stored K/V and the selected ones have their fresh K/V (the paper's fusion). Their fresh K/V become
@@ -25,8 +26,11 @@ import numpy as np
 
 from .errors import InputError
 
-DEFAULT_SELECT_LAYER = 1  # the paper's: layer 0's K/V do not deviate (token and position only)
+DEFAULT_SELECT_LAYER = 4  # the paper's is 1; on the default model 4 selects far better (docs/evaluation.md)
 CHUNK = 256  # tokens per forward pass of the selection and of the recompute
+SELECTIONS = ("attention", "deviation")  # the score: probe attention mass x deviation, or deviation alone
+DEFAULT_SELECTION = "deviation"  # measured on the LGPL halves (docs/evaluation.md, "Selective recompute")
+PROBE = "What does the document say about this?"  # a generic question: its rows stand in for later questions
 
 
 class _Stopped(Exception):
@@ -34,18 +38,35 @@ class _Stopped(Exception):
 
 
 class _Capture:
-    """The selection layer's stand-in: keeps the K/V the model hands it and stops the forward pass."""
+    """The selection layer's stand-in: keeps the K/V the model hands it and stops the forward pass.
+
+    Its offset moves on by the tokens captured, as the layer's cache would have: the model rotates each chunk's
+    keys at this offset (left at the cache's, every chunk after the first was rotated as if it were the first).
+    """
 
     def __init__(self, cache):
-        self.cache, self.kv = cache, None
+        self.cache, self.kv, self.done = cache, None, 0
 
     @property
     def offset(self):
-        return self.cache.offset
+        return self.cache.offset + self.done
 
     def update_and_fetch(self, keys, values):
         self.kv = keys[0], values[0]  # (n_kv_heads, L, head_dim) at their composed positions
+        self.done += keys.shape[2]
         raise _Stopped
+
+
+def ropes(model):
+    """Each layer's rotary embedding module (mlx-lm's `self_attn.rope`).
+
+    Raises:
+        InputError: the model's attention has no `rope` module.
+    """
+    try:
+        return [layer.self_attn.rope for layer in model.layers]
+    except AttributeError:
+        raise InputError("this model's attention has no `rope` module; cartridges cannot be composed for it") from None
 
 
 def check_ratio(ratio, name="recompute_ratio"):
@@ -127,6 +148,46 @@ def deviation(fresh, stored):
     for f, s in zip(fresh, stored):
         out = out + ((f - s) ** 2).sum(axis=(0, 2)) / mx.maximum((f ** 2).sum(axis=(0, 2)).mean(), 1e-30)
     return out
+
+
+def part_mass(q, part, partials):
+    """Attention probability that query rows put on each of the part's stored tokens, summed over rows and heads.
+
+    Args:
+        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled, rotated back by the part's shift.
+        part (compose.Part): the stored part. partials (list[tuple]): every (o, m, l) partial of these rows
+            over the whole context (the part's included): they give each row's softmax normalizer.
+
+    Returns:
+        mx.array: (n_tokens - part.start,) float32.
+    """
+    m = partials[0][1]
+    for _, mi, _ in partials[1:]:
+        m = mx.maximum(m, mi)
+    lse = m + mx.log(sum(li * mx.exp(mi - m) for _, mi, li in partials))  # (n_kv, R)
+    p = part.prefix
+    s = p.k_codec.scores(q, p.k_parts, p.k_params)  # (n_pages, n_kv, R, P)
+    mass = mx.exp(s - lse[None, :, :, None]).sum(axis=(1, 2)).reshape(-1)
+    if part.skip is not None:
+        mass = mx.where(part.skip, 0.0, mass)
+    return mass[part.start:p.n_tokens]
+
+
+def probe_mass(model, caches, ids):
+    """Attention mass that `ids`, fed after the composed context, put on the last part's stored tokens,
+    summed over rows, heads and layers.
+
+    Args:
+        model: the mlx-lm model. caches (list[compose.ComposedCache]): a fresh prompt cache of the composition.
+        ids (list[int]): the probe's tokens (a question prompt).
+
+    Returns:
+        mx.array: (n_tokens - start,) float32, for the last part's stored tokens from its `start` on.
+    """
+    for c in caches:
+        c.record = []
+    model(mx.array(ids)[None], cache=caches)
+    return sum(m for c in caches for m in c.record)
 
 
 def select(scores, k):

@@ -87,6 +87,7 @@ class ComposedCache(CartridgeCache):
     def __init__(self, parts, patches, length, rope, chunk_size=256):
         super().__init__(parts[0].prefix, chunk_size)
         self.parts, self.patches, self.length, self.rope = parts, patches, length, rope
+        self.record = None  # a list: each attention call appends its rows' mass on the last part (`blend.probe_mass`)
 
     @property
     def offset(self):
@@ -117,11 +118,14 @@ class ComposedCache(CartridgeCache):
             return (x.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
 
         q = flat(queries)
-        partials = [_part_partial(flat(self._rotated(queries.astype(mx.float32), p.shift)), p) for p in self.parts]
+        rotated = [flat(self._rotated(queries.astype(mx.float32), p.shift)) for p in self.parts]
+        partials = [_part_partial(r, p) for r, p in zip(rotated, self.parts)]
         partials += [tail_partial(q, k, v, True) for k, v in self.patches]
         partials += self._tail_partials(q, None, n_kv, group, L)
         if sinks is not None:
             partials.append(sink_partial(sinks, n_kv, L, D))
+        if self.record is not None:
+            self.record.append(blend.part_mass(rotated[-1], self.parts[-1], partials))
         # (n_kv, group * L, D) -> (1, n_q, L, D)
         return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
 
@@ -187,13 +191,6 @@ class BlendCache(ComposedCache):
         if sinks is not None:
             partials.append(sink_partial(sinks, n_kv, L, D))
         return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
-
-
-def _ropes(model):
-    try:
-        return [layer.self_attn.rope for layer in model.layers]
-    except AttributeError:
-        raise InputError("this model's attention has no `rope` module; cartridges cannot be composed for it") from None
 
 
 def separator_tokens(tokenizer, before, separator, after, context=8):
@@ -274,17 +271,19 @@ class ComposedCartridge:
         model, tokenizer: what to generate with. carts (list[Cartridge]): the parts.
         tokens (list[int]): the composed context's token ids. recompute (int): N.
         recompute_ratio (float): CacheBlend's budget. select_layer (int): the layer whose deviation selects.
+        selection (str): "attention" (deviation x the probe's attention mass) or "deviation" (`compose`).
         blended (list[dict]): per later document: "fresh" (separator + boundary tokens prefilled), "read"
             (tokens read from its pages), "selected" (of those, recomputed), "positions" (their composed
             positions), "select_s" / "recompute_s" (seconds of the selection pass and of the recompute).
     """
 
-    def __init__(self, carts, recompute, separator, recompute_ratio=0.0, select_layer=blend.DEFAULT_SELECT_LAYER):
-        self.carts, self.recompute = carts, recompute
+    def __init__(self, carts, recompute, separator, recompute_ratio=0.0, select_layer=blend.DEFAULT_SELECT_LAYER,
+                 selection=blend.DEFAULT_SELECTION):
+        self.carts, self.recompute, self.selection = carts, recompute, selection
         self.recompute_ratio, self.select_layer, self.blended = recompute_ratio, select_layer, []
         self.model, self.tokenizer = carts[0].model, carts[0].tokenizer
         self.info, self.attention, self.plan = carts[-1].info, carts[0].attention, carts[0].plan
-        self._ropes = _ropes(self.model)
+        self._ropes = blend.ropes(self.model)
         self._layers = [[Part(p, 0, 0)] for p in carts[0].prefixes]
         self._patches = [[] for _ in self._layers]
         self.tokens = list(carts[0].tokens)
@@ -301,33 +300,35 @@ class ComposedCartridge:
             self.model(mx.array(fresh)[None], cache=caches)  # recompute over everything before them
         shift = len(self.tokens) + len(fresh) - start  # true position - stored position of token `start`
         read = cart.tokens[start:]
-        patches = [cache.tail_kv() for cache in caches] if fresh else None
+        for layer, cache in enumerate(caches):  # the boundary-only composition first: selection probes it
+            if fresh:
+                self._patches[layer].append(cache.tail_kv())
+            if read:  # a part with no token left would have no key at all
+                self._layers[layer].append(Part(replace(cart.prefixes[layer], kernel=None), shift, start))
+        mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
+        self.tokens += fresh + read
         t0 = time.perf_counter()
         selected = self._select(caches, cart, Part(cart.prefixes[self.select_layer], shift, start),
                                 blend.budget(self.recompute_ratio, len(fresh), len(read)))
         select_s = time.perf_counter() - t0
-        for layer in range(len(caches)):
-            if fresh:
-                self._patches[layer].append(patches[layer])
-            if read:  # a part with no token left would have no key at all
-                skip = blend.skip_mask(cart.prefixes[layer], [start + i for i in selected]) if selected else None
-                self._layers[layer].append(Part(replace(cart.prefixes[layer], kernel=None), shift, start, skip))
-        mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
         t0 = time.perf_counter()
         positions = [start + shift + i for i in selected]
         if selected:
+            for parts in self._layers:
+                parts[-1] = replace(parts[-1], skip=blend.skip_mask(parts[-1].prefix, [start + i for i in selected]))
             self._recompute([read[i] for i in selected], positions)
         self.blended.append({"fresh": len(fresh), "read": len(read), "selected": len(selected), "positions":
                              positions, "select_s": select_s, "recompute_s": time.perf_counter() - t0})
-        self.tokens += fresh + read
 
     def _select(self, caches, cart, part, k):
-        """Indices into the tokens read from `cart`'s pages of the `k` whose K/V at `select_layer` deviate most
-        from the stored ones when prefilled after `caches` (which hold the separator and boundary); ascending."""
+        """Indices into the tokens read from `cart`'s pages of the `k` to recompute, ascending: the top of their K/V
+        deviation at `select_layer` after `caches` (separator and boundary prefilled), x the probe's mass (`selection`)."""
         if k in (0, len(cart.tokens) - part.start):  # none, or every one: nothing to choose
             return list(range(k))
         fresh = blend.fresh_layer_kv(self.model, caches, cart.tokens[part.start:], self.select_layer)
         scores = blend.deviation(fresh, blend.stored_kv(part, self._ropes[self.select_layer]))
+        if self.selection == "attention":
+            scores = scores * blend.probe_mass(self.model, self.prompt_cache(), self.question_prompt(blend.PROBE))
         return blend.select(scores, k)
 
     def _recompute(self, ids, positions):
@@ -349,12 +350,12 @@ class ComposedCartridge:
     def prompt_cache(self):
         """A fresh cache list over the composed context."""
         route.install()
-        return [ComposedCache(parts, patches, len(self.tokens), rope)
+        return [ComposedCache(list(parts), list(patches), len(self.tokens), rope)  # copies: parts are appended
                 for parts, patches, rope in zip(self._layers, self._patches, self._ropes)]
 
 
 def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_ratio=DEFAULT_RECOMPUTE_RATIO,
-            select_layer=blend.DEFAULT_SELECT_LAYER):
+            select_layer=None, selection=blend.DEFAULT_SELECTION):
     """Lay loaded cartridges of one model out one after another.
 
     Args:
@@ -367,14 +368,18 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_r
             whose K/V at `select_layer` deviate most when prefilled after what precedes them (CacheBlend,
             arXiv:2405.16444 section 4; `cartridge.blend`). 0: the boundary only; 1: all (a fresh prefill).
             Default: DEFAULT_RECOMPUTE_RATIO.
-        select_layer (int): the layer whose K/V deviation selects the tokens. Default: 1 (the paper's).
+        select_layer (int | None): the layer whose K/V deviation selects the tokens (the paper's is 1). Default:
+            None, blend.DEFAULT_SELECT_LAYER or the model's last layer if it has fewer.
+        selection (str): "attention": that deviation times the attention mass a generic probe question puts on
+            each token over the boundary-only composition (`blend.probe_mass`); "deviation": the deviation alone
+            (the paper's). Default: blend.DEFAULT_SELECTION.
 
     Returns:
         ComposedCartridge
 
     Raises:
         InputError: fewer than two cartridges, different models, a negative `recompute`, a
-            `recompute_ratio` outside [0, 1] or NaN, a `select_layer` not a layer, a conversation
+            `recompute_ratio` outside [0, 1] or NaN, a `select_layer` not a layer, an unknown `selection`, a conversation
             cartridge (`Cartridge.save`).
     """
     if len(carts) < 2:
@@ -383,8 +388,11 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_r
         raise InputError(f"recompute is {recompute!r}; it must be a whole number of tokens >= 0")
     blend.check_ratio(recompute_ratio)
     n_layers = len(carts[0].prefixes)
+    select_layer = min(blend.DEFAULT_SELECT_LAYER, n_layers - 1) if select_layer is None else select_layer
     if isinstance(select_layer, bool) or not isinstance(select_layer, int) or not 0 <= select_layer < n_layers:
         raise InputError(f"select_layer is {select_layer!r}; the model's layers are 0..{n_layers - 1}")
+    if selection not in blend.SELECTIONS:
+        raise InputError(f"selection is {selection!r}; it must be one of {', '.join(blend.SELECTIONS)}")
     for c in carts:
         require_attention_layers(c.info, "compose")
         if c.info.document_tokens != len(c.info.tokens):  # its turns would be laid in as document text
@@ -393,4 +401,4 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_r
     ids = {c.info.fingerprint["id"] for c in carts}
     if len(ids) != 1:
         raise InputError(f"the cartridges were built with {len(ids)} different models; compose needs one")
-    return ComposedCartridge(carts, recompute, separator, recompute_ratio, select_layer)
+    return ComposedCartridge(carts, recompute, separator, recompute_ratio, select_layer, selection)

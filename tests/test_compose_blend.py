@@ -3,6 +3,8 @@ the selected tokens are patched at their composed positions, all of them selecte
 ratio 0 is the boundary-only composition, bad budgets are refused."""
 
 import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_compose import DOC_A, DOC_B, Q, _logits
 
 from cartridge import blend
-from cartridge.compose import compose
+from cartridge.compose import ComposedCache, compose
 from cartridge.errors import InputError
 
 DOC_C = "Annex C. The deposit is two months of rent, returned within 14 days after the keys. " * 2
@@ -115,3 +117,73 @@ def test_load_and_cli_take_the_ratio(tiny_dir, tmp_path):
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 1 and err == ["error: --recompute-ratio is nan; it must be a fraction of the tokens "
                                          "between 0 and 1"], err
+
+
+def test_part_mass_is_the_softmax_share_of_each_stored_token(carts):
+    """Over every part of a composition, the masses and the other partials' shares add up to one per row and
+    head; a skipped token gets none."""
+    from cartridge.attention.kernels import tail_partial
+    from cartridge.compose import _part_partial
+
+    c = compose(carts, recompute=2, recompute_ratio=0.0)
+    parts, patches = c._layers[1], c._patches[1]
+    n_kv, D = parts[0].prefix.n_kv_heads, patches[0][0].shape[-1]
+    q = mx.random.normal((n_kv, 5, D), key=mx.random.key(3)) * D ** -0.5
+    partials = [_part_partial(q, p) for p in parts] + [tail_partial(q, k, v, True) for k, v in patches]
+    m = mx.max(mx.stack([pt[1] for pt in partials]), axis=0)
+    lse = m + mx.log(sum(li * mx.exp(mi - m) for _, mi, li in partials))
+    others = sum(float((li * mx.exp(mi - lse)).sum()) for _, mi, li in partials[len(parts):])
+    masses = [blend.part_mass(q, p, partials) for p in parts]
+    assert [int(x.shape[0]) for x in masses] == [p.prefix.n_tokens - p.start for p in parts]
+    assert sum(float(x.sum()) for x in masses) + others == pytest.approx(n_kv * 5, rel=1e-5)
+    skipped = replace(parts[-1], skip=blend.skip_mask(parts[-1].prefix, [parts[-1].start + 1]))
+    got = np.array(blend.part_mass(q, skipped, partials))
+    assert got[1] == 0 and np.allclose(np.delete(got, 1), np.delete(np.array(masses[-1]), 1))
+
+
+def test_attention_selection_weights_the_deviation_by_the_probe_mass(carts, tiny):
+    """selection="attention" picks the top of deviation x probe mass, "deviation" the top of the deviation alone;
+    both patch the same number of tokens, and an unknown selection is refused."""
+    by = {s: compose(carts[:2], recompute=2, recompute_ratio=0.3, selection=s) for s in blend.SELECTIONS}
+    base = compose(carts[:2], recompute=2, recompute_ratio=0.0)
+    b = base.blended[0]
+    part = base._layers[1][-1]
+    caches = base.prompt_cache()
+    mass = np.array(blend.probe_mass(tiny.model, caches, base.question_prompt(blend.PROBE)))
+    assert mass.shape == (b["read"],) and (mass > 0).all()
+    assert all(c.record for c in caches)
+    k = by["deviation"].blended[0]["selected"]
+    assert k == by["attention"].blended[0]["selected"] == blend.budget(0.3, b["fresh"], b["read"]) > 0
+    first = len(base.tokens) - b["read"]
+    chosen = {s: [p - first for p in c.blended[0]["positions"]] for s, c in by.items()}
+    dev = chosen_scores(tiny, carts, part)
+    assert chosen["deviation"] == blend.select(dev, k)
+    assert chosen["attention"] == blend.select(mass * dev, k)
+    with pytest.raises(InputError, match="selection is 'mass'; it must be one of attention, deviation"):
+        compose(carts[:2], recompute_ratio=0.3, selection="mass")
+
+
+def chosen_scores(tiny, carts, part):
+    """Layer-1 deviation of b's stored tokens from their prefill after a and the boundary (as compose's pass)."""
+    c = compose(carts[:2], recompute=2, recompute_ratio=0.0)
+    caches = [ComposedCache(p[:1], [], len(carts[0].tokens), r) for p, r in zip(c._layers, c._ropes)]
+    tiny.model(mx.array(c.tokens[len(carts[0].tokens):len(c.tokens) - c.blended[0]["read"]])[None], cache=caches)
+    fresh = blend.fresh_layer_kv(tiny.model, caches, c.tokens[len(c.tokens) - c.blended[0]["read"]:], 1)
+    return np.array(blend.deviation(fresh, blend.stored_kv(part, c._ropes[1])))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_selection_pass_kv_equal_a_fresh_prefill_over_several_chunks(carts, tiny, monkeypatch, layer):
+    """The selection pass's K/V at `layer`, in chunks of 4 tokens, are the fresh prefill's at the same positions
+    (each chunk's keys rotated at its own positions, not at the first chunk's)."""
+    monkeypatch.setattr(blend, "CHUNK", 4)
+    c = compose(carts[:2], recompute=2, recompute_ratio=0.0)
+    n_read = c.blended[0]["read"]
+    first = len(c.tokens) - n_read
+    caches = [ComposedCache(p[:1], [], len(carts[0].tokens), r) for p, r in zip(c._layers, c._ropes)]
+    tiny.model(mx.array(c.tokens[len(carts[0].tokens):first])[None], cache=caches)
+    k, v = blend.fresh_layer_kv(tiny.model, caches, c.tokens[first:], layer)
+    k_ref, v_ref = _fresh_kv(tiny, c.tokens)[layer]
+    assert k.shape[1] == n_read > 3 * blend.CHUNK
+    np.testing.assert_allclose(np.array(k), np.array(k_ref[:, first:]), atol=2e-3)
+    np.testing.assert_allclose(np.array(v), np.array(v_ref[:, first:]), atol=2e-3)

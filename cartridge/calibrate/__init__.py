@@ -212,11 +212,17 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
               "predicted_kl": round(choice.predicted_kl, 6), "measured_kl": round(kl, 6),
               "top1_agreement": round(agree, 4), "protect_first": first,
               "heavy_hitters": {"first": sens.protect_first, "attention_share": round(sens.lead_mass, 4)},
-              "eval_tokens": sens.eval_tokens, "probe": measure.PROBE, "measured_layers": len(caches),
+              "eval_tokens": sens.eval_tokens, "probe": _probes(), "measured_layers": len(caches),
               "calibration_version": CALIBRATION_VERSION,
               "candidates": ["fp16", *candidates], "reference_tier": measure.REFERENCE_TIER,
               "forwards": sens.forwards + 1, "seconds": round(sens.seconds, 2)}
     return choice.schema, record, first
+
+
+def _probes():
+    """The record's "probe": the probe question, or the list of them when E asks several."""
+    probes = measure.sequence.PROBES
+    return probes[0] if len(probes) == 1 else list(probes)
 
 
 def fitting(shapes):

@@ -22,21 +22,20 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..attention import route
 from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
-from ..models.prompt import question_tokens
 from ..tiers import TIERS
-from .walk import SharedPrefixCache
+from . import sequence
+from .sequence import eval_sequence, filled_cache, scored, split_of
+from .walk import SharedPrefixCache, shifted_exp
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
-PROBE = "What is this document about? Answer in one sentence."
-SLICE_TOKENS = 32  # document tokens teacher-forced at the end of the prefix
-ANSWER_TOKENS = 8  # fp16 greedy answer tokens to the probe, teacher-forced too
 LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
 HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
@@ -84,12 +83,14 @@ class Probe:
         embedded (mx.array): (1, E, hidden) input of layer 0.
         queries (list): per layer, (n_heads, E, head_dim) float32 post-RoPE queries of the reference row.
         logprobs (mx.array): (E, vocab) float32 reference log-probabilities (the walk's row 0).
+        start (int): the first of E's positions the KL and top-1 agreement are averaged over (`scored`).
     """
 
     split: int
     ids: object
     kv: list
     embedded: object
+    start: int = 0
     queries: list = field(default_factory=list)
     logprobs: object = None
 
@@ -125,58 +126,41 @@ def logits_of(model, h):
 def run_from(model, layer, h, kv):
     """Layers `layer`.. on input h (1, E, hidden) over caches holding `kv` (list of (K, V) from `layer` on):
     (E, vocab) float32 logits."""
-    caches = [_cache(k, v) for k, v in kv]
+    caches = [filled_cache(k, v) for k, v in kv]
     mask = create_attention_mask(h, caches[0])
     for block, cache in zip(model.model.layers[layer:], caches):
         h = block(h, mask, cache=cache)
     return logits_of(model, h)[0]
 
 
-def _cache(k, v):
-    cache = KVCache()
-    cache.keys, cache.values, cache.offset = k, v, k.shape[2]
-    return cache
-
-
 def log_softmax(logits):
-    """(..., vocab) float32 logits -> log-probabilities."""
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    """(..., vocab) float32 logits -> log-probabilities (on CPU by numpy: `walk.shifted_exp`'s reason)."""
+    if mx.default_device() != mx.cpu:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(logits)
+    return mx.array(_log_softmax_np(np.array(logits)))
+
+
+def _log_softmax_np(a):
+    """Log-softmax of float32 a (..., vocab) in place; returns a."""
+    np.subtract(a, a.max(axis=-1, keepdims=True), out=a)
+    np.subtract(a, np.log(np.exp(a).sum(axis=-1, keepdims=True)), out=a)
+    return a
 
 
 def kl_rows(ref_logprobs, logits):
     """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
-    float32 -> (B,) float32 (lazy)."""
-    return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
+    float32 -> (B,) float32 (lazy except on CPU, where numpy computes it)."""
+    if mx.default_device() != mx.cpu:
+        return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
+    mx.eval(ref_logprobs, logits)
+    ref = np.asarray(ref_logprobs)
+    return mx.array((np.exp(ref) * (ref - _log_softmax_np(np.array(logits)))).sum(axis=-1).mean(axis=-1))
 
 
 def kl_mean(ref_logprobs, logits):
     """Mean over positions of KL(ref || q) in nats; ref_logprobs and logits (E, vocab) float32."""
     return kl_rows(ref_logprobs, logits[None]).item()
-
-
-def eval_sequence(model, tokenizer, mode, kv, tokens, split, answer_tokens=ANSWER_TOKENS):
-    """E = tokens[split:] + the probe question + the model's fp16 greedy answer, over the prefix `kv`.
-
-    Args:
-        kv (list): per layer (K, V) of tokens[:split], (1, n_kv_heads, split, head_dim).
-
-    Returns:
-        tuple: (ids list[int], logprobs (E, vocab) float32 of the model's own forward at E's positions).
-    """
-    step = tokens[split:] + question_tokens(tokenizer, PROBE, mode)
-    answer, rows, cache = [], [], [_cache(k, v) for k, v in kv]
-    for _ in range(answer_tokens):
-        logits = model(mx.array(step, dtype=mx.uint32)[None], cache=cache)[0].astype(mx.float32)  # (L, vocab)
-        rows.append(logits)
-        answer.append(int(mx.argmax(logits[-1]).item()))
-        step = answer[-1:]
-    ids = tokens[split:] + question_tokens(tokenizer, PROBE, mode) + answer[:-1]
-    return ids, log_softmax(mx.concatenate(rows)[:len(ids)])
-
-
-def split_of(tokens, slice_tokens=SLICE_TOKENS):
-    """Prefix tokens E attends over: all but the last `slice_tokens` (at most half the document)."""
-    return max(1, len(tokens) - min(slice_tokens, len(tokens) // 2))
 
 
 def fp16_rounded(x):
@@ -196,9 +180,9 @@ def verify(model, probe, schema, first=0):
     """
     kv = [tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
                 for s, x in zip("kv", pair)) for row, pair in zip(schema, probe.kv)]
-    logits = run_from(model, 0, probe.embedded, kv)
-    agree = (mx.argmax(logits, axis=-1) == mx.argmax(probe.logprobs, axis=-1)).astype(mx.float32).mean().item()
-    return max(0.0, kl_mean(probe.logprobs, logits)), agree
+    logits, ref = run_from(model, 0, probe.embedded, kv)[probe.start:], probe.logprobs[probe.start:]
+    agree = (mx.argmax(logits, axis=-1) == mx.argmax(ref, axis=-1)).astype(mx.float32).mean().item()
+    return max(0.0, kl_mean(ref, logits)), agree
 
 
 def _protected(x2, x, first):
@@ -231,11 +215,14 @@ class AttentionError:
         h, e, d = q.shape
         self.q = q.reshape(k.shape[1], h // k.shape[1] * e, d) * d ** -0.5  # (n_kv, group * E, D): GQA groups
         self.v32 = v[0].astype(mx.float32)  # (n_kv, T, D)
-        self.s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
-        self.p = mx.softmax(self.s, axis=-1)
+        s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
+        self.lead = min(LEAD_TOKENS, k.shape[2])
+        mx.eval(s)
+        self.s_lead = mx.array(np.array(np.asarray(s)[..., :self.lead]))  # a copy: shifted_exp overwrites s
+        (e,), (z,) = shifted_exp(s)
+        self.p = e / z
         self.o = self.p @ self.v32  # (n_kv, group * E, D)
         self.norm = (self.o ** 2).sum()
-        self.lead = min(LEAD_TOKENS, k.shape[2])
 
     def mass(self):
         """(T,) float32: the mean attention probability of each prefix token over heads and query rows."""
@@ -248,11 +235,10 @@ class AttentionError:
         if side == "v":
             o2 = self.p @ x2
             return self._err(o2), (o2, self.v32[:, :n] - x2[:, :n])
-        s2 = self.q @ x2.swapaxes(-1, -2)  # (n_kv, group * E, T)
-        top = mx.maximum(s2.max(axis=-1, keepdims=True), self.s[..., :n].max(axis=-1, keepdims=True))
-        e2 = mx.exp(s2 - top)
-        z2, u2 = e2.sum(axis=-1, keepdims=True), e2 @ self.v32  # softmax's sum and unnormalized output
-        return self._err(u2 / z2), (u2, z2, mx.exp(self.s[..., :n] - top) - e2[..., :n])
+        # exp(s2 - top) and exp(s_lead - top), top the max of both: (n_kv, group * E, T), (.., lead)
+        (e2, e_lead), (z2, _) = shifted_exp(self.q @ x2.swapaxes(-1, -2), mx.array(self.s_lead))
+        u2 = e2 @ self.v32  # unnormalized output; z2 is softmax's sum
+        return self._err(u2 / z2), (u2, z2, e_lead - e2[..., :n])
 
     def protected(self, side, pieces, first):
         """The error of `__call__`'s replacement with its first `first` (<= LEAD_TOKENS) tokens kept in fp16."""
@@ -296,8 +282,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
     ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split)
     x = mx.array(ids, dtype=mx.uint32)[None]
-    probe = Probe(split, x, kv, model.model.embed_tokens(x))
-    out = Sensitivity(eval_tokens=len(ids), forwards=ANSWER_TOKENS + 1, probe=probe)
+    probe = Probe(split, x, kv, model.model.embed_tokens(x), start=scored(len(ids), len(tokens) - split))
+    out = Sensitivity(eval_tokens=len(ids), forwards=sequence.ANSWER_TOKENS * len(sequence.PROBES) + 1, probe=probe)
     t1 = time.perf_counter()
     try:
         errors, pieces = wavefront(model, probe, candidates, out, progress)
@@ -347,7 +333,7 @@ def wavefront(model, probe, candidates, out, progress=None):
         logits = logits_of(model, h[r:r + LOGIT_ROWS])  # (<= LOGIT_ROWS, E, vocab)
         if r == 0:
             probe.logprobs = log_softmax(logits[0])
-        kls.append(kl_rows(probe.logprobs, logits))
+        kls.append(kl_rows(probe.logprobs[probe.start:], logits[:, probe.start:]))
         mx.eval(kls[-1], probe.logprobs)
     out.measured = {j: max(0.0, kl) for j, kl in enumerate(mx.concatenate(kls)[1:].tolist())}
     return errors, pieces

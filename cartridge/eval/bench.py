@@ -56,7 +56,8 @@ def available_policies():
     return [p for p in found if POLICIES is None or p in POLICIES]
 
 
-def _layer_cache(prefix, policy, dtype, head_dim):
+def layer_cache(prefix, policy, dtype, head_dim):
+    """A CartridgeCache of one layer's `prefix` read under `policy` (None: "fused" has no kernel for it)."""
     p = dequantize(prefix, dtype) if policy == "dequantize-once" else prefix
     kernel = kernel_for(policy, p, head_dim)
     if policy == "fused" and kernel is None:
@@ -97,7 +98,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
             continue
         rows.append(read_floor(prefix, tier, n_tokens, repeats))
         for policy in available_policies():
-            us, held, error = _time_policy(prefix, policy, dtype, q, new_k, repeats)
+            us, held, error = time_policy(prefix, policy, dtype, q, new_k, repeats)
             rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "context": n_tokens,
                          "prefix_bytes": held, "us": us, "error": error})
         del prefix
@@ -121,7 +122,7 @@ def tier_prefix(tier, k, v):
         return None, str(e)
 
 
-def _time_policy(prefix, policy, dtype, q, new_k, repeats, mask=None):
+def time_policy(prefix, policy, dtype, q, new_k, repeats, mask=None):
     """One layer's attention under `policy` with `new_k` as its tail, steps chained from `q` (µs).
 
     Returns:
@@ -129,7 +130,7 @@ def _time_policy(prefix, policy, dtype, q, new_k, repeats, mask=None):
     """
     D, held = q.shape[-1], prefix.nbytes
     try:
-        cache = _layer_cache(prefix, policy, dtype, D)
+        cache = layer_cache(prefix, policy, dtype, D)
         if cache is None:
             return None, held, "no fused kernel for this tier"
         held = cache.prefix.nbytes
@@ -167,7 +168,7 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
             rows.append({"kind": "cartridge", "tier": tier, "policy": None, "us": None, **base, "error": error})
             continue
         for policy in available_policies():
-            us, _, error = _time_policy(prefix, policy, dtype, q, new_k, repeats, "causal")
+            us, _, error = time_policy(prefix, policy, dtype, q, new_k, repeats, "causal")
             rows.append({"kind": "cartridge", "tier": tier, "policy": policy, "us": us, **base, "error": error})
             mx.clear_cache()
         del prefix
@@ -340,7 +341,7 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
             for i in range(n_layers):
                 k, v = random_kv(n_kv, n_tokens, D, seed=i)
                 prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, PAGE_SIZE, layer=i)
-                cache = _layer_cache(prefix, policy, dtype, D)
+                cache = layer_cache(prefix, policy, dtype, D)
                 if cache is None:
                     raise RuntimeError("no fused kernel for this tier")
                 caches.append(cache)

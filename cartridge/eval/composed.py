@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import mlx_lm
 
-from ..blend import DEFAULT_SELECT_LAYER, check_ratio
+from ..blend import DEFAULT_SELECT_LAYER, DEFAULT_SELECTION, check_ratio
 from ..build import context_length
 from ..compose import compose
 from ..errors import InputError
@@ -338,6 +338,7 @@ def _report(run, built, reference, rows, seconds):
         "settings": {"max_tokens": cfg.max_tokens, "decoding": "greedy (argmax), mlx_lm.stream_generate",
                      "page_size": cfg.page_size, "tier": "fp16", "recompute": list(cfg.recompute),
                      "recompute_ratio": list(cfg.ratios), "select_layer": DEFAULT_SELECT_LAYER,
+                     "selection": DEFAULT_SELECTION,
                      "separator": SEPARATOR, "needles_in": run.letters[run.needle_index] if run.needles else None},
         "documents": [{"letter": letter, "prefix_tokens": len(c.tokens), "cartridge": meta}
                       for letter, (c, meta) in zip(run.letters, built)],
