@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
-from cartridge.attention.kernels import cuda  # noqa: E402
+from cartridge.attention.kernels import cuda, cuda_decode  # noqa: E402
 
-FLOAT_INPUTS = {"sgk", "sgv", "cbk", "cbv", "snk", "work", "O", "M", "L"}
+FLOAT_INPUTS = {"sgk", "sgv", "cbk", "cbv", "cb", "snk", "work", "O", "M", "L"}
 TIERS = {"fp16": (cuda.FP16, 0), "bf16": (cuda.BF16, 0), "int8": (cuda.AFF8, 0), "int6": (cuda.AFF6, 0),
          "mlx4g32": (cuda.AFF4, 0), "kivi4": (cuda.KIVI4, 0), "fp8": (cuda.MXFP8, 0), "mxfp4": (cuda.MXFP4, 0),
          "nvfp4": (cuda.NVFP4, 0), "turbo4": (cuda.TURBO, 4), "turbo3": (cuda.TURBO, 3), "turbo2": (cuda.TURBO, 2)}
@@ -61,12 +61,20 @@ def variants():
         finish = (("T", mx.float16), ("HD", D), ("NKV", 8), ("NCH", 2), ("CH", 256), ("VROT", True), ("SINKS", True),
                   ("NP", 32), ("SCALE", D ** -0.5))
         yield f"finish d{D}", "finish", finish
+        for name, (tid, bits) in TIERS.items():
+            if tid in cuda_decode.DECODED_TIERS:
+                consts = (("T", mx.float16), ("TIER", tid), ("BITS", bits), ("HD", D), ("NKV", 8), ("PAGE", 256),
+                          ("WARPS", cuda_decode.WARPS))
+                yield f"decode {name} d{D}", "decode", consts
 
 
 def wrapper(kind, consts):
     """The kernel as MLX builds it: `extern "C" __global__ void name(pointers...) { body }`, and its name."""
     n_chunks = dict(consts).get("NCH", 0) if kind == "finish" else 0
-    name, inputs, outputs, body = cuda.kernel_spec(kind, n_chunks, consts)
+    if kind == "decode":
+        name, inputs, outputs, body = cuda_decode.kernel_spec(consts, cuda.source_header()[1])
+    else:
+        name, inputs, outputs, body = cuda.kernel_spec(kind, n_chunks, consts)
     T = cuda.CUDA_TYPES[dict(consts)["T"]]
     args = []
     for n in inputs:
@@ -113,7 +121,7 @@ def main():
     for label, kind, consts in variants():
         name, text = wrapper(kind, consts)
         labels[name] = label
-        parts.append(cuda._header()[0] + text)
+        parts.append(cuda.source_header()[0] + text)
     (work / "kernels.cu").write_text("\n".join(parts))
     run = subprocess.run(["nvcc", f"-arch={args.arch}", "-cubin", "-Xptxas", "-v", "-o", str(work / "k.cubin"),
                           str(work / "kernels.cu")], capture_output=True, text=True)

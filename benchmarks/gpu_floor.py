@@ -40,6 +40,7 @@ from cartridge.attention.backends import cuda as cuda_backend
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.kernels import contiguous, cuda
 from cartridge.attention.pages import make_prefix
+from cartridge.attention.policy import dequantize
 from cartridge.eval import bench
 from cartridge.tiers import TIERS
 
@@ -247,12 +248,123 @@ def e2e():
     return rows
 
 
+SWEEP_TIERS = ("turbo3", "turbo2", "turbo4", "mxfp4", "kivi4", "int6", "fp8")
+TC_SHAPES = ((264, 3, 4), (528, 3, 4), (1056, 3, 4), (528, 4, 4), (528, 2, 4), (264, 3, 8))  # blocks, stages, warps
+MMA_SHAPES = ((264, 3), (528, 3), (528, 4), (1056, 3))  # blocks, stages
+
+
+def sweep():
+    """Fused decode µs per launch shape: flash_pass1_tc tiers over TC_SHAPES, mlx4g32 (flash_pass1_mma) over
+    MMA_SHAPES, at 32K and 128K tokens (chained, like the bench)."""
+    rows, saved = [], (cuda.TC_TARGET_BLOCKS, cuda.TC_STAGES, cuda.TC_WARPS, cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES)
+    for n in (131072, 32768):
+        k, v = bench._kv(N_KV, n, D, seed=n)
+        q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
+        new = mx.random.normal((1, N_KV, 1, D)).astype(mx.float16)
+        mx.eval(q, new)
+        for tier in ("mlx4g32",) + SWEEP_TIERS:
+            prefix, _ = bench._tier_prefix(tier, k, v)
+            mx.eval(prefix.k_parts, prefix.v_parts)
+            for shape in MMA_SHAPES if tier == "mlx4g32" else TC_SHAPES:
+                if tier == "mlx4g32":
+                    cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = shape
+                else:
+                    cuda.TC_TARGET_BLOCKS, cuda.TC_STAGES, cuda.TC_WARPS = shape
+                us, _, error = bench._time_policy(prefix, "fused", mx.float16, q, new, 10)
+                rows.append({"tier": tier, "context": n, "shape": shape, "us": us, "error": error})
+                print(json.dumps(rows[-1]), flush=True)
+                (cuda.TC_TARGET_BLOCKS, cuda.TC_STAGES, cuda.TC_WARPS, cuda.MMA_TARGET_BLOCKS,
+                 cuda.MMA_STAGES) = saved
+            del prefix
+            mx.clear_cache()
+    return rows
+
+
+def profile():
+    """Two fused decode steps each of mlx4g32 and turbo3 at 128K, evaluated one by one (for `ncu -c 4`)."""
+    k, v = bench._kv(N_KV, 131072, D, seed=131072)
+    q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
+    for tier in ("mlx4g32", "turbo3"):
+        prefix, _ = bench._tier_prefix(tier, k, v)
+        cache = bench._layer_cache(prefix, "fused", mx.float16, D)
+        cache.update_and_fetch(q[:, :N_KV], q[:, :N_KV])
+        mx.eval(cache.state, prefix.k_parts, prefix.v_parts)
+        for _ in range(2):
+            mx.eval(cache.attention(q, SCALE))
+    return []
+
+
+PREFILL_TIERS = ("mlx4g32", "mlx4g32+rot", "int8", "fp8", "kivi4", "nvfp4", "turbo4", "turbo3")
+
+
+def _prefill_variants(prefix, L):
+    """(name, kernel, rows from which the call decodes the pages, CUDA_DECODE) of the question-prefill paths timed
+    for L query tokens."""
+    fused = cuda.FusedAttention(prefix)
+    out = [("decoded-cuda", fused, 1, True)]
+    if L >= 256:
+        out += [("decoded-mlx", fused, 1, False),
+                ("dequantize-once", contiguous.ContiguousAttention(dequantize(prefix, mx.float16)), 1, True)]
+    else:
+        out.append(("kernel", fused, 1 << 30, True))
+    return out
+
+
+def prefill():
+    """A question's attention (L tokens, causal) over the prefix: MLX's dense SDPA; the fused kernel (L < 256); the
+    pages decoded for the call by `cuda_decode` or by MLX ops, then MLX's SDPA; dequantize-once's contiguous
+    buffer. Each output's max abs error against the MLX-op decode (or the kernel)."""
+    rows, saved = [], (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE)
+    for n, tiers, lengths in ((131072, PREFILL_TIERS, (32, 64, 256)), (32768, PREFILL_TIERS[:3], (32, 256))):
+        k, v = bench._kv(N_KV, n, D, seed=n)
+        for L in lengths:
+            q = mx.random.normal((1, N_Q, L, D)).astype(mx.float16)
+            new = mx.random.normal((1, N_KV, L, D)).astype(mx.float16)
+            dk = mx.concatenate([k[None], new], axis=2)
+            dv = mx.concatenate([v[None], new], axis=2)
+            mx.eval(q, new, dk, dv)
+            us = bench.timeit(lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=SCALE, mask="causal"),
+                              5, inner=10, chain=q) * 1e6
+            rows.append({"tier": "dense", "context": n, "query_tokens": L, "variant": "sdpa", "us": us})
+            print(json.dumps(rows[-1]), flush=True)
+            del dk, dv
+            for tier in tiers:
+                prefix, _ = bench._tier_prefix(tier, k, v)
+                mx.eval(prefix.k_parts, prefix.v_parts)
+                ref = None
+                for name, kernel, min_rows, decode in _prefill_variants(prefix, L):
+                    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = \
+                        {}, min_rows, min_rows, decode
+                    c = CartridgeCache(replace(prefix, kernel=kernel))
+                    c.update_and_fetch(new, new)
+                    row = {"tier": tier, "context": n, "query_tokens": L, "variant": name, "error": None}
+                    try:
+                        got = c.attention(q, SCALE, "causal")
+                        mx.eval(got)
+                        ref = got if ref is None else ref
+                        row["us"] = bench.timeit(lambda x: c.attention(x, SCALE, "causal"), 5, inner=10, chain=q) * 1e6
+                        row["max_abs_vs_first"] = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))))
+                    except Exception as e:  # recorded: a path that does not run here
+                        row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    del c
+                    mx.clear_cache()
+                cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = saved
+                del prefix
+                mx.clear_cache()
+    return rows
+
+
+PARTS = {"floors": floors, "e2e": e2e, "sweep": sweep, "profile": profile, "prefill": prefill}
+
+
 def part_main(part, out):
     """One part of issue 34 (`--part`): writes out/h200-{part}.json and, for `dense`, prints a table."""
     result = {"device": mx.device_info(), "mlx": mx.__version__, "dense": [], "floors": []}
     result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
     if part != "dense":
-        result[part] = floors() if part == "floors" else e2e()
+        result[part] = PARTS[part]()
         json.dump(result, open(f"{out}/h200-{part}.json", "w"), indent=1, default=str)
         return
     for n in (32768, 131072):
@@ -278,8 +390,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="The floor under the 128K decode-step target on a CUDA GPU: dense "
                                      "SDPA, the fused mlx4g32 step and plain streaming reads of the same bytes.")
     parser.add_argument("out", help="folder for h200-floor.json (or h200-PART.json)")
-    parser.add_argument("--part", choices=("dense", "e2e", "floors"), default=None, help="instead: one part of issue "
-                        "34 (dense pages against MLX's SDPA; decode tokens/s end to end; each tier's bare read)")
+    parser.add_argument("--part", choices=("dense", *PARTS), default=None, help="instead: one part of issue 34 (dense "
+                        "pages against MLX's SDPA; decode tokens/s end to end; each tier's bare read; launch shapes of "
+                        "the fused decode; two steps each of mlx4g32 and turbo3 for ncu; a question's prefill paths)")
     args = parser.parse_args()
     if args.part:
         part_main(args.part, args.out)

@@ -10,6 +10,13 @@
 #   4. `tests`: the CUDA kernel tests (DEVICE=gpu, not slow, -k $K if set) in SHARDS parallel pytest processes
 #      (kernel compiles by NVRTC are CPU-bound; the machine has 16 cores): node ids split round-robin, one log
 #      per shard, all shards in h200-$TAG-kernel-tests.log, a summary last.
+#   5. `k4`: the fused float64 checks of issue 34 item 4 (sinks, +rot, TurboQuant, kivi4, protected tokens, the
+#      question prefill's CUDA decode; -k $K4) in one pytest with -n 16 (pytest-xdist), each test named (-rA) in
+#      h200-$TAG-kernel-tests.log; `profile`: Nsight Compute (--set full) of two fused decode steps each of mlx4g32
+#      and turbo3 at 128K (`gpu_floor.py --part profile`) -> h200-ncu.ncu-rep, its details page h200-ncu.txt;
+#      `sweep` / `prefill`: `gpu_floor.py --part sweep|prefill` -> h200-sweep.*, h200-prefill.*;
+#      `real`: the default model's answers over an fp16 cartridge vs a fresh prefill (tests/test_real_model.py and
+#      tests/test_generate_loop.py, slow, DEVICE=gpu) -> h200-$TAG-real-model.log.
 # STEPS picks steps (default "dense bench tests"); TAG names the files (default seam); IDS: a file of node ids to
 # run instead of all of FILES; SHARDS (default 8); LIMIT: seconds per shard (default 480).
 export PYTHONPATH=/root/site:$PWD CARTRIDGE_TEST_TOKENIZER=/root/gpu/tok PYTHONUNBUFFERED=1
@@ -25,8 +32,31 @@ for part in floors e2e; do case " $STEPS " in *" $part "*)
   tail -12 $OUT/h200-$part.log;; esac; done
 case " $STEPS " in *" bench "*)
   python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused,dequantize-once --no-e2e \
-    --query-tokens ${QUERY:-none} --json $OUT/h200-bench-$TAG.json > $OUT/h200-bench-$TAG.log 2>&1
+    --query-tokens ${QUERY:-none} --repeats ${REPEATS:-20} --json $OUT/h200-bench-$TAG.json > $OUT/h200-bench-$TAG.log 2>&1
   grep -A40 '^gate' $OUT/h200-bench-$TAG.log | head -40;; esac
+case " $STEPS " in *" bench-e2e "*)  # E2E_TIERS decoded end to end (llama3-8b shape, fused) at 32K and 128K
+  python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused --tiers ${E2E_TIERS:-fp16,int8} \
+    --e2e-shape llama3-8b --e2e-contexts 32768,131072 --query-tokens none --repeats 10 \
+    --json $OUT/h200-e2e-$TAG.json > $OUT/h200-e2e-$TAG.log 2>&1
+  tail -30 $OUT/h200-e2e-$TAG.log;; esac
+K4=${K4:-(fused_cuda and (rot or turbo or kivi4 or sinks or protected)) or question_prefill_cuda or single_launch}
+case " $STEPS " in *" k4 "*)
+  DEVICE=gpu timeout ${LIMIT_K4:-170} python3 -m pytest -q -rA -p no:cacheprovider -n 16 -m "not slow" \
+    tests/test_kernels.py -k "$K4" > $OUT/h200-$TAG-kernel-tests.log 2>&1
+  grep -h -E '^(FAILED|ERROR)|passed|failed' $OUT/h200-$TAG-kernel-tests.log | tail -40;; esac
+case " $STEPS " in *" profile "*)
+  PATH=$PATH:/usr/local/cuda/bin timeout 150 ncu --set full -k regex:"cartridge_(mma|tc)" -c 4 -f -o $OUT/h200-ncu \
+    python3 benchmarks/gpu_floor.py --part profile /tmp > /tmp/ncu.log 2>&1
+  tail -5 /tmp/ncu.log
+  { cat /tmp/ncu.log; PATH=$PATH:/usr/local/cuda/bin ncu --import $OUT/h200-ncu.ncu-rep --page details; } \
+    > $OUT/h200-ncu.txt 2>&1;; esac
+for part in sweep prefill; do case " $STEPS " in *" $part "*)
+  timeout ${LIMIT_PART:-200} python3 benchmarks/gpu_floor.py --part $part $OUT > $OUT/h200-$part.log 2>&1
+  tail -3 $OUT/h200-$part.log;; esac; done
+case " $STEPS " in *" real "*)
+  DEVICE=gpu timeout ${LIMIT_REAL:-240} python3 -m pytest -q -rA -p no:cacheprovider -m "slow or not slow" tests/test_real_model.py \
+    tests/test_generate_loop.py > $OUT/h200-$TAG-real-model.log 2>&1
+  grep -h -E '^(PASSED|FAILED|ERROR)|passed|failed' $OUT/h200-$TAG-real-model.log | tail -30;; esac
 case " $STEPS " in *" tests "*)
   if [ -n "$IDS" ]; then cp "$IDS" /tmp/ids; else
     DEVICE=gpu python3 -m pytest -q -p no:cacheprovider -m "not slow" ${K:+-k "$K"} --collect-only $FILES |

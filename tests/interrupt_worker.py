@@ -9,6 +9,7 @@ token of `chat` takes 50 ms, and the pause is the third token of each answer (it
 no pause.
 """
 
+import importlib
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ def pause():
 
 
 def pause_in_prefill():
-    build = sys.modules["cartridge.build"]  # the module (`cartridge.build` is the function)
+    build = importlib.import_module("cartridge.build")  # the module (`cartridge.build` is the function)
     feed = build._feed
 
     def paused(model, tokens, step, progress, caches):

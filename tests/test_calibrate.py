@@ -258,12 +258,48 @@ def test_heavy_hitters_are_not_protected_by_default_so_preset_cartridges_extend_
 
 
 def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_path, monkeypatch):
-    import sys
+    import importlib
 
-    build_mod = sys.modules["cartridge.build"]  # (the package's `build` attribute is the function)
+    build_mod = importlib.import_module("cartridge.build")  # (the package's `build` attribute is the function)
     monkeypatch.setattr(build_mod, "prefill", lambda *a, **k: pytest.fail("prefilled before refusing the budget"))
     with pytest.raises(InputError, match="budget 1 bytes/token is below the cheapest measured schema"):
         cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(max_bytes_per_token=1))
     with pytest.raises(InputError, match="budget 16 bytes/token is below the cheapest measured schema"):
         cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(target_ratio=64.0))
     assert not (tmp_path / "x.cart").exists()
+
+
+def test_shifted_exp_is_exp_of_the_scores_minus_their_common_row_max_with_masked_entries_zero():
+    import mlx.core as mx
+    import numpy as np
+
+    from cartridge.calibrate.walk import shifted_exp
+
+    mx.random.seed(7)
+    a, b = 10 * mx.random.normal((2, 3, 5)), 10 * mx.random.normal((2, 3, 4))  # float32: rel. error ~|s| eps
+    b = mx.where(mx.arange(4) > 1, b, -mx.inf)  # masked entries
+    want_a, want_b = (np.asarray(x, dtype=np.float64) for x in (a, b))
+    top = np.maximum(want_a.max(-1, keepdims=True), want_b.max(-1, keepdims=True))
+    (ea, eb), (za, zb) = shifted_exp(a, b)
+    assert np.allclose(np.asarray(ea), np.exp(want_a - top), rtol=1e-5, atol=0)
+    assert np.allclose(np.asarray(eb), np.exp(want_b - top), rtol=1e-5, atol=0)
+    assert (np.asarray(eb)[..., :2] == 0).all() and np.asarray(ea).max() <= 1.0
+    assert np.allclose(np.asarray(za) + np.asarray(zb), np.exp(want_a - top).sum(-1, keepdims=True)
+                       + np.exp(want_b - top).sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_kl_rows_is_the_mean_kl_of_each_row_against_the_reference():
+    import mlx.core as mx
+    import numpy as np
+
+    from cartridge.calibrate import measure
+
+    mx.random.seed(8)
+    ref_logits, logits = 3 * mx.random.normal((4, 50)), 3 * mx.random.normal((3, 4, 50))
+    ref = measure.log_softmax(ref_logits)
+    r, q = np.asarray(ref_logits, dtype=np.float64), np.asarray(logits, dtype=np.float64)
+    r, q = (x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (r, q))
+    want = (np.exp(r) * (r - q)).sum(-1).mean(-1)  # (3,)
+    assert np.allclose(np.asarray(ref), r, atol=1e-5)
+    assert np.allclose(np.asarray(measure.kl_rows(ref, logits)), want, rtol=1e-4)
+    assert measure.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)

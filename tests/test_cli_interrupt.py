@@ -105,3 +105,19 @@ def test_convert_interrupted_writes_nothing(tiny_dir, corpus, tmp_path):
                         flag=tmp_path / "flag")
     check_one_line(rc, err)
     assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]
+
+
+def test_ctrl_c_while_the_console_script_imports_is_one_line(tmp_path):
+    """SIGINT while the CLI's modules load (was a traceback and exit status -2 for the first ~2 s):
+    `python -X importtime` writes a line as each module finishes; the signal goes on cli.common's line,
+    with cli.main's other imports still to come."""
+    script = "import sys; from cartridge.cli.entry import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-c", script, "inspect", tmp_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.rstrip().endswith("cartridge.cli.common"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 130 and lines == ["error: interrupted"], err

@@ -283,6 +283,29 @@ def test_fused_cuda_sinks_match_float64(tier, shape, monkeypatch):
     assert not np.allclose(got, _run(fused, q, tk, tv), atol=1e-3)  # the sinks did something
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier, shape", list(itertools.product(
+    ["int8", "int6+rot", "mlx4g32", "mlx4g32+rot", "kivi4", "fp8", "mxfp4", "nvfp4+rot", "turbo2", "turbo3", "turbo4"],
+    [(8, 2, 64, 1001, 64, 300, 37), (32, 8, 128, 777, 128, 20, 5)])))
+def test_question_prefill_cuda_decode_matches_float64(tier, shape, monkeypatch):
+    """A question's prefill with the pages decoded by `cuda_decode` (one kernel: 16-token tiles, the last one
+    partial; stored basis for the rotated tiers) and MLX's SDPA: every query row at once, tail over two chunks.
+    fp16 queries only: float32 queries keep the MLX-op decode (the kernel rounds values to fp16; turbo2 at
+    head_dim 64 was 1.07e-3 from float64 with float32 queries on an H200)."""
+    from cartridge.attention.kernels import cuda
+
+    monkeypatch.setattr(cuda, "DECODED_MIN_ROWS", 1)  # every call takes the question-prefill path
+    prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 5))
+    kernel = cuda.FusedAttention(prefix)
+    fused = replace(prefix, kernel=kernel)
+    D, N, T = shape[2], shape[3], shape[5]
+    assert all(kernel.decoded(side, N + T, mx.float16, D) is not None for side in "kv")
+    assert kernel.decoded("k", N + T, mx.float32, D) is None
+    q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
+    _check(prefix, q16, tk16, tv16, _run(fused, q, tk, tv, mx.float16), f"cuda decode {tier} {shape} fp16",
+           tol=TOL_FP16)
+
+
 def test_float32_pages_never_take_the_tensor_core_pass(monkeypatch):
     """flash_pass1_tc reads fp16, bf16 and the compressed tiers; float32 pages (dequantize-once under a float32
     model) take the plain pass 1 even where the GPU has tensor cores."""
@@ -317,7 +340,7 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
 
     from cartridge.attention.kernels import cuda
 
-    header, digest = cuda._header()
+    header, digest = cuda.source_header()
     assert header == f'#include "{cuda.SOURCE.resolve()}"\n'
     assert digest == hashlib.sha256(cuda.SOURCE.read_text().encode()).hexdigest()[:16]
     names = set()
@@ -329,3 +352,10 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
             assert ("out" in outputs) == ("finish" in kind) and ("work" in inputs) == ("+" in kind)
             names.add(name)
     assert len(names) == 10  # the constants are part of the name: one compiled kernel per shape
+    from cartridge.attention.kernels import cuda_decode
+
+    consts = (("T", mx.float16), ("TIER", cuda.TURBO), ("BITS", 3), ("HD", 128), ("NKV", 8), ("PAGE", 256),
+              ("WARPS", 4))
+    name, inputs, outputs, body = cuda_decode.kernel_spec(consts, digest)
+    assert digest in name and "using T = __half;" in body and "constexpr int BITS = 3;" in body
+    assert inputs == ["c0", "c1", "c2", "cb", "prm"] and outputs == ["out"] and "cart::decode_tiles<" in body

@@ -75,6 +75,7 @@ def _load(path, model, policy, monkeypatch):
     cart.prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart.prefixes]
     monkeypatch.setattr(cuda, "DENSE_MIN_ROWS", {})
     monkeypatch.setattr(cuda, "DENSE_MIN_ROWS_OTHER", 1)
+    monkeypatch.setattr(cuda, "DECODED_MIN_ROWS", 1)
     return cart
 
 

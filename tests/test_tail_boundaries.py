@@ -57,10 +57,10 @@ def cart(request, model, tmp_path_factory):
 
     cart = cartridge.load(path, model=model, attention="portable")
     cart.prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart.prefixes]
-    saved = cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER
-    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER = {}, 1
+    saved = cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS
+    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS = {}, 1, 1
     yield cart
-    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER = saved
+    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS = saved
 
 
 def _dense_prefix_cache(cart):

@@ -6,13 +6,13 @@ preallocated in fixed chunks, so nothing grows by concatenation. Attention is co
 prefix part (+) tail part, merged exactly by log-sum-exp (`cartridge.attention.kernels`).
 """
 
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..errors import CartridgeError
 from .kernels import merge, prefix_partial, tail_partial
+from .prefix import LayerPrefix  # noqa: F401  (defined apart so that reading a header needs no mlx-lm)
 
 
 def sink_partial(sinks, n_kv, L, v_dim):
@@ -28,43 +28,6 @@ def sink_partial(sinks, n_kv, L, v_dim):
     # (n_q,) -> (n_kv, group) -> (n_kv, group * L): row g * L + i holds head g's sink
     m = mx.repeat(sinks.astype(mx.float32).reshape(n_kv, -1), L, axis=1)
     return mx.zeros((*m.shape, v_dim), dtype=mx.float32), m, mx.ones(m.shape, dtype=mx.float32)
-
-
-@dataclass(frozen=True)
-class LayerPrefix:
-    """The read-only prefix of one layer.
-
-    Attributes:
-        k_codec, v_codec (TierCodec): tiers of the K and V pages.
-        k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
-        n_tokens (int): valid tokens (the last page may be padded).
-        k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
-        kernel (callable | None): fused attention of this layer, called as kernel(cache, queries, scale,
-            sinks) -> output or None (built by a backend: `cartridge.attention.backends`);
-            None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
-        protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
-            their compressed pages (`cartridge.tiers.protect`).
-    """
-
-    k_codec: object
-    k_parts: dict
-    v_codec: object
-    v_parts: dict
-    n_tokens: int
-    k_params: dict = field(default_factory=dict)
-    v_params: dict = field(default_factory=dict)
-    kernel: object = None
-    protected: object = None
-
-    @property
-    def n_kv_heads(self):
-        """KV heads (axis 1 of every page array)."""
-        return next(iter(self.k_parts.values())).shape[1]
-
-    @property
-    def nbytes(self):
-        """Bytes of the stored pages of this layer (K and V)."""
-        return sum(a.nbytes for a in (*self.k_parts.values(), *self.v_parts.values()))
 
 
 class CartridgeCache(_BaseCache):

@@ -4,7 +4,7 @@ to dense pages a few pages at a time."""
 import mlx.core as mx
 
 from ..tiers import protect
-from .cache import LayerPrefix
+from .prefix import LayerPrefix
 
 # dense elements decoded at a time (4 MiB of float32), and the bytes a chunk's float32 decode holds per element,
 # its output included: mx.dequantize of a whole 27 MB mxfp4 side peaked at 62 MB on the CPU (2.3 x 4 bytes an

@@ -17,9 +17,7 @@ from ..errors import InputError
 from ..tiers import get_tier
 from ..tiers.float16 import Float16Codec
 from . import backends, budget, calibration, unpacked
-from .backends import proof
-from .cache import LayerPrefix
-from .layers import ListLayer
+from .prefix import LayerPrefix
 from .pages import decode_pages
 
 POLICIES = ("auto", "fused", "portable", "dequantize-once")
@@ -68,6 +66,8 @@ def allowed(prefix=None, head_dim=None, prove=False):
     """The concrete policies this backend runs (for `prefix`, a layer's pages of `head_dim`: "fused" only where
     the device's kernel reads it, and with `prove` only once a kernel that needs proof has passed it here:
     `backends.proof.proven`, which runs the check on first use)."""
+    from .backends import proof  # (it imports the cache, so mlx-lm: not at import, for `cartridge inspect`)
+
     fused = backends.kernel(backend())
     if fused is not None and prefix is not None:
         if not fused.supports(prefix, head_dim, "decode") or (prove and not proof.proven(fused, prefix, head_dim)):
@@ -79,9 +79,11 @@ def _allowed_by_name(tiers, head_dim=None):
     """`allowed()` for a layer known by its tier names only (a header): "fused" where the kernel reads both and,
     for a kernel that needs proof, a stored proof for them at `head_dim` passed."""
     fused = backends.kernel(backend())
-    if fused is not None and not (fused.reads([get_tier(t) for t in tiers])
-                                  and proof.proven_by_name(fused, tiers, head_dim)):
-        fused = None
+    if fused is not None:
+        from .backends import proof  # (it imports the cache, so mlx-lm: on a fused device only, for inspect)
+
+        if not (fused.reads([get_tier(t) for t in tiers]) and proof.proven_by_name(fused, tiers, head_dim)):
+            fused = None
     return backends.policies(fused is not None)
 
 
@@ -102,6 +104,8 @@ def kernel_for(policy, prefix, head_dim):
     `proof.warn_unchecked`); under the other policies only once proven for these pages (`proof.proven`).
     The fused kernel takes one head_dim for K and V; a layer whose widths differ takes the portable path.
     """
+    from .backends import proof  # (it imports the cache, so mlx-lm: not at import, for `cartridge inspect`)
+
     fused = backends.kernel(backend()) if policy != "portable" else None
     if fused is None or not fused.supports(prefix, head_dim, "decode"):
         return None
@@ -251,6 +255,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
         "policy", "reason"} (None for layers that are not page-attended); "memory": {"budget_bytes",
         "stored_bytes", "resident_bytes", "planned_peak_bytes"}}.
     """
+    from .layers import ListLayer  # (mlx-lm's cache classes)
+
     unpack = backend() == "cpu" if unpack is None else unpack
     for i, p in enumerate(prefixes):  # a CacheList layer: its parts as layers of their own
         if isinstance(p, ListLayer):

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -30,7 +31,7 @@ from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..models.prompt import question_tokens
 from ..tiers import TIERS
-from .walk import SharedPrefixCache
+from .walk import SharedPrefixCache, shifted_exp
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
@@ -139,14 +140,28 @@ def _cache(k, v):
 
 
 def log_softmax(logits):
-    """(..., vocab) float32 logits -> log-probabilities."""
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    """(..., vocab) float32 logits -> log-probabilities (on CPU by numpy: `walk.shifted_exp`'s reason)."""
+    if mx.default_device() != mx.cpu:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(logits)
+    return mx.array(_log_softmax_np(np.array(logits)))
+
+
+def _log_softmax_np(a):
+    """Log-softmax of float32 a (..., vocab) in place; returns a."""
+    np.subtract(a, a.max(axis=-1, keepdims=True), out=a)
+    np.subtract(a, np.log(np.exp(a).sum(axis=-1, keepdims=True)), out=a)
+    return a
 
 
 def kl_rows(ref_logprobs, logits):
     """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
-    float32 -> (B,) float32 (lazy)."""
-    return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
+    float32 -> (B,) float32 (lazy except on CPU, where numpy computes it)."""
+    if mx.default_device() != mx.cpu:
+        return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
+    mx.eval(ref_logprobs, logits)
+    ref = np.asarray(ref_logprobs)
+    return mx.array((np.exp(ref) * (ref - _log_softmax_np(np.array(logits)))).sum(axis=-1).mean(axis=-1))
 
 
 def kl_mean(ref_logprobs, logits):
@@ -231,11 +246,14 @@ class AttentionError:
         h, e, d = q.shape
         self.q = q.reshape(k.shape[1], h // k.shape[1] * e, d) * d ** -0.5  # (n_kv, group * E, D): GQA groups
         self.v32 = v[0].astype(mx.float32)  # (n_kv, T, D)
-        self.s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
-        self.p = mx.softmax(self.s, axis=-1)
+        s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
+        self.lead = min(LEAD_TOKENS, k.shape[2])
+        mx.eval(s)
+        self.s_lead = mx.array(np.array(np.asarray(s)[..., :self.lead]))  # a copy: shifted_exp overwrites s
+        (e,), (z,) = shifted_exp(s)
+        self.p = e / z
         self.o = self.p @ self.v32  # (n_kv, group * E, D)
         self.norm = (self.o ** 2).sum()
-        self.lead = min(LEAD_TOKENS, k.shape[2])
 
     def mass(self):
         """(T,) float32: the mean attention probability of each prefix token over heads and query rows."""
@@ -248,11 +266,10 @@ class AttentionError:
         if side == "v":
             o2 = self.p @ x2
             return self._err(o2), (o2, self.v32[:, :n] - x2[:, :n])
-        s2 = self.q @ x2.swapaxes(-1, -2)  # (n_kv, group * E, T)
-        top = mx.maximum(s2.max(axis=-1, keepdims=True), self.s[..., :n].max(axis=-1, keepdims=True))
-        e2 = mx.exp(s2 - top)
-        z2, u2 = e2.sum(axis=-1, keepdims=True), e2 @ self.v32  # softmax's sum and unnormalized output
-        return self._err(u2 / z2), (u2, z2, mx.exp(self.s[..., :n] - top) - e2[..., :n])
+        # exp(s2 - top) and exp(s_lead - top), top the max of both: (n_kv, group * E, T), (.., lead)
+        (e2, e_lead), (z2, _) = shifted_exp(self.q @ x2.swapaxes(-1, -2), mx.array(self.s_lead))
+        u2 = e2 @ self.v32  # unnormalized output; z2 is softmax's sum
+        return self._err(u2 / z2), (u2, z2, e_lead - e2[..., :n])
 
     def protected(self, side, pieces, first):
         """The error of `__call__`'s replacement with its first `first` (<= LEAD_TOKENS) tokens kept in fp16."""

@@ -4,9 +4,12 @@ Rows 0 .. R-2 of the walk attend over the same fp16 prefix and row R-1 over its 
 over its own evaluation tokens. mlx-lm's attention would take R copies of the prefix and run R x n_heads
 small products; here the shared rows' queries are stacked into one product per KV head, and the own-token
 part is merged in the same softmax. `route` sends a `PrefillCache`'s attention to its `attention` method.
+On CPU the exponentials run in numpy, in place in the scores' buffers (`shifted_exp`): MLX's CPU exp is
+scalar code, ~8x numpy's SIMD one (attention/kernels/cpu.py), and they were most of the walk's time.
 """
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..attention.prefill import PrefillCache
@@ -43,11 +46,34 @@ class SharedPrefixCache(PrefillCache):
         own = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (R, n_kv, g E, E)
         position = mx.arange(rows) % e  # query row g_i * E + i is at position i
         own = mx.where(mx.arange(e)[None] <= position[:, None], own, -mx.inf)
-        top = mx.maximum(pre.max(axis=-1, keepdims=True), own.max(axis=-1, keepdims=True))
-        p_pre, p_own = mx.exp(pre - top), mx.exp(own - top)
-        z = p_pre.sum(axis=-1, keepdims=True) + p_own.sum(axis=-1, keepdims=True)
+        (p_pre, p_own), sums = shifted_exp(pre, own)
+        z = sums[0] + sums[1]
         shared_out = (p_pre[:-1].transpose(1, 0, 2, 3).reshape(n_kv, (r - 1) * rows, s) @ v)
         out_pre = mx.concatenate([shared_out.reshape(n_kv, r - 1, rows, d).transpose(1, 0, 2, 3),
                                   (p_pre[-1] @ v2)[None]])  # (R, n_kv, g E, D)
         out = (out_pre + p_own @ values.astype(mx.float32)) / z
         return out.reshape(r, h, e, d).astype(queries.dtype)  # (R, n_kv, g, E, D) -> (R, n_heads, E, D)
+
+
+def shifted_exp(*scores):
+    """exp(s - m) of float32 score arrays sharing their leading axes, m the max over all of their last axes.
+
+    Args:
+        scores (mx.array): float32 (..., N_i) each; -inf entries are masked.
+
+    Returns:
+        tuple: ([exp(s_i - m)] each shaped as s_i, [their row sums (..., 1) float32]). On CPU the exponentials
+        are computed by numpy in the scores' own (evaluated) buffers, so the inputs (and any view of them,
+        slices included) must not be used again.
+    """
+    if mx.default_device() != mx.cpu:
+        top = mx.max(mx.concatenate([s.max(axis=-1, keepdims=True) for s in scores], axis=-1), axis=-1, keepdims=True)
+        exps = [mx.exp(s - top) for s in scores]
+        return exps, [e.sum(axis=-1, keepdims=True) for e in exps]
+    mx.eval(*scores)
+    views = [np.asarray(s) for s in scores]  # the arrays' own buffers: writes are changes of the arrays
+    top = np.maximum.reduce([a.max(axis=-1, keepdims=True) for a in views])
+    for a in views:
+        np.subtract(a, top, out=a)
+        np.exp(a, out=a)
+    return list(scores), [mx.array(a.sum(axis=-1, keepdims=True)) for a in views]

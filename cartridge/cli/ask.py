@@ -9,8 +9,6 @@ from pathlib import Path
 import click
 
 import cartridge
-from cartridge.blend import check_ratio
-from cartridge.compose import DEFAULT_RECOMPUTE_RATIO
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
@@ -172,6 +170,16 @@ def _paths_and_question(args, questions_file):
     return list(args[:-1]), args[-1]
 
 
+class RecomputeRatioOption(click.Option):
+    """--recompute-ratio, whose help shows compose's default; compose (it loads mlx-lm) is imported only for --help."""
+
+    def get_help_record(self, ctx):
+        from cartridge.compose import DEFAULT_RECOMPUTE_RATIO
+
+        self.help = self.help.split("  [default:")[0] + f"  [default: {DEFAULT_RECOMPUTE_RATIO:g}]"
+        return super().get_help_record(ctx)
+
+
 @click.command()
 @click.argument("args", nargs=-1, required=True, metavar="PATH... [QUESTION]")
 @click.option("--questions", "questions_file", default=None,
@@ -186,9 +194,9 @@ def _paths_and_question(args, questions_file):
               help="Also write the cartridge + this question and answer as a new cartridge (resume: ask FILE ...).")
 @click.option("--recompute", default=16, show_default=True, metavar="N",
               help="With several cartridges: tokens of each later document prefilled again over the ones before.")
-@click.option("--recompute-ratio", default=None, type=float, metavar="R",
+@click.option("--recompute-ratio", cls=RecomputeRatioOption, default=None, type=float, metavar="R",
               help="With several cartridges: fraction of each later document's tokens recomputed, the boundary's "
-              f"and those whose K/V deviate most (CacheBlend).  [default: {DEFAULT_RECOMPUTE_RATIO:g}]")
+              "and those whose K/V deviate most (CacheBlend).")
 @click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
 def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute,
         recompute_ratio, max_memory):
@@ -209,6 +217,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     if json_path is not None and questions_file is None:
         raise InputError("--json needs --questions")
     if recompute_ratio is not None:
+        from cartridge.blend import check_ratio
+
         check_ratio(recompute_ratio, "--recompute-ratio")
     if len(paths) == 1 and (recompute_ratio is not None or recompute != 16):
         raise InputError("--recompute and --recompute-ratio apply when composing several cartridges; one was given")

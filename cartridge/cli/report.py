@@ -3,7 +3,6 @@
 import json
 from pathlib import Path
 
-from cartridge.attention.policy import backend, plan_header
 from cartridge.format import keys as K
 from cartridge.format.kinds import KINDS
 from cartridge.tiers import TIERS
@@ -107,6 +106,7 @@ def _auto(info):
     """What `auto` does with this cartridge on this device (model dtype: float32 on CPU, else as computed)."""
     import mlx.core as mx
 
+    from cartridge.attention.policy import backend, plan_header  # (loads mlx-lm: imported for inspect only)
     from cartridge.tiers import DTYPES
 
     dtype = mx.float32 if backend() == "cpu" else DTYPES[info.source_dtype]

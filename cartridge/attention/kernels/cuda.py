@@ -31,7 +31,7 @@ import numpy as np
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO  # noqa: F401
 from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
-from . import dense
+from . import cuda_decode, dense
 from .constants import constant_lines
 
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
@@ -60,22 +60,35 @@ SINKS_FUSED = True
 # mx.dequantize) is slower than the kernel at every count measured (8.5x against 6.2x dense at 1,024 rows)
 DENSE_MIN_ROWS = {FP16: 256, BF16: 256, AFF4: 256, TURBO: 512, KIVI4: 1 << 30}
 DENSE_MIN_ROWS_OTHER = 512
+# the same crossover where `cuda_decode` decodes the pages (one kernel instead of MLX ops), measured on an H200
+# (benchmarks/results/h200-prefill.json, 131,072 tokens, 32 q / 8 kv heads): at 128 rows the kernel is 0.67-1.03x
+# dense and the decoded path 1.09-1.16x for all 8 tiers measured; at 256 rows the kernel 1.38-2.02x, decoded 1.10-1.18x
+DECODED_MIN_ROWS = 256
 # pass-1 blocks of the tensor-core variant, measured on an H200 (benchmarks/results/h200-blocks-sweep.json):
 # head_dim 128: 264 (2 per SM) was fastest of 132-594 at 32K-128K tokens; head_dim 64: 528 (45.1-45.8 us
 # against 49.2-49.4 for 264 at 128K, equal at 64K)
 MMA_TARGET_BLOCKS = 264
 MMA_TARGET_BLOCKS_D64 = 528
+TC_TARGET_BLOCKS = 264  # the same for flash_pass1_tc (benchmarks sweep them apart)
+TC_TARGET_BLOCKS_D64 = 528
 MMA_STAGES = 3  # tiles of 16 tokens in flight per warp (cp.async pipeline depth)
 MMA_WARPS = 4  # warps per tensor-core pass-1 block
 MMA_HEAD_DIMS = (64, 128)
 TC_STAGES = 3  # tiles of 16 tokens in flight per warp in flash_pass1_tc
 TC_WARPS = 4
+# warps of flash_pass1_tc when V is TurboQuant (whose finish is a second launch anyway: it rotates V back), measured
+# on an H200 (benchmarks/results/h200-sweep.json, 264 blocks, 3 stages, 131,072 / 32,768 tokens): 8 warps turbo2
+# 73.7 / 34.6 us against 86.7 / 37.2 for 4, turbo3 117.4 / 47.0 against 120.9 / 46.6, turbo4 100.6 / 41.5 against
+# 104.7 / 41.6; for the tiers a single launch finishes, 8 warps (two launches) lost at 32K (mxfp4 45.1 against 36.5)
+TC_WARPS_TURBO = 8
 # tiers whose codes flash_pass1_tc looks up in registers (PRMT on a table of 8 magnitudes, `nib_lookup4`) rather
 # than in a shared-memory table of code pairs (`smem_lookup4`); TurboQuant only for codebooks symmetric in fp16.
 # Measured on an H200 (benchmarks/results/h200-lookup-decode.json, 131,072 tokens, head_dim 128): registers
 # 103.1 / 107.9 us against 109.1 / 111.6 for mxfp4 / nvfp4, 103.6 against 106.4 for turbo4, but 145.3 / 122.1
 # against 123.4 / 89.3 for turbo3 / turbo2 (spreading 3- and 2-bit codes into nibbles costs more than it saves)
 REGISTER_LOOKUP = frozenset((MXFP4, NVFP4))
+# a question's prefill decodes compressed pages by one CUDA kernel (`cuda_decode`) rather than by MLX ops
+CUDA_DECODE = True
 MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
 # 3 = no finish in the single launch (outputs are then garbage)
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
@@ -114,7 +127,7 @@ if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
 
 
 @functools.cache
-def _header():
+def source_header():
     """(header, digest): an #include of `SOURCE` (the whole text where the path cannot be quoted)."""
     text = SOURCE.read_text()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -151,7 +164,7 @@ def kernel_spec(kind, n_chunks=0, consts=()):
             outputs = ["out"]
             body = SINGLE_SCRATCH + body + SINGLE_FINISH
     tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
-    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{_header()[1]}_{tag}"
+    name = f"cartridge_{kind.replace('+', '_')}{n_chunks or ''}_{source_header()[1]}_{tag}"
     return name, inputs, outputs, _constants(consts) + body
 
 
@@ -160,7 +173,7 @@ def _kernel(kind, n_chunks, consts, shared_memory=0):
     """The mx.fast.cuda_kernel of `kernel_spec(kind, n_chunks, consts)`, with `shared_memory` dynamic bytes."""
     name, inputs, outputs, body = kernel_spec(kind, n_chunks, consts)
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
-                               header=_header()[0], shared_memory=shared_memory)
+                               header=source_header()[0], shared_memory=shared_memory)
 
 
 def _tc_side_bytes(tid, bits, D):
@@ -171,7 +184,7 @@ def _tc_side_bytes(tid, bits, D):
     b1 = D // 16 if affine else {MXFP8: D // 32, MXFP4: D // 32, NVFP4: D // 16, TURBO: 2}.get(tid, 0)
     b2 = D // 16 if affine else 0
     rows = 32 if tid == KIVI4 else 16  # arrays 1 and 2: kivi4 copies its token group's 32 rows
-    rs = b0 + 16 if b0 % 16 == 0 else b0
+    rs = b0 if b0 % 16 or (b0 // 16) % 2 else b0 + 16  # TcSide::RS: an odd number of 16-byte units
     return 16 * rs + (rows * b1 + 15) // 16 * 16 + (rows * b2 + 15) // 16 * 16
 
 
@@ -346,6 +359,27 @@ class FusedAttention:
             self._kept_as[dtype] = kept
         return kept
 
+    def _cuda_decodes(self, spec, dtype, D):
+        """True if `cuda_decode` decodes a side of `spec` for queries of `dtype`: fp16/bf16 queries only (it rounds
+        the values to fp16 on the way, as flash_pass1_tc reads them: a float32 model keeps the exact MLX-op decode)."""
+        return (CUDA_DECODE and dtype in (mx.float16, mx.bfloat16) and self.table_ok
+                and cuda_decode.reads(spec, self.page, D))
+
+    def _dense_min_rows(self, dtype, D):
+        """Query rows per KV head from which a call takes `dense.prefill_attention`: DECODED_MIN_ROWS where
+        `cuda_decode` decodes both sides, else DENSE_MIN_ROWS (the MLX-op decode's crossover)."""
+        if all(self._cuda_decodes(s, dtype, D) for s in (self.k_spec, self.v_spec)):
+            return DECODED_MIN_ROWS
+        return DENSE_MIN_ROWS.get(self.k_spec[0], DENSE_MIN_ROWS_OTHER)
+
+    def decoded(self, side, n_out, dtype, D):
+        """A side's stored tokens decoded by `cuda_decode.decode_side` as (1, n_kv, n_out, D) of `dtype` (stored
+        basis), or None where that kernel does not read the side (`dense.prefill_attention` decodes by MLX ops)."""
+        spec, arrays, cb = (self.k_spec, self.k_in, self.cbk) if side == "k" else (self.v_spec, self.v_in, self.cbv)
+        if not self._cuda_decodes(spec, dtype, D):
+            return None
+        return cuda_decode.decode_side(spec, arrays, cb, self.prefix.n_tokens, n_out, D, dtype, source_header())
+
     def uses_mma(self, R, D):
         """True if pass 1 runs `flash_pass1_mma` (mlx4g32 K and V) for R query rows per KV head and head_dim D."""
         return TENSOR_CORES and self.mma and R <= 4 and D in MMA_HEAD_DIMS and has_tensor_cores()
@@ -370,17 +404,18 @@ class FusedAttention:
                       ("STAGES", MMA_STAGES), ("DIAG", MMA_DIAG), ("RK", self.k_rot)]
             grid = (n_splits * threads, self.n_kv, 1)
         elif self.uses_tensor_cores(R, D):
-            target = MMA_TARGET_BLOCKS_D64 if D == 64 else MMA_TARGET_BLOCKS
+            target = TC_TARGET_BLOCKS_D64 if D == 64 else TC_TARGET_BLOCKS
             row_blocks = -(-R // 8)
-            per, n_splits = split_plan(self.end - self.start, self.n_kv, row_blocks, 16 * TC_WARPS, target, granule=16)
+            warps = TC_WARPS_TURBO if self.v_spec[0] == TURBO else TC_WARPS
+            per, n_splits = split_plan(self.end - self.start, self.n_kv, row_blocks, 16 * warps, target, granule=16)
             (tk, bk, _), (tv, bv, _) = self.k_spec, self.v_spec
             lreg = bool(REGISTER_LOOKUP & {tk, tv}) and self.table_ok
-            kind, inputs, threads = "tc", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], TC_WARPS * 32
+            kind, inputs, threads = "tc", [self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv], warps * 32
             consts = [("T", dtype), ("TK", tk), ("BK", bk), ("TV", tv), ("BV", bv), ("HD", D), ("NKV", self.n_kv),
-                      ("PAGE", self.page), ("WARPS", TC_WARPS), ("STAGES", TC_STAGES), ("DIAG", 0),
+                      ("PAGE", self.page), ("WARPS", warps), ("STAGES", TC_STAGES), ("DIAG", 0),
                       ("RK", self.k_rot), ("LREG", lreg)]
             grid = (n_splits * threads, self.n_kv, row_blocks)
-            smem = tc_smem_bytes(self.k_spec, self.v_spec, D, lreg)
+            smem = tc_smem_bytes(self.k_spec, self.v_spec, D, lreg, warps)
             # MLX raises a kernel's shared-memory limit only for more than 48000 dynamic bytes; with the static
             # arrays (about 6 KB) a smaller request could still pass the default 48 KiB
             smem = smem if smem <= 48 * 1024 - 8192 else max(smem, 48004)
@@ -425,8 +460,8 @@ class FusedAttention:
                 as one more logit per head. Default: None.
         """
         _, n_q, L, D = queries.shape
-        if n_q // self.n_kv * L >= DENSE_MIN_ROWS.get(self.k_spec[0], DENSE_MIN_ROWS_OTHER):
-            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks)
+        if n_q // self.n_kv * L >= self._dense_min_rows(queries.dtype, D):
+            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
@@ -436,7 +471,7 @@ class FusedAttention:
                   and tail_len <= chunk_size and not self.v_back and sinks is None and self.kept is None)
         key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
                MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES, sinks is None,
-               REGISTER_LOOKUP)
+               REGISTER_LOOKUP, TC_TARGET_BLOCKS, TC_TARGET_BLOCKS_D64, TC_WARPS, TC_WARPS_TURBO)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single,

@@ -26,8 +26,10 @@ def _laid(a, extra):
     return mx.concatenate([a, mx.zeros((a.shape[0], extra, *a.shape[2:]), dtype=a.dtype)], axis=1)
 
 
-def _sequence(prefix, side, dtype, tail, n):
+def _sequence(prefix, side, dtype, tail, n, decode=None):
     """One side as (1, n_kv, n, D) in `dtype` and in its stored basis: prefix tokens, then `tail` (n_kv, T, D).
+    `decode(side, n, dtype, D)`, where given, decodes the stored tokens into a (1, n_kv, n, D) array instead of
+    MLX ops (None: it does not read this side).
 
     Returns:
         tuple: (array, basis or None) as `TierCodec.decode_stored`.
@@ -35,10 +37,14 @@ def _sequence(prefix, side, dtype, tail, n):
     codec, parts, params = ((prefix.k_codec, prefix.k_parts, prefix.k_params) if side == "k"
                             else (prefix.v_codec, prefix.v_parts, prefix.v_params))
     n_pages, n_kv, page, _ = next(iter(parts.values())).shape
-    extra = max(0, -(-n // page) - n_pages)  # pages of room for the tail
-    x, basis = codec.decode_stored({name: _laid(a, extra) for name, a in parts.items()}, params)
-    # (n_kv, pages, P, D) -> (1, n_kv, pages * P, D): free when decoding made a new array, one copy otherwise
-    x = x.astype(dtype).reshape(1, n_kv, -1, x.shape[-1])
+    x = None if decode is None else decode(side, n, dtype, tail.shape[-1])
+    if x is not None:
+        basis = codec.decode_stored(parts, params)[1]  # only the basis: the lazy decode is never evaluated
+    else:
+        extra = max(0, -(-n // page) - n_pages)  # pages of room for the tail
+        x, basis = codec.decode_stored({name: _laid(a, extra) for name, a in parts.items()}, params)
+        # (n_kv, pages, P, D) -> (1, n_kv, pages * P, D): free when decoding made a new array, one copy otherwise
+        x = x.astype(dtype).reshape(1, n_kv, -1, x.shape[-1])
 
     def put(values):  # an original-basis (n_kv, T, D) array in this side's basis and dtype
         return (values if basis is None else basis.rotate(values)).astype(dtype)
@@ -67,7 +73,7 @@ def _sdpa(queries, keys, values, scale, sinks):
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal", sinks=sinks)
 
 
-def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa):
+def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa, decode=None):
     """Attention of the last L tail tokens over prefix + tail, causal among the tail, by MLX's SDPA.
 
     Args:
@@ -78,6 +84,9 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa):
         attend (callable): attend(queries, keys, values, scale, sinks) over the (1, n_kv, S, D) sequences,
             causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.QuestionPrefill`
             passes its own).
+        decode (callable | None): decode(side, n, dtype, head_dim) -> the side's stored tokens as (1, n_kv, n,
+            head_dim) with room for the tail, or None (MLX ops decode it): `cuda.FusedAttention` passes its
+            kernel's (`cuda_decode`). Default: None.
 
     Returns:
         mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
@@ -85,8 +94,8 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa):
     dt = queries.dtype
     tk, tv = cache.tail_kv()  # (n_kv, T, D)
     n_kv, n = tk.shape[0], prefix.n_tokens + tk.shape[1]
-    k, k_basis = _sequence(prefix, "k", dt, tk, n)
-    v, v_basis = _sequence(prefix, "v", dt, tv, n)
+    k, k_basis = _sequence(prefix, "k", dt, tk, n, decode)
+    v, v_basis = _sequence(prefix, "v", dt, tv, n, decode)
     if k_basis is not None:
         queries = _per_kv_head(k_basis.rotate, queries, n_kv).astype(dt)
     out = attend(queries, k, v, scale, sinks)

@@ -993,7 +993,10 @@ struct TcSide {
                           : TIER == TURBO ? 2 : 0;
   static constexpr int B2 = AFFINE ? D / 16 : 0;
   static constexpr int SBR = TIER == KIVI4 ? 32 : 16;  // rows of arrays 1 and 2 in a tile (kivi4: its token group's)
-  static constexpr int RS = B0 % 16 == 0 ? B0 + 16 : B0;  // row stride of array 0 (padded against bank conflicts)
+  // row stride of array 0: an odd number of 16-byte units where the row is whole units, so that the 8 rows a
+  // fragment read touches start in 8 different 4-bank groups (an even number, e.g. turbo3's 48 + 16 bytes at
+  // head_dim 128, put rows 0, 2, 4, 6 on the same banks: 4-way conflicts, measured by Nsight Compute on an H200)
+  static constexpr int RS = B0 % 16 != 0 ? B0 : (B0 / 16) % 2 ? B0 : B0 + 16;
   static constexpr int O1 = 16 * RS;
   static constexpr int O2 = O1 + (SBR * B1 + 15) / 16 * 16;
   static constexpr int BYTES = O2 + (SBR * B2 + 15) / 16 * 16;  // one 16-token tile
@@ -1438,5 +1441,54 @@ __device__ void flash_pass1_tc(const T* q, float scale, const float* sgk, const 
   }
   __syncthreads();
   write_split<WARPS, 8, D, NKV>(sm_o, &sm_m[0][0], &sm_l[0][0], rb * 8, R, blockIdx.x, h, O, M, L);
+}
+}  // namespace cart
+
+namespace cart {
+// ---- Stored pages decoded to the queries' dtype for a question's prefill (`kernels/cuda_decode.py`) ----
+// A warp decodes one 16-token tile of one KV head: the tile reaches shared memory as flash_pass1_tc copies it
+// (`tc_copy_side`), each lane decodes 4 consecutive head_dim elements at a time (`tile_deq4`, codes looked up in
+// registers), times the token's factor (TurboQuant: its norm) and nvfp4's global factor, and writes them to
+// out (NKV, n_out, D) in the basis the pages were stored in. prm: [stored tokens, n_out]. Tokens n_tokens ..
+// n_out - 1 are left for the caller (the question's K/V).
+__device__ __forceinline__ void store4(__half* o, float a, float b, float c, float d) {
+  *reinterpret_cast<uint2*>(o) = uint2{h2_bits(__floats2half2_rn(a, b)), h2_bits(__floats2half2_rn(c, d))};
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* o, float a, float b, float c, float d) {
+  const __nv_bfloat162 x = __floats2bfloat162_rn(a, b), y = __floats2bfloat162_rn(c, d);
+  *reinterpret_cast<uint2*>(o) = uint2{*reinterpret_cast<const uint32_t*>(&x), *reinterpret_cast<const uint32_t*>(&y)};
+}
+__device__ __forceinline__ void store4(float* o, float a, float b, float c, float d) {
+  *reinterpret_cast<float4*>(o) = make_float4(a, b, c, d);
+}
+
+template <typename T, int TIER, int BITS, int D, int NKV, int P, int WARPS>
+__device__ void decode_tiles(const void* c0, const void* c1, const void* c2, const float* cb, const int32_t* prm,
+                             T* out) {
+  using S = TcSide<TIER, BITS, D>;
+  static_assert(!S::DENSE, "dense pages need no decode");
+  __shared__ __align__(16) unsigned char st[WARPS][S::BYTES];
+  const int n_tokens = prm[0], n_out = prm[1];
+  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tb = 16 * (blockIdx.x * WARPS + warp);
+  if (tb >= n_tokens) return;  // (no block-wide barrier follows)
+  const char* const c[3] = {static_cast<const char*>(c0), static_cast<const char*>(c1), static_cast<const char*>(c2)};
+  const size_t tok = ((size_t)(tb / P) * NKV + h) * P + tb % P;
+  tc_copy_side<S>((uint32_t)__cvta_generic_to_shared(&st[warp][0]), c, tok, tb, n_tokens - tb, lane);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  const char* tile = reinterpret_cast<const char*>(&st[warp][0]);
+  const uint4 tab = tc_table<TIER, BITS>(cb);
+  const float g = TIER == NVFP4 ? cb[0] : 1.f;
+  for (int i = lane; i < 4 * D; i += 32) {  // 16 rows x D / 4 quads; rows ascend with i
+    const int r = i / (D / 4), d0 = 4 * (i % (D / 4));
+    if (tb + r >= n_tokens) break;
+    uint32_t x01, x23;
+    tile_deq4<TIER, BITS, D, true>(tile, r, d0, tab, nullptr, x01, x23);
+    const float f = tc_token_factor<TIER, BITS, D>(tile, r, cb) * g;
+    const float2 a = __half22float2(bits_h2(x01)), b = __half22float2(bits_h2(x23));
+    store4(out + ((size_t)h * n_out + tb + r) * D + d0, a.x * f, a.y * f, b.x * f, b.y * f);
+  }
 }
 }  // namespace cart

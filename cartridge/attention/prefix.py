@@ -1,0 +1,44 @@
+"""`LayerPrefix`: one layer's stored pages as loaded, the read-only prefix a `CartridgeCache` attends.
+
+Apart from `cartridge.attention.cache` (which subclasses mlx-lm's cache) so that placing and reporting
+(`cartridge inspect`) import no mlx-lm.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LayerPrefix:
+    """The read-only prefix of one layer.
+
+    Attributes:
+        k_codec, v_codec (TierCodec): tiers of the K and V pages.
+        k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
+        n_tokens (int): valid tokens (the last page may be padded).
+        k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
+        kernel (callable | None): fused attention of this layer, called as kernel(cache, queries, scale,
+            sinks) -> output or None (built by a backend: `cartridge.attention.backends`);
+            None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
+        protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
+            their compressed pages (`cartridge.tiers.protect`).
+    """
+
+    k_codec: object
+    k_parts: dict
+    v_codec: object
+    v_parts: dict
+    n_tokens: int
+    k_params: dict = field(default_factory=dict)
+    v_params: dict = field(default_factory=dict)
+    kernel: object = None
+    protected: object = None
+
+    @property
+    def n_kv_heads(self):
+        """KV heads (axis 1 of every page array)."""
+        return next(iter(self.k_parts.values())).shape[1]
+
+    @property
+    def nbytes(self):
+        """Bytes of the stored pages of this layer (K and V)."""
+        return sum(a.nbytes for a in (*self.k_parts.values(), *self.v_parts.values()))
