@@ -1,15 +1,24 @@
-"""Extend a ~4K-token document by ~256 tokens, against rebuilding the joined text from scratch
-(default model, this machine). Prints one line per run and writes JSON.
+"""Operations that skip the re-prefill, against rebuilding (default model, this machine). Prints one line
+per run and writes JSON.
 
     python benchmarks/extend.py [--doc-tokens 2048,4096] [--new-tokens 256] [--tier fp16] [--repeat 2]
                                 [--json benchmarks/results/cpu-extend.json]
+    python benchmarks/extend.py --convert [--copies 5] [--tier mlx4g32] [--repeat 3]
+                                [--json benchmarks/results/cpu-convert.json]
 
-Each document size (comma-separated) is built once, then extended and rebuilt `--repeat` times, in
-turn. Both sides get the loaded model (model loading is not timed). Extend's time covers everything it
-does: load and verify the stored cartridge, prefill the new tokens over it, encode, write old + new
-pages, verify the result, publish. Rebuild's covers prefill of the joined text, encode and write.
-Wall and process CPU seconds are both recorded, with the load average before and after each run:
-the CPU may be shared.
+Extend (the default): a ~4K-token document extended by ~256 tokens, against rebuilding the joined text from
+scratch. Each document size (comma-separated) is built once, then extended and rebuilt `--repeat` times, in
+turn. Extend's time covers everything it does: load and verify the stored cartridge, prefill the new tokens
+over it, encode, write old + new pages, verify the result, publish. Rebuild's covers prefill of the joined
+text, encode and write. Wall and process CPU seconds are both recorded, with the load average before and
+after each run: the CPU may be shared.
+
+--convert: `cartridge convert` fp16 -> TIER of an 8K-token cartridge against building TIER directly (prefill
+included), `--repeat` converts (the median is reported), and how far the converted pages are from the direct
+build's. The document is samples/lgpl-3.0.txt repeated `--copies` times (5: 8,057 tokens with the default
+model's chat template, its context is 8,192).
+
+Both sides always get the loaded model (model loading is timed by neither).
 """
 
 import argparse
@@ -17,15 +26,19 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import cartridge  # noqa: I001  (first: it loads OpenBLAS before mlx; imported after, MLX keeps its reference BLAS)
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 from cartridge.extend import EXTEND_SEPARATOR
+from cartridge.format.layout import DATA_NAME, INDEX_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,23 +115,81 @@ def measure(lm, doc_tokens, args):
             "token_ids_equal": same_ids, "greedy_answer_equal_30_tokens": same_answer}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--doc-tokens", default="4096", help="Document sizes in tokens, comma-separated.")
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--tier", default="fp16")
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--no-answers", action="store_true", help="Skip the 30-token greedy answer comparison.")
-    args = ap.parse_args()
-    lm = cartridge.load_model()
+def page_difference(a, b):
+    """Bytes of pages.bin that differ between two cartridges of the same layout, and the index equality
+    outside the page tables (which hold the pages' checksums)."""
+    x = np.fromfile(Path(a) / DATA_NAME, np.uint8)
+    y = np.fromfile(Path(b) / DATA_NAME, np.uint8)
+    ia, _ = cartridge.open_cartridge(a, verify="header")
+    ib, _ = cartridge.open_cartridge(b, verify="header")
+    keys = {k for k in ia.records if not k.endswith(".pages")}
+    return {
+        "pages_bin_bytes": int(x.size),
+        "pages_bin_bytes_differing": int(np.count_nonzero(x != y)) if x.size == y.size else None,
+        "index_equal_outside_page_tables": keys == {k for k in ib.records if not k.endswith(".pages")}
+        and all(ia.records[k] == ib.records[k] for k in keys),
+        "files_identical": (Path(a) / INDEX_NAME).read_bytes() == (Path(b) / INDEX_NAME).read_bytes()
+        and bool(np.array_equal(x, y)),
+    }
+
+
+def convert_against_build(lm, args):
+    """`args.repeat` converts fp16 -> args.tier of the sample x args.copies, against one direct build: JSON."""
+    text = "\n\n".join([(ROOT / "samples" / "lgpl-3.0.txt").read_text()] * args.copies)
+    out = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, mlx {mx.default_device()}",
+           "model": lm.ref, "tier": args.tier}
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 8,057 of 8,192 tokens: the reserve warning is expected here
+        tmp = Path(tmp)
+        src = cartridge.build(text, tmp / "fp16.cart", model=lm, tier="fp16")
+        print(f"build fp16: {src.tokens} tokens, {src.seconds:.1f} s (prefill {src.prefill_seconds:.1f} s)", flush=True)
+        direct = cartridge.build(text, tmp / "direct.cart", model=lm, tier=args.tier)
+        print(f"build {args.tier}: {direct.seconds:.1f} s (prefill {direct.prefill_seconds:.1f} s)", flush=True)
+        runs = []
+        for i in range(args.repeat):
+            r = cartridge.convert(src.path, tmp / "conv.cart", tier=args.tier, force=i > 0)
+            runs.append(r.seconds)
+            print(f"convert fp16 -> {args.tier}: {r.seconds:.2f} s", flush=True)
+        out.update({
+            "tokens": src.tokens,
+            "build_fp16_seconds": src.seconds, "build_fp16_prefill_seconds": src.prefill_seconds,
+            "build_tier_seconds": direct.seconds, "build_tier_prefill_seconds": direct.prefill_seconds,
+            "convert_seconds": runs, "convert_seconds_median": statistics.median(runs),
+            "speedup_vs_build_tier": direct.seconds / statistics.median(runs),
+            "source_bytes": src.bytes, "converted_bytes": r.bytes, "direct_bytes": direct.bytes,
+            "source_dtype": cartridge.open_cartridge(src.path, verify="header")[0].source_dtype,
+            "converted_vs_direct": page_difference(tmp / "conv.cart", tmp / "direct.cart"),
+        })
+    print(json.dumps(out, indent=2))
+    return out
+
+
+def extend_against_build(lm, args):
+    """Extend against rebuild for each of args.doc_tokens: JSON."""
     sizes = [measure(lm, int(n), args) for n in args.doc_tokens.split(",")]
-    out = {
+    return {
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}, {os.cpu_count()} cores "
                    f"(shared), load average {os.getloadavg()[0]:.1f} at the end",
         "device": str(mx.default_device()), "mlx": mx.__version__, "model": lm.ref, "tier": args.tier,
         "sizes": sizes,
     }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--convert", action="store_true", help="Time `cartridge convert` fp16 -> --tier instead.")
+    ap.add_argument("--doc-tokens", default="4096", help="Document sizes in tokens, comma-separated.")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--copies", type=int, default=5, help="--convert: copies of the sample in the document.")
+    ap.add_argument("--tier", default=None, help="Default: fp16 (extend), mlx4g32 (--convert).")
+    ap.add_argument("--repeat", "--repeats", type=int, default=None, help="Runs. Default: 2 (extend), 3 (--convert).")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-answers", action="store_true", help="Skip the 30-token greedy answer comparison.")
+    args = ap.parse_args()
+    args.tier = args.tier or ("mlx4g32" if args.convert else "fp16")
+    args.repeat = args.repeat or (3 if args.convert else 2)
+    lm = cartridge.load_model()
+    out = (convert_against_build if args.convert else extend_against_build)(lm, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -1,0 +1,371 @@
+"""Teacher-forced agreement with a reference: known answer tokens are fed after each question in one forward
+pass over the reference K/V and over the K/V under test; per position, KL (reference || test) and whether the
+argmax agrees. Two subcommands:
+
+    presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu]
+    blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--dtype float32]
+
+`presets` (issue 33): calibrated presets against fp16 on real questions, without building cartridges. DOC is
+prefilled, each question answered greedily (50 tokens) over the fp16-rounded K/V (cached beside OUT as
+OUT.answers.json); for each calibration VARIANT (measurement constants of cartridge.calibrate.sequence,
+VARIANTS below) the safe / balanced / compact schemas are chosen and question + fp16 answer teacher-forced over
+the K/V round-tripped through each schema's tiers (encode, reference decode). That gives the greedy answer's
+first token, whether it is identical and the tokens to its first divergence exactly (before the first
+disagreement the contexts are the same); --bleu adds sentence BLEU, for which the schema's own continuation
+after that point is generated greedily to 50 tokens. --fixed scores uniform schemas (k_tier/v_tier) too.
+
+`blend` (issue 33 item 3): which tokens of a later document to recompute. For the pair of a
+`cartridge eval A B --json` report, every question's reference answer (recompute-all's greedy answer there) is
+fed over a fresh mlx-lm prefill of the composed tokens (the reference) and over each composition; per
+(strategy, R) the mean KL and top-1 agreement. R is `compose`'s recompute_ratio (boundary counted in); only the
+choice of the stored tokens differs between strategies:
+
+    deviation    compose(selection="deviation"): K/V deviation at --select-layer (`blend.deviation`)
+    attention    compose(selection="attention"): that deviation x the probe's attention mass (`blend.probe_mass`)
+    layerN       the same deviation at layer N (computed here from the fresh prefill's K/V: the same K/V
+                 a selection pass stopped at layer N would see)
+    alldev       deviation summed over all layers (full information; not deployable)
+    first/last   B's first / last stored tokens; random: a fixed-seed sample
+    mass         attention mass that probe rows (a generic question, `blend.PROBE`) put on each stored token,
+                 summed over layers and heads, on the R = 0 composition (`blend.probe_mass`)
+    oracle       blocks of 32 tokens ranked by how much recomputing each block alone lowers the KL (measured;
+                 additive approximation of the best set; not deployable)
+
+With --bleu R,..., each setting at those ratios also answers every question greedily (the report's max_tokens)
+and is compared with the report's reference answers (`metrics.compare_answers`: BLEU, first token, exact).
+
+    PYTHONPATH=. python benchmarks/agreement.py {presets,blend} --help
+"""
+
+import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
+import argparse
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from cartridge import blend
+from cartridge.build import prefill
+from cartridge.calibrate import fitting, measure, search, sequence
+from cartridge.compose import ComposedCartridge, Part, compose
+from cartridge.eval.composed import by_class, timed_greedy
+from cartridge.eval.metrics import sentence_bleu
+from cartridge.models.prompt import SEPARATOR, prefix_tokens, prompt_mode, question_tokens
+from cartridge.tiers import TIERS
+
+
+def log_probs(model, ids, cache, start=0):
+    """(len(ids) - start, vocab) float32 numpy log-probabilities of the model's forward of ids over cache
+    (`measure.log_softmax`: calibration's own, so KL values match its)."""
+    out = model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)[0, start:].astype(mx.float32)
+    return np.array(measure.log_softmax(out))
+
+
+def compare(ref, got):
+    """Per position of two (T, vocab) log-prob arrays: KL (ref || got) in nats (T,) and argmax equal (T,) bool."""
+    return (np.exp(ref) * (ref - got)).sum(-1), ref.argmax(-1) == got.argmax(-1)
+
+
+# ---- presets ------------------------------------------------------------------------------------------------
+
+ANSWER_TOKENS = 50
+P3 = ("What is this document about? Answer in one sentence.", "Quote the first sentence of the document.",
+      "Which names, numbers or dates does the document mention?")
+BASE = {"PROBES": P3[:1], "ANSWER_TOKENS": 8, "SCORE_DOCUMENT": True, "SLICE_TOKENS": 32}
+VARIANTS = {"base": BASE, "p3": {**BASE, "PROBES": P3}, "p3qa": {**BASE, "PROBES": P3, "SCORE_DOCUMENT": False},
+            "p3a16": {**BASE, "PROBES": P3, "ANSWER_TOKENS": 16}, "qa": {**BASE, "SCORE_DOCUMENT": False}}
+PRESET_RATIOS = (("safe", 2.0), ("balanced", 3.0), ("compact", 4.5))
+
+
+class Presets:
+    """The prefilled document, its fp16-rounded K/V, the questions, their fp16 answers and reference log-probs."""
+
+    def __init__(self, lm, doc, qfile, answers_file):
+        self.model, self.tok = lm.model, lm.tokenizer
+        self.mode = prompt_mode(self.tok)
+        self.tokens = prefix_tokens(self.tok, Path(doc).read_text(), self.mode)
+        self.caches = prefill(self.model, self.tokens)
+        self.kv = [tuple(measure.fp16_rounded(a) for a in (c.keys[..., :c.offset, :], c.values[..., :c.offset, :]))
+                   for c in self.caches]
+        qs = [json.loads(line)["question"] for line in Path(qfile).read_text().splitlines() if line.strip()]
+        ids = getattr(self.tok, "eos_token_ids", None)
+        self.eos = set(ids) if ids else {self.tok.eos_token_id}
+        self.seqs = [question_tokens(self.tok, q, self.mode) for q in qs]
+        if os.path.exists(answers_file):
+            self.answers = json.loads(Path(answers_file).read_text())
+        else:
+            self.answers = [self.continued(self.kv, s, []) for s in self.seqs]
+            Path(answers_file).write_text(json.dumps(self.answers))
+        self.ref = self.log_probs_over(self.kv)
+        self.shapes = {"k": (self.kv[0][0].shape[1], self.kv[0][0].shape[3]),
+                       "v": (self.kv[0][1].shape[1], self.kv[0][1].shape[3])}
+
+    def cache(self, pairs):
+        return [sequence.filled_cache(k, v) for k, v in pairs]
+
+    def continued(self, pairs, s, head):
+        """head + the greedy continuation over `pairs` after question tokens s, to ANSWER_TOKENS (or EOS, kept)."""
+        cache, step, out = self.cache(pairs), s + head, list(head)
+        while len(out) < ANSWER_TOKENS:
+            t = int(mx.argmax(self.model(mx.array(step, dtype=mx.uint32)[None], cache=cache)[0, -1]).item())
+            out.append(t)
+            if t in self.eos:
+                break
+            step = [t]
+        return out
+
+    def log_probs_over(self, pairs):
+        """Per question, the log-probs predicting its fp16 answer's tokens (teacher-forced) over `pairs`."""
+        return [log_probs(self.model, s + a[:-1], self.cache(pairs), start=len(s) - 1)
+                for s, a in zip(self.seqs, self.answers)]
+
+    def score(self, schema, bleu=False):
+        pairs = [tuple(measure.round_trip(row[s], x, row["layer"], s) if row[s] != "fp16" else x
+                       for s, x in zip("kv", p)) for row, p in zip(schema, self.kv)]
+        first = agree = n = 0
+        kls, div = [], []
+        for ref, got in zip(self.ref, self.log_probs_over(pairs)):
+            kl, same = compare(ref, got)
+            kls.append(float(kl.mean()))
+            first, agree, n = first + int(same[0]), agree + int(same.sum()), n + len(same)
+            div.append(int(np.argmin(same)) if not same.all() else len(same))
+        res = {"first": first, "top1": agree / n, "kl": sum(kls) / len(kls), "div": sum(div) / len(div),
+               "identical": sum(d == len(a) for d, a in zip(div, self.answers))}
+        if bleu:
+            res["bleu"] = float(np.mean([1.0 if d == len(a) else
+                                         sentence_bleu(self.text(self.continued(pairs, s, a[:d])), self.text(a))
+                                         for s, a, d in zip(self.seqs, self.answers, div)]))
+        return res
+
+    def text(self, ids):
+        return self.tok.decode([t for t in ids if t not in self.eos])
+
+
+def rounded(r):
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "schema"}
+
+
+def presets_main(args):
+    run = Presets(cartridge.load_model(args.model), args.doc, args.questions, args.out + ".answers.json")
+    fp16_bpt = len(run.kv) * 2 * TIERS["fp16"].bytes_per_token(*run.shapes["k"])
+    results = {}
+    for variant in args.variants or ["base"]:
+        t0 = time.time()
+        for name, val in VARIANTS[variant].items():
+            setattr(sequence, name, val)
+        sens = measure.measure(run.model, run.tok, run.mode, run.caches, run.tokens, fitting(run.shapes))
+        secs = time.time() - t0
+        for preset, ratio in PRESET_RATIOS:
+            ch = search.choose(sens.kl, len(run.kv), run.shapes, int(fp16_bpt // ratio))
+            r = run.score(ch.schema, args.bleu)
+            r.update(bytes=ch.bytes_per_token, pred=ch.predicted_kl, calib_s=secs,
+                     schema=[(row["k"], row["v"]) for row in ch.schema])
+            results[f"{variant}/{preset}"] = r
+            print(variant, preset, rounded(r), flush=True)
+    for name in filter(None, args.fixed.split(",")):
+        kt, vt = name.split("/")
+        schema = [{"layer": i, "k": kt, "v": vt} for i in range(len(run.kv))]
+        r = run.score(schema, args.bleu)
+        r.update(bytes=search.schema_bytes(schema, run.shapes))
+        results[f"fixed/{name}"] = r
+        print("fixed", name, rounded(r), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+# ---- blend --------------------------------------------------------------------------------------------------
+
+RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
+BLOCK = 32
+
+
+class Pair:
+    """The pair's cartridges, questions, reference log-probs and per-layer deviations of B's stored tokens."""
+
+    def __init__(self, report, dtype="auto", select_layer=blend.DEFAULT_SELECT_LAYER, model="default"):
+        self.report, self.select_layer = report, select_layer
+        self.lm = cartridge.load_model(model, dtype=dtype)
+        self.carts = [cartridge.load(d["cartridge"]["path"], model=self.lm) for d in report["documents"]]
+        base = compose(self.carts, recompute=16, recompute_ratio=0.0)
+        self.base = base
+        b = base.blended[0]
+        self.n_read, self.n_fresh = b["read"], b["fresh"]
+        self.first = len(base.tokens) - b["read"]  # composed position of B's first stored token read
+        part = base._layers[0][-1]
+        self.start, self.shift = part.start, part.shift
+        model = self.lm.model
+        ref = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        for at in range(0, len(base.tokens), 256):
+            model(mx.array(base.tokens[at:at + 256])[None], cache=ref)
+            mx.eval([c.state for c in ref])
+        self.prefill_s = time.perf_counter() - t0
+        self.dev = []  # (n_layers, n_read): deviation of the stored K/V from the fresh prefill's, per layer
+        for layer, c in enumerate(ref):
+            fresh = (c.keys[0, :, self.first:len(base.tokens)].astype(mx.float32),
+                     c.values[0, :, self.first:len(base.tokens)].astype(mx.float32))
+            stored = blend.stored_kv(Part(self.carts[-1].prefixes[layer], self.shift, self.start), base._ropes[layer])
+            self.dev.append(np.array(blend.deviation(fresh, stored)))
+        self.dev = np.array(self.dev)
+        self.rows = []
+        for q, a in zip(report["questions"], report["reference"]["answers"]):
+            prompt = base.question_prompt(q["question"]) + a["tokens"]
+            self.rows.append((q["id"], prompt, log_probs(model, prompt, ref)))
+            trim_prompt_cache(ref, len(prompt))
+        self.mass = np.array(blend.probe_mass(model, base.prompt_cache(), base.question_prompt(blend.PROBE)))
+
+    def score(self, comp):
+        """Mean KL (fresh || composed) and top-1 agreement over every question's prompt + reference answer."""
+        kl = agree = n = 0
+        per = {}
+        for qid, prompt, ref in self.rows:
+            k, same = compare(ref, log_probs(self.lm.model, prompt, comp.prompt_cache()))
+            per[qid] = float(k.sum()) / len(ref)
+            kl, agree, n = kl + float(k.sum()), agree + int(same.sum()), n + len(ref)
+        return {"mean_kl": kl / n, "agree": agree, "n": n, "per_question_kl": per}
+
+    def bleu(self, comp):
+        """Greedy answers over `comp` against the report's reference answers, all / one document / both."""
+        r = self.report
+        answers = [timed_greedy(self.lm.model, self.lm.tokenizer, comp.question_prompt(q["question"]),
+                                r["settings"]["max_tokens"], comp.prompt_cache) for q in r["questions"]]
+        got = by_class(answers, r["reference"]["answers"], r["questions"])
+        return {"bleu": {k: (v["bleu"] if v else None) for k, v in got.items()},
+                "first_token": got["all"]["first_token"], "exact": got["all"]["exact"]}
+
+
+def top(scores, k):
+    return blend.select(list(scores), k)
+
+
+def strategies(pair, rng_seed=0):
+    n = pair.n_read
+    out = {
+        "deviation": ("deviation", None),  # compose's own selection passes
+        "attention": ("attention", None),
+        "first": lambda k: list(range(k)),
+        "last": lambda k: list(range(n - k, n)),
+        "random": lambda k: sorted(np.random.default_rng(rng_seed).choice(n, k, replace=False).tolist()),
+        "alldev": lambda k: top(pair.dev.sum(0), k),
+        "mass": lambda k: top(pair.mass, k),
+        "mass*alldev": lambda k: top(pair.mass * pair.dev.sum(0), k),
+    }
+    for layer in (1, 4, 8, 16):
+        if layer < len(pair.dev):
+            out[f"layer{layer}"] = partial(top, pair.dev[layer])
+    return {k: v if isinstance(v, tuple) else ("deviation", v) for k, v in out.items()}
+
+
+def composed(pair, ratio, how):
+    """compose() of the pair at `ratio`; how = (selection, choose): its stored-token choice replaced by
+    `choose(k)` (None: compose's own, by `selection`)."""
+    selection, choose = how
+    class Chosen(ComposedCartridge):
+        def _select(self, caches, cart, part, k):
+            if choose is None or k in (0, len(cart.tokens) - part.start):
+                return super()._select(caches, cart, part, k)
+            return choose(k)
+    t0 = time.perf_counter()
+    comp = Chosen(pair.carts, 16, SEPARATOR, ratio, pair.select_layer, selection)
+    return comp, time.perf_counter() - t0
+
+
+def block_oracle(pair, log):
+    """KL with each block of BLOCK stored tokens recomputed alone (besides the boundary); returns per-token gains."""
+    r0 = pair.score(composed(pair, 0.0, ("deviation", None))[0])["mean_kl"]
+    gain = np.zeros(pair.n_read)
+    blocks = []
+    for at in range(0, pair.n_read, BLOCK):
+        idx = list(range(at, min(at + BLOCK, pair.n_read)))
+        ratio = (pair.n_fresh + len(idx)) / (pair.n_fresh + pair.n_read)
+        comp, _ = composed(pair, ratio, ("deviation", lambda k, idx=idx: idx[:k] if k <= len(idx) else idx))
+        kl = pair.score(comp)["mean_kl"]
+        gain[idx] = r0 - kl
+        blocks.append({"start": at, "kl": kl, "gain": r0 - kl})
+        log(f"block {at}: kl {kl:.5f} gain {r0 - kl:+.5f}")
+    return gain, blocks
+
+
+def blend_main(args):
+    report = json.loads(Path(args.report).read_text())
+    t0 = time.perf_counter()
+    pair = Pair(report, args.dtype, args.select_layer, args.model)
+
+    def log(s):
+        print(f"[{time.perf_counter() - t0:7.1f}s] {s}", flush=True)
+
+    log(f"B: {pair.n_fresh} fresh + {pair.n_read} read; prefill of the composed tokens {pair.prefill_s:.1f} s")
+    q = np.percentile
+    log("deviation per layer (mean over B): " + " ".join(f"{d:.3f}" for d in pair.dev.mean(1)))
+    log(f"mass on B: total {pair.mass.sum():.3f}, top-5% tokens hold "
+        f"{np.sort(pair.mass)[::-1][:pair.n_read // 20].sum() / pair.mass.sum():.2f}")
+    table = strategies(pair)
+    result = {"report": args.report, "select_layer": args.select_layer, "n_fresh": pair.n_fresh,
+              "n_read": pair.n_read, "probe": blend.PROBE, "deviation_per_layer": pair.dev.mean(1).tolist(),
+              "rows": []}
+    if args.oracle:
+        gain, blocks = block_oracle(pair, log)
+        result["oracle_blocks"] = blocks
+        table["oracle"] = ("deviation", lambda k: top(gain + 1e-9 * pair.dev[1], k))
+    bleu_at = {float(r) for r in args.bleu.split(",") if r}
+    done = {}
+    for ratio in (float(r) for r in args.ratios.split(",")):
+        for name in args.strategies.split(",") + (["oracle"] if args.oracle else []):
+            boundary = ratio <= pair.n_fresh / (pair.n_fresh + pair.n_read)
+            key = "all" if ratio == 1.0 else ("boundary" if boundary else None)
+            if key and key in done:
+                row = dict(done[key], strategy=name)
+            else:
+                comp, cs = composed(pair, ratio, table[name])
+                b = comp.blended[0]
+                at = np.array(b["positions"]) - pair.first
+                row = {"strategy": name, "ratio": ratio, "recomputed": b["fresh"] + b["selected"],
+                       "of": b["fresh"] + b["read"], "compose_s": cs, "select_s": b["select_s"],
+                       "selected_p10_p50_p90": [int(q(at, p)) for p in (10, 50, 90)] if len(at) else [],
+                       **pair.score(comp), **(pair.bleu(comp) if ratio in bleu_at else {})}
+                if key:
+                    done[key] = row
+            result["rows"].append(row)
+            log(f"R {ratio:.2f} {name:12s} recomputed {row['recomputed']:4d}/{row['of']} kl {row['mean_kl']:.5f} "
+                f"top1 {row['agree']}/{row['n']} bleu {row.get('bleu', {}).get('all', -1):.3f} "
+                f"sel {row['selected_p10_p50_p90']} compose {row['compose_s']:.1f}s")
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Teacher-forced agreement with a reference (see the module docstring).")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("presets", help="calibrated presets' schemas against fp16 on the document's questions")
+    p.add_argument("doc")
+    p.add_argument("questions", help="JSONL, one {\"question\": ...} per line")
+    p.add_argument("out", help="JSON results (the fp16 answers are cached beside it as OUT.answers.json)")
+    p.add_argument("variants", nargs="*", metavar="VARIANT", help=f"calibration variants: {', '.join(VARIANTS)} "
+                   "(default: base)")
+    p.add_argument("--fixed", default="", help="uniform schemas scored too, e.g. int8/int8,turbo4/turbo3")
+    p.add_argument("--bleu", action="store_true", help="sentence BLEU of each schema's own greedy answer too")
+    p.add_argument("--model", default="default")
+    p.set_defaults(run=presets_main)
+    b = sub.add_parser("blend", help="which tokens of a composition's later document to recompute")
+    b.add_argument("report", help="a `cartridge eval A B --json` report")
+    b.add_argument("out")
+    b.add_argument("--ratios", default=",".join(str(r) for r in RATIOS))
+    b.add_argument("--strategies", default="deviation,attention,first,random")
+    b.add_argument("--oracle", action="store_true")
+    b.add_argument("--bleu", default="", help="ratios at which to answer greedily too, e.g. 0.1,0.2,0.3")
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--select-layer", type=int, default=blend.DEFAULT_SELECT_LAYER)
+    b.add_argument("--model", default="default", help="the model the report's cartridges were built with")
+    b.set_defaults(run=blend_main)
+    args = ap.parse_args()
+    unknown = [v for v in getattr(args, "variants", []) if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
