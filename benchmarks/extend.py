@@ -117,16 +117,17 @@ def measure(lm, doc_tokens, args):
 
 def page_difference(a, b):
     """Bytes of pages.bin that differ between two cartridges of the same layout, and the index equality
-    outside the page tables (which hold the pages' checksums)."""
+    outside the page tables and head_sums (which hold the pages' checksums; head_sums since format 1.2)."""
     x = np.fromfile(Path(a) / DATA_NAME, np.uint8)
     y = np.fromfile(Path(b) / DATA_NAME, np.uint8)
     ia, _ = cartridge.open_cartridge(a, verify="header")
     ib, _ = cartridge.open_cartridge(b, verify="header")
-    keys = {k for k in ia.records if not k.endswith(".pages")}
+    checksums = (".pages", ".head_sums")
+    keys = {k for k in ia.records if not k.endswith(checksums)}
     return {
         "pages_bin_bytes": int(x.size),
         "pages_bin_bytes_differing": int(np.count_nonzero(x != y)) if x.size == y.size else None,
-        "index_equal_outside_page_tables": keys == {k for k in ib.records if not k.endswith(".pages")}
+        "index_equal_outside_page_tables": keys == {k for k in ib.records if not k.endswith(checksums)}
         and all(ia.records[k] == ib.records[k] for k in keys),
         "files_identical": (Path(a) / INDEX_NAME).read_bytes() == (Path(b) / INDEX_NAME).read_bytes()
         and bool(np.array_equal(x, y)),
