@@ -232,7 +232,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     if json_path is not None and questions_file is None:
-        raise InputError("--json needs --questions")
+        raise InputError("--json needs --questions FILE (a .jsonl or .txt file of questions): it writes one "
+                         "JSON row per answer; to ask one QUESTION, drop --json (the answer prints on stdout)")
     if recompute_ratio is not None:
         from cartridge.blend import check_ratio
 
