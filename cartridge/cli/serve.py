@@ -1,7 +1,9 @@
 """`cartridge serve`: parse options, start the server (cartridge.serve)."""
 
+import os
 import re
 import socket
+import sys
 
 import click
 
@@ -80,3 +82,9 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens, ma
     run(list(paths) or ["."], host=host, port=port, model=model,
         max_bytes=None if max_bytes is None else parse_bytes(max_bytes), verify=verify, attention=attention,
         default_max_tokens=max_tokens, ready=ready, max_memory=max_memory)
+    # uvicorn has shut down and the generation thread is joined. The C++ static destructors at interpreter
+    # exit can still abort ("terminate called without an active exception": a std::thread of MLX's
+    # scheduler destroyed while joinable), so end here, with everything flushed, without running them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
