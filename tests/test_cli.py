@@ -139,6 +139,7 @@ def test_build_from_stdin(tiny_dir, tmp_path):
     ("missing model", "model path does not exist"),
     ("empty question", "question is empty"),
     ("missing folder", "does not exist (or is not a folder)"),
+    ("file as folder", "c.txt is a file, not a folder; the output must go in a folder"),
     ("empty output", "the output path is empty"),
     ("file at output", "exists and is not a cartridge; refusing"),
     ("empty model", "--model is empty"),
@@ -176,6 +177,8 @@ def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path
         r = run("ask", out, "  ")
     elif case == "missing folder":
         r = run("build", corpus, "-o", tmp_path / "no-folder" / "x.cart", "--model", tiny_dir)
+    elif case == "file as folder":
+        r = run("build", corpus, "-o", corpus / "x.cart", "--model", tiny_dir)
     elif case == "empty output":
         r = run("build", corpus, "-o", "", "--model", tiny_dir)
     elif case == "file at output":

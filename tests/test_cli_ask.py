@@ -136,3 +136,23 @@ def test_ask_over_two_cartridges_prints_the_memory_of_each(built, tmp_path):
     for name in ("doc.cart", "second.cart"):
         assert [line.split(" ", 2)[1] for line in err if line.startswith(f"{name}: ")] == ["attention", "memory:"]
     assert err[-1].startswith("MLX active ") and sum(line.count("MLX active") for line in err) == 1
+
+
+def test_ask_composed_says_what_it_recomputed(built, tiny_dir, tmp_path):
+    """Several cartridges: one line with each part's tokens and how many of the later one's were prefilled again."""
+    import cartridge
+    from cartridge.cli.ask import load_cartridge
+
+    out, _ = built
+    other = tmp_path / "annex.cart"
+    cartridge.build("Annex B. The landlord repairs the roof and the tenant waters the garden. " * 3, other,
+                    model=str(tiny_dir), page_size=16)
+    c, _ = load_cartridge([str(out), str(other)], str(tiny_dir), "auto", recompute_ratio=0.6)
+    b = c.blended[0]
+    n, redone = b["fresh"] + b["read"], b["fresh"] + b["selected"]
+    assert redone == round(0.6 * n) and b["selected"] > 0 and n > 40  # boundary tokens and selected ones
+    r = run("ask", out, other, "Who repairs the roof?", "--recompute-ratio", "0.6", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    lines = [line for line in r.stderr.decode().splitlines() if line.startswith("composed")]
+    assert lines == [f"composed 2 cartridges: {len(c.carts[0].tokens):,} + {n:,} tokens, recomputed {redone:,} of "
+                     f"annex's tokens ({100 * redone / n:.0f}%)"]

@@ -113,6 +113,21 @@ def test_ctrl_c_or_ctrl_d_at_the_prompt_leaves_quietly(built, terminal, tmp_path
     assert proc.returncode == 0 and stdout == b"" and rest == b"\n", err + rest.decode()
 
 
+def test_ctrl_c_at_the_prompt_after_an_answer_leaves_and_ctrl_d_after_it_is_harmless(built, terminal, tmp_path):
+    """The new-user trial's keys (issue 31): a turn answered, then Ctrl-C at the empty prompt, then Ctrl-D."""
+    out, _ = built
+    master, slave = terminal
+    proc = start("none", "chat", out, "--max-tokens", 3, flag=tmp_path / "flag", stdin=slave)
+    read_until(proc.stderr.fileno(), "\n> ")
+    type_in(master, Q1 + "\n")
+    err = read_until(proc.stderr.fileno(), "tokens\n> ")  # the answer's TTFT line, then the next prompt
+    proc.send_signal(signal.SIGINT)
+    type_in(master, "\x04")
+    stdout, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and rest == b"\n", err + rest.decode()
+    assert stdout.count(b"\n") == 1 and stdout.strip(), stdout  # the one answer, nothing after it
+
+
 def test_piped_chat_echoes_each_question(built):
     from test_cli import run
 

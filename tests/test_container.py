@@ -93,7 +93,7 @@ def _flip(path, offset):
     ("future major", UnsupportedVersionError, "format 2; this cartridge reads up to 1"),
     ("manifest byte", CorruptCartridgeError, "manifest checksum"),
     ("index byte", CorruptCartridgeError, "SHA-256 does not match"),
-    ("data truncated", CorruptCartridgeError, "size"),
+    ("data truncated", CorruptCartridgeError, r"^cartridge \S+a\.cart: pages\.bin is truncated: [\d,]+ bytes, its manifest says [\d,]+$"),
     ("page byte", ChecksumError, "layer 1, side v, component values, page 1"),
 ])
 def test_damaged_files_are_refused(tmp_path, case, error, match):

@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -494,3 +495,22 @@ def test_serve_refuses_bad_options_in_one_line(shelf, args, expect):
                         [folder]), *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and expect in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_sigint_after_a_request_exits_quietly_with_status_0(shelf, tiny_dir, tmp_path):
+    """Ctrl-C on `cartridge serve` (issue 31 trial: 1 run in 2 ended in "terminate called without an active
+    exception", MLX's C++ threads at interpreter exit): uvicorn's shutdown lines, then exit status 0."""
+    folder, _ = shelf
+    for attempt in range(2):
+        port, log = _free_port(), tmp_path / f"serve{attempt}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "cartridge.cli.main", "serve", folder, "--model", tiny_dir,
+                                     "--port", str(port)], stdout=out, stderr=out)
+        assert _wait_ready(proc, port), log.read_text()
+        body = json.dumps({"model": "lease", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4})
+        assert _raw(port, "POST", "/v1/chat/completions", body)[0] == 200  # the generation thread has run MLX
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        text = log.read_text()
+        assert "terminate called" not in text and "Traceback" not in text and "error:" not in text, text
+        assert text.rstrip().endswith(f"Finished server process [{proc.pid}]"), text

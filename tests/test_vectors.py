@@ -262,10 +262,12 @@ def test_handcrafted_corruption_raises_one_exact_class(tmp_path, case):
     assert not report.ok and type(report.error) is expected
 
 
-def test_nonzero_padding_found_by_verify(tmp_path):
+def test_nonzero_padding_found_by_verify_and_by_load(tmp_path):
     path = Path(shutil.copytree(TINY, tmp_path / "v.cart"))
     flip(path / DATA_NAME, 2 * 16 + 5)  # after the k extent's two 16-byte pages: alignment padding
-    open_cartridge(path)  # padding is never read, so loading is unaffected
+    with pytest.raises(LayoutError, match="byte 37 is padding but not zero"):
+        open_cartridge(path)  # verify="pages" checks the padding too: what verify refuses is not used
+    open_cartridge(path, verify="header")[1].close()  # padding is never read by attention: the caller may skip the checks
     report = verify_cartridge(path)
     assert type(report.error) is LayoutError and "byte 37 is padding but not zero" in str(report.error)
 

@@ -82,6 +82,22 @@ def test_load_verify_modes(tiny, tmp_path):
     assert cart.info.n_layers == 2
 
 
+def test_padding_damage_refused_at_load_as_by_verify(tmp_path):
+    from cartridge.errors import LayoutError
+    from cartridge.format.reader import open_cartridge
+
+    path = write(tmp_path / "a.cart")
+    flip(path / DATA_NAME, 2 * PAGE_BYTES + 5)  # after layer 0 k's two pages, before the next extent at ALIGN
+    want = f"cartridge {path}: pages.bin byte {2 * PAGE_BYTES + 5} is padding but not zero (spec 3.2)"
+    assert type(verify_cartridge(path).error) is LayoutError and str(verify_cartridge(path).error) == want
+    with pytest.raises(LayoutError) as e:
+        open_cartridge(path)  # default verify="pages": a cartridge verify refuses is never used to answer
+    assert str(e.value) == want
+    info, data = open_cartridge(path, verify="header")  # the caller chose to skip the page checks
+    data.close()
+    assert info.n_layers == 2
+
+
 def test_verify_a_cartz(tmp_path):
     from cartridge.format.pack import pack
 

@@ -73,6 +73,19 @@ def memory_lines(cart):
     return lines
 
 
+def composed_line(cart, paths):
+    """`composed 2 cartridges: 1,629 + 879 tokens, recomputed 171 of b's tokens (20%)` for a composition of
+    `paths` (the counts of `ComposedCache.blended`: boundary and selected tokens prefilled again); None for one."""
+    blended = getattr(cart, "blended", None)
+    if not blended:
+        return None
+    sizes = [len(cart.carts[0].tokens)] + [b["fresh"] + b["read"] for b in blended]
+    redone = [f"{b['fresh'] + b['selected']:,} of {Path(p).stem}'s tokens "
+              f"({100 * (b['fresh'] + b['selected']) / max(1, n):.0f}%)" for b, p, n in zip(blended, paths[1:], sizes[1:])]
+    return (f"composed {len(sizes)} cartridges: {' + '.join(f'{n:,}' for n in sizes)} tokens, "
+            f"recomputed {', '.join(redone)}")
+
+
 def _prefix_lines(cart):
     """attention POLICY (why); memory: prefix resident, stored, budget, planned peak (one cartridge)."""
     plan, mb = cart.plan, 1e6
@@ -232,7 +245,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     if max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     if json_path is not None and questions_file is None:
-        raise InputError("--json needs --questions")
+        raise InputError("--json needs --questions FILE (a .jsonl or .txt file of questions): it writes one "
+                         "JSON row per answer; to ask one QUESTION, drop --json (the answer prints on stdout)")
     if recompute_ratio is not None:
         from cartridge.blend import check_ratio
 
@@ -243,6 +257,8 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     qs = _questions(question, questions_file)
     cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
                                   max_memory, recompute_ratio)
+    if (line := composed_line(cart, paths)) is not None:
+        click.echo(line, err=True)
     if save_as is not None:  # a cartridge that cannot be saved is refused before the answer, not after it
         from cartridge.append import require_per_token_tiers
         from cartridge.format.header import require_attention_layers

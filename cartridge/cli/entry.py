@@ -7,8 +7,9 @@ import sys
 def main():
     """Import the CLI and run it; an interrupt while importing exits 130 with one line."""
     try:
-        from .main import main as run
+        from .main import exit_if_served, main as run
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
     run()
+    exit_if_served()

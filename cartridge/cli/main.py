@@ -21,7 +21,7 @@ from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
 from .report import fp16_ratio, inspect_dict, inspect_table
-from .serve import serve
+from .serve import exit_if_served, serve
 
 
 WRITERS = ("build", "extend", "convert", "pack", "unpack")  # commands whose Ctrl-C leaves nothing written
@@ -179,3 +179,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_if_served()

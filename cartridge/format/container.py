@@ -183,7 +183,9 @@ def _snapshot(path, dfd):
             fds[name] = _open_member(path, dfd, name, TruncatedError(f"{path / name} is missing"))
             have = os.fstat(fds[name]).st_size
             if have != manifest[key]:
-                raise TruncatedError(f"{path / name}: size {have}, manifest says {manifest[key]}")
+                state = "truncated" if have < manifest[key] else "longer than recorded"
+                raise TruncatedError(f"cartridge {path}: {name} is {state}: {have:,} bytes, "
+                                     f"its manifest says {manifest[key]:,}")
         index = _read_fd(fds.pop(INDEX_NAME), manifest["index_size"] + 1)
     except BaseException:
         for fd in fds.values():

@@ -13,7 +13,7 @@ from ..errors import CartridgeError, InputError, name_cartridge
 from .container import PageData, check_index, open_snapshot
 from .header import parse_header
 from .pack import is_pack, open_packed, unpack
-from .verify import VerifyReport, verify_directory
+from .verify import VerifyReport, check_padding, verify_directory
 
 VERIFY_MODES = ("pages", "header")
 
@@ -24,7 +24,8 @@ def open_cartridge(path, verify="pages"):
     Args:
         path (str | Path): the cartridge directory, or a packed .cartz file (unpacked once into
             $XDG_CACHE_HOME/cartridge/ and checked there on every open).
-        verify (str): "pages" (all checks, default) or "header" (skip the page checksums).
+        verify (str): "pages" (default: every page checksum and the zero padding of spec 3.2) or
+            "header" (neither).
 
     Returns:
         tuple: (CartridgeInfo, PageData).
@@ -52,6 +53,7 @@ def _open_dir(path, verify):
         info = parse_header(check_index(snap.index, snap.manifest), snap.manifest)
         if verify == "pages":
             data.verify_all([e for extents in info.extents.values() for e in extents])
+            check_padding(info, data)
     except BaseException:
         data.close()
         raise

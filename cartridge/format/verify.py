@@ -91,8 +91,18 @@ def _check_pages(info, data, report):
             report.bytes_hashed += len(extent.checksums) * extent.page_bytes
 
 
-def _check_padding(info, data):
-    """Bytes outside every extent (alignment gaps and the tail of pages.bin) are zero."""
+def check_padding(info, data):
+    """Bytes outside every extent (alignment gaps and the tail of pages.bin) are zero (spec 3.2).
+
+    Reads under 16 KiB per extent, so `open_cartridge(verify="pages")` runs it too: a cartridge that
+    `cartridge verify` refuses is never used to answer.
+
+    Args:
+        info (CartridgeInfo): the parsed header (its extents). data (PageData): the mapped pages.bin.
+
+    Raises:
+        LayoutError: a gap of ALIGN bytes or more, or a padding byte that is not zero.
+    """
     ranges = sorted((e.offset, e.offset + e.shape[0] * e.page_bytes) for ex in info.extents.values() for e in ex)
     gaps = [(end, nxt) for (_, end), (nxt, _) in zip(ranges, ranges[1:] + [(data.size, None)])]
     for start, end in gaps:
@@ -139,7 +149,7 @@ def verify_directory(path):
         _check_pages(info, data, report)
         if report.error is None:
             report.checks.append("page checksums")
-            _check_padding(info, data)
+            check_padding(info, data)
             report.checks.append("padding")
             _check_tokens(info)
             report.checks.append("token ids")

@@ -192,6 +192,8 @@ def check_output_folder(dest):
     if not str(dest).strip():
         raise InputError("the output path is empty")
     parent = Path(dest).absolute().parent
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"{parent} is a file, not a folder; the output must go in a folder")
     if not parent.is_dir():
         raise InputError(f"folder {parent} does not exist (or is not a folder); create it first")
     try:

@@ -60,4 +60,4 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
     try:
         uvicorn.run(make_app(engine), host=host, port=port, log_level=log_level)
     finally:
-        engine.close()
+        engine.close(wait=True)  # no MLX work left running when the caller exits

@@ -174,10 +174,14 @@ class Engine:
         """Queue `job` behind every request before it."""
         self._executor.submit(self._run, job)
 
-    def close(self):
-        """Stop taking work; queued jobs are dropped, the running one ends at its next token."""
+    def close(self, wait=False):
+        """Stop taking work; queued jobs are dropped, the running one ends at its next token.
+
+        Args:
+            wait (bool): also join the worker thread (after its running job ends). Default: False.
+        """
         self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=wait, cancel_futures=True)
 
     def _run(self, job):
         self._count("requests")
