@@ -267,7 +267,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         caches (list[KVCache]): the filled caches of the prefill of `tokens` (not modified).
         tokens (list[int]): the prefix tokens.
         candidates (tuple[str]): tiers to rate; must include REFERENCE_TIER. Default: CANDIDATES.
-        progress (callable | None): progress(done, total) over the layers of the walk, from 0.
+        progress (callable | None): progress(done, total) over the layers of the walk, from 0 (called with 0
+            before the evaluation sequence is made).
 
     Returns:
         Sensitivity
@@ -278,6 +279,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     """
     t0 = time.perf_counter()
     measurable(model, caches)
+    if progress:  # from the start: the evaluation sequence's answer comes before the walk
+        progress(0, len(model.model.layers))
     split = split_of(tokens)
     kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
     ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split)
