@@ -178,8 +178,11 @@ def verify(model, probe, schema, first=0):
     Returns:
         tuple: (mean KL nats float, top-1 agreement float in 0..1).
     """
-    kv = [tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
-                for s, x in zip("kv", pair)) for row, pair in zip(schema, probe.kv)]
+    kv = []
+    for row, pair in zip(schema, probe.kv):
+        kv.append(tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
+                        for s, x in zip("kv", pair)))
+        mx.eval(kv[-1])  # a layer at a time: one graph of every round trip would hold off Ctrl-C for seconds
     logits, ref = run_from(model, 0, probe.embedded, kv)[probe.start:], probe.logprobs[probe.start:]
     agree = (mx.argmax(logits, axis=-1) == mx.argmax(ref, axis=-1)).astype(mx.float32).mean().item()
     return max(0.0, kl_mean(ref, logits)), agree
