@@ -26,35 +26,28 @@ def pause():
     time.sleep(60)  # SIGINT raises KeyboardInterrupt here
 
 
+def pausing(progress):
+    """A progress callback that passes calls on to `progress` and pauses after the first step."""
+    def report(done, total):
+        if progress:
+            progress(done, total)
+        if done:
+            pause()
+    return report
+
+
 def pause_in_prefill():
     build = importlib.import_module("cartridge.build")  # the module (`cartridge.build` is the function)
     feed = build._feed
-
-    def paused(model, tokens, step, progress, caches):
-        def report(done, total):
-            if progress:
-                progress(done, total)
-            if done:
-                pause()
-        return feed(model, tokens, step, report, caches)
-
-    build._feed = paused
+    build._feed = lambda model, tokens, step, progress, caches: feed(model, tokens, step, pausing(progress), caches)
 
 
 def pause_in_calibration():
     from cartridge.calibrate import measure
 
     walk = measure.wavefront
-
-    def paused(model, probe, candidates, out, progress=None):
-        def report(done, total):
-            if progress:
-                progress(done, total)
-            if done:
-                pause()
-        return walk(model, probe, candidates, out, report)
-
-    measure.wavefront = paused
+    measure.wavefront = lambda model, probe, candidates, out, progress=None: walk(model, probe, candidates, out,
+                                                                                   pausing(progress))
 
 
 def pause_in_write():
