@@ -130,6 +130,7 @@ def run_from(model, layer, h, kv):
     mask = create_attention_mask(h, caches[0])
     for block, cache in zip(model.model.layers[layer:], caches):
         h = block(h, mask, cache=cache)
+        mx.eval(h)  # a layer at a time, so Ctrl-C is honoured between layers
     return logits_of(model, h)[0]
 
 
@@ -286,6 +287,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         progress(0, len(model.model.layers))
     split = split_of(tokens)
     kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
+    for pair in kv:
+        mx.eval(pair)  # a layer at a time (Ctrl-C between), not inside the evaluation sequence's first forward
     ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split)
     x = mx.array(ids, dtype=mx.uint32)[None]
     probe = Probe(split, x, kv, model.model.embed_tokens(x), start=scored(len(ids), len(tokens) - split))
