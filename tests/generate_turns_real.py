@@ -1,11 +1,12 @@
-"""Issue 31 item 0 harness (not collected by pytest): ONE cache of a real cartridge, turns of 45-token questions and
-12 greedy tokens through mlx_lm.generate.generate_step, each turn against a fresh mlx-lm prefill of the token stream
-the cache has seen. Usage: python tests/generate_turns_real.py CART (about 1 minute a turn on the 2-core CPU)."""
+"""Issue 31 item 0 harness (not collected by pytest): ONE cache of a real cartridge, 12 turns of N-token questions
+(default 45) and 12 greedy tokens through mlx_lm.generate.generate_step, each turn against a fresh mlx-lm prefill of
+the token stream the cache has seen (one prefill after the last turn: a position's logits do not depend on later
+tokens). Usage: python tests/generate_turns_real.py CART [N] (9-13 minutes on the shared 2-core CPU, load 13-25)."""
+import importlib.metadata
 import sys
-import cartridge  # noqa: F401  (first: loads OpenBLAS before mlx)
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
-
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 cart = cartridge.load(sys.argv[1])
@@ -37,17 +38,22 @@ def fresh_logprobs(tokens):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-cache, stream = cart.prompt_cache(), []
-for turn, question in enumerate(QUESTIONS):
-    prompt = tok.encode(question, add_special_tokens=False)[:45]
+n_prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 45
+print("mlx", importlib.metadata.version("mlx"), "mlx-lm", importlib.metadata.version("mlx-lm"), flush=True)
+cache, stream, turns = cart.prompt_cache(), [], []
+for question in QUESTIONS[:12]:
+    prompt = tok.encode(question, add_special_tokens=False)[:n_prompt]
     start = cache[0].offset
     # range first: zip(generate_step(...), range(12)) would pull a 13th step, which the cache also feeds
     steps = [(int(y), lp) for _, (y, lp) in zip(range(12), generate_step(mx.array(prompt), model, prompt_cache=cache))]
+    mx.eval([lp for _, lp in steps])
     stream += prompt + [y for y, _ in steps]
     assert len(doc) + len(stream) == cache[0].offset
-    want = fresh_logprobs(doc + stream)
-    first = start + len(prompt) - 1  # the position whose logits give the first generated token
+    turns.append((start, len(prompt), steps))
+want = fresh_logprobs(doc + stream)
+for turn, (start, n, steps) in enumerate(turns):
+    first = start + n - 1  # the position whose logits give the first generated token
     diff = max(float(mx.abs(lp - want[first + i]).max()) for i, (_, lp) in enumerate(steps))
     same = all(y == int(mx.argmax(want[first + i])) for i, (y, _) in enumerate(steps))
-    print(f"turn {turn}: tail {start - len(doc)} -> {len(stream)}  max |logprob diff| {diff:.4f}  "
-          f"{'identical' if same else 'DIFFERENT'}", flush=True)
+    print(f"turn {turn}: tail {start - len(doc)} -> {start - len(doc) + n + len(steps)}  max |logprob diff| "
+          f"{diff:.4f}  {'identical' if same else 'DIFFERENT'}", flush=True)
