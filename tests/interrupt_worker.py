@@ -1,9 +1,10 @@
 """Subprocess used by tests/test_cli_interrupt.py: run the `cartridge` command line with a pause at one
 stage, so the parent can send SIGINT there. At the pause it writes "ready" to the file $INTERRUPT_FLAG.
 
-    python tests/interrupt_worker.py prefill|write|answer|first|none cartridge-arguments...
+    python tests/interrupt_worker.py prefill|calibrate|write|answer|first|none cartridge-arguments...
 
-prefill: after the first prefill chunk (build, extend; give a small --prefill-step). write: after the
+prefill: after the first prefill chunk (build, extend; give a small --prefill-step). calibrate: after the
+first layer of calibration's walk (build with a budget preset). write: after the
 first extent is written into the temporary directory (build, extend, convert). answer: every generated
 token of `chat` takes 50 ms, and the pause is the third token of each answer (it goes on, slowly). first:
 the pause is before each answer's first token is shown (it comes 2 s later). none: no pause.
@@ -25,19 +26,28 @@ def pause():
     time.sleep(60)  # SIGINT raises KeyboardInterrupt here
 
 
+def pausing(progress):
+    """A progress callback that passes calls on to `progress` and pauses after the first step."""
+    def report(done, total):
+        if progress:
+            progress(done, total)
+        if done:
+            pause()
+    return report
+
+
 def pause_in_prefill():
     build = importlib.import_module("cartridge.build")  # the module (`cartridge.build` is the function)
     feed = build._feed
+    build._feed = lambda model, tokens, step, progress, caches: feed(model, tokens, step, pausing(progress), caches)
 
-    def paused(model, tokens, step, progress, caches):
-        def report(done, total):
-            if progress:
-                progress(done, total)
-            if done:
-                pause()
-        return feed(model, tokens, step, report, caches)
 
-    build._feed = paused
+def pause_in_calibration():
+    from cartridge.calibrate import measure
+
+    walk = measure.wavefront
+    measure.wavefront = lambda model, probe, candidates, out, progress=None: walk(model, probe, candidates, out,
+                                                                                   pausing(progress))
 
 
 def pause_in_write():
@@ -84,7 +94,7 @@ def slow_first_token():
 
 
 if __name__ == "__main__":
-    {"prefill": pause_in_prefill, "write": pause_in_write, "answer": slow_answers, "first": slow_first_token,
+    {"prefill": pause_in_prefill, "calibrate": pause_in_calibration, "write": pause_in_write, "answer": slow_answers, "first": slow_first_token,
      "none": lambda: None}[sys.argv[1]]()
     from cartridge.cli.main import main
 

@@ -93,15 +93,34 @@ def test_cli_build_with_a_target_ratio_and_inspect_show_the_measured_choice(tiny
                                       "--page-size", "64"])
     assert r.exit_code == 0, r.output
     assert "calibrated in " in r.output and "smaller than fp16, predicted KL" in r.output
-    r = CliRunner().invoke(main.cli, ["inspect", str(out), "--json"])
-    c = json.loads(r.output)["calibration"]
+    # the prefill bar is finished (drawn for the last time) before calibration's line and bar
+    stderr = r.stderr
+    line = stderr.index("calibrating: measuring each layer's K/V tiers on the document (--no-calibrate skips it)\n")
+    assert stderr.rindex("prefill: 100%") < line < stderr.index("calibrate:   0%") < stderr.rindex("calibrate: 100%")
+    c = json.loads(CliRunner().invoke(main.cli, ["inspect", str(out), "--json"]).output)["calibration"]
     assert c["target"] == {"target_ratio": 4.0} and c["bytes_per_token"] <= 1024 // 4
+    positions = (f"over {c['eval_tokens']} positions (the document's last tokens, the probe question and its "
+                 f"answer)")
+    assert f"top-1 agreement {c['top1_agreement']:.0%} {positions}" in r.output
     r = CliRunner().invoke(main.cli, ["inspect", str(out)])
-    assert "calibrated    target_ratio 4.0: " in r.output
+    assert "calibrated    --target-ratio 4x: " in r.output and positions in r.output
     r = CliRunner().invoke(main.cli, ["build", str(doc), "-o", str(tmp_path / "n.cart"), "--max-kl", "0.1",
                                       "--no-calibrate"])
     assert isinstance(r.exception, InputError)  # entry.py prints it as one error: line
     assert str(r.exception) == "--max-kl needs calibration; drop --no-calibrate"
+
+
+def test_a_calibration_target_is_shown_as_the_build_options_that_ask_for_it():
+    from cartridge.cli.report import agreement, budget_flags
+
+    assert budget_flags({"target_ratio": 3.0}) == "--target-ratio 3x"
+    assert budget_flags({"target_ratio": 4.5}) == "--target-ratio 4.5x"
+    assert budget_flags({"preset": "safe"}) == "--preset safe"
+    assert budget_flags({"max_bytes_per_token": 300}) == "--max-bytes-per-token 300"
+    assert budget_flags({"max_kl": 0.05}) == "--max-kl 0.05"
+    c = {"top1_agreement": 0.9, "eval_tokens": 49, "probe": ["a?", "b?"]}
+    assert agreement(c) == ("top-1 agreement 90% over 49 positions (the document's last tokens, the probe "
+                            "questions and their answers)")
 
 
 def test_eval_table_shows_the_build_kl_of_a_measured_row():

@@ -84,6 +84,35 @@ def test_build_force_interrupted_keeps_the_existing_cartridge(tiny_dir, corpus, 
     assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]
 
 
+@pytest.fixture(scope="module")
+def tiny64_dir(smol_tokenizer, tmp_path_factory):
+    """A tiny model of head_dim 64 (calibration's candidate tiers need it) as an mlx-lm model directory."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from conftest import TINY_CONFIG, make_tiny
+
+    path = tmp_path_factory.mktemp("tiny64-model")
+    (path / "config.json").write_text(json.dumps({**TINY_CONFIG, "head_dim": 64}))
+    tiny = make_tiny(smol_tokenizer, seed=0, head_dim=64)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(tiny.model.parameters())))
+    tiny.tokenizer._tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_build_force_interrupted_in_calibration_keeps_the_existing_cartridge(tiny64_dir, corpus, tmp_path):
+    folder = corpus.parent
+    cartridge.build("Another document.", folder / "doc.cart", model=str(tiny64_dir))
+    before = snapshot(folder)
+    rc, err = interrupt("calibrate", "build", corpus, "-o", folder / "doc.cart", "--model", tiny64_dir, "--force",
+                        "--preset", "safe", "--reserve", "0", flag=tmp_path / "flag")
+    check_one_line(rc, err)
+    assert "calibrating: measuring each layer's K/V tiers" in err
+    assert snapshot(folder) == before and sorted(os.listdir(folder)) == ["doc.cart", "doc.txt"]
+
+
 @pytest.mark.parametrize("stage, output", [("prefill", "in place"), ("write", "in place"), ("prefill", "-o"),
                                            ("write", "-o")])
 def test_extend_interrupted_keeps_the_cartridge(tiny_dir, corpus, tmp_path, stage, output):

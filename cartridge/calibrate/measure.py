@@ -130,6 +130,7 @@ def run_from(model, layer, h, kv):
     mask = create_attention_mask(h, caches[0])
     for block, cache in zip(model.model.layers[layer:], caches):
         h = block(h, mask, cache=cache)
+        mx.eval(h)  # a layer at a time, so Ctrl-C is honoured between layers
     return logits_of(model, h)[0]
 
 
@@ -178,8 +179,11 @@ def verify(model, probe, schema, first=0):
     Returns:
         tuple: (mean KL nats float, top-1 agreement float in 0..1).
     """
-    kv = [tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
-                for s, x in zip("kv", pair)) for row, pair in zip(schema, probe.kv)]
+    kv = []
+    for row, pair in zip(schema, probe.kv):
+        kv.append(tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
+                        for s, x in zip("kv", pair)))
+        mx.eval(kv[-1])  # a layer at a time: one graph of every round trip would hold off Ctrl-C for seconds
     logits, ref = run_from(model, 0, probe.embedded, kv)[probe.start:], probe.logprobs[probe.start:]
     agree = (mx.argmax(logits, axis=-1) == mx.argmax(ref, axis=-1)).astype(mx.float32).mean().item()
     return max(0.0, kl_mean(ref, logits)), agree
@@ -267,7 +271,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         caches (list[KVCache]): the filled caches of the prefill of `tokens` (not modified).
         tokens (list[int]): the prefix tokens.
         candidates (tuple[str]): tiers to rate; must include REFERENCE_TIER. Default: CANDIDATES.
-        progress (callable | None): progress(done, total) over the layers of the walk, from 0.
+        progress (callable | None): progress(done, total) over the layers of the walk, from 0 (called with 0
+            before the evaluation sequence is made).
 
     Returns:
         Sensitivity
@@ -278,8 +283,12 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     """
     t0 = time.perf_counter()
     measurable(model, caches)
+    if progress:  # from the start: the evaluation sequence's answer comes before the walk
+        progress(0, len(model.model.layers))
     split = split_of(tokens)
     kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
+    for pair in kv:
+        mx.eval(pair)  # a layer at a time (Ctrl-C between), not inside the evaluation sequence's first forward
     ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split)
     x = mx.array(ids, dtype=mx.uint32)[None]
     probe = Probe(split, x, kv, model.model.embed_tokens(x), start=scored(len(ids), len(tokens) - split))

@@ -149,11 +149,13 @@ def refuse_tier_clashes(preset, schema):
 
 
 @contextlib.contextmanager
-def progress_bar(unit, desc, **options):
-    """A tqdm bar on stderr, made at the first progress call (so an error before the work prints nothing else).
+def progress_bar(unit, desc, intro=None, **options):
+    """A tqdm bar on stderr, made at the first progress call (so an error before the work prints nothing else)
+    and closed when done reaches total (its clock stops with the work, not with the command).
 
     Args:
         unit (str): what is counted ("tok", "layer", "B"). desc (str): the bar's label.
+        intro (str | None): a line printed on stderr just before the bar (what the wait is for).
         **options: more tqdm keywords (e.g. unit_scale=True for bytes).
 
     Yields:
@@ -165,8 +167,13 @@ def progress_bar(unit, desc, **options):
 
     def progress(done, total):
         if not bars:
+            if intro:
+                click.echo(intro, err=True)
             bars.append(tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True, **options))
-        bars[0].update(done - bars[0].n)
+        if not bars[0].disable:  # a closed bar is disabled: calls after the end change nothing
+            bars[0].update(done - bars[0].n)
+            if done >= total:
+                bars[0].close()
 
     try:
         yield progress

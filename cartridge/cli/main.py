@@ -20,11 +20,12 @@ from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
-from .report import fp16_ratio, inspect_dict, inspect_table
+from .report import agreement, fp16_ratio, inspect_dict, inspect_table
 from .serve import exit_if_served, serve
 
 
 WRITERS = ("build", "extend", "convert", "pack", "unpack")  # commands whose Ctrl-C leaves nothing written
+CALIBRATING = "calibrating: measuring each layer's K/V tiers on the document (--no-calibrate skips it)"
 
 
 class Interrupted(Exception):
@@ -95,7 +96,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
                    page_size=page_size, prefill_step=prefill_step, force=force,
                    source_name="stdin" if corpus == "-" else corpus, reserve=reserve, system=system)
     with progress_bar("tok", "prefill") as progress, \
-            progress_bar("layer", "calibrate") as calibration_progress, warnings_as_lines():
+            progress_bar("layer", "calibrate", intro=CALIBRATING) as calibration_progress, warnings_as_lines():
         if group is None:
             r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
                                 protect_last=protect_last, preset=preset, budget=budget,
@@ -116,8 +117,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     if r.calibration:
         c = r.calibration
         click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16, predicted KL "
-                   f"{c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, top-1 agreement "
-                   f"{c['top1_agreement']:.0%} over {c['eval_tokens']} tokens")
+                   f"{c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, {agreement(c)}")
 
 
 def _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):

@@ -102,14 +102,29 @@ def fp16_ratio(c):
     return f"{c['fp16_bytes_per_token'] / max(1, c['bytes_per_token']):.2f}x"
 
 
+def budget_flags(target):
+    """A calibration record's "target" as the build options that ask for it: {"target_ratio": 3.0} ->
+    '--target-ratio 3x' (also --preset, --max-bytes-per-token, --max-kl)."""
+    shown = {"preset": "{}", "target_ratio": "{:g}x", "max_bytes_per_token": "{}", "max_kl": "{:g}"}
+    return " ".join(f"--{k.replace('_', '-')} {shown.get(k, '{}').format(v)}" for k, v in target.items())
+
+
+def agreement(c):
+    """'top-1 agreement 90% over 49 positions (...)' of a calibration record: E's positions are the
+    document's last tokens, then each probe question and the model's answer (`cartridge.calibrate.sequence`)."""
+    probes = "the probe questions and their answers" if isinstance(c.get("probe"), list) else \
+        "the probe question and its answer"
+    return (f"top-1 agreement {c.get('top1_agreement', 0):.0%} over {c.get('eval_tokens', 0)} positions "
+            f"(the document's last tokens, {probes})")
+
+
 def calibration_lines(c):
     """The `inspect` lines of a calibration record (none when the schema was not measured)."""
     if not c:
         return []
-    target = ", ".join(f"{k} {v}" for k, v in c["target"].items())
-    return [f"calibrated    {target}: {c['bytes_per_token']:,} bytes/token ({fp16_ratio(c)} smaller than fp16), "
-            f"predicted KL {c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, top-1 "
-            f"{c.get('top1_agreement', 0):.0%} over {c.get('eval_tokens', 0)} tokens"]
+    return [f"calibrated    {budget_flags(c['target'])}: {c['bytes_per_token']:,} bytes/token ({fp16_ratio(c)} "
+            f"smaller than fp16), predicted KL {c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} "
+            f"nats/token, {agreement(c)}"]
 
 
 def _auto(info):
