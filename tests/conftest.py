@@ -3,6 +3,7 @@ default model (SmolLM2-135M-Instruct) loaded once per session for the slow tests
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
@@ -13,6 +14,12 @@ from mlx_lm.models import llama
 
 from cartridge.models.gguf import tokenizer_from_metadata
 from cartridge.models.loader import LoadedModel, default_gguf_path, fingerprint
+
+# A shell starts a background job (`make test &`, nohup, CI runners) with SIGINT ignored, and an ignored signal
+# stays ignored across exec: the Ctrl-C tests' subprocesses would then never see their SIGINT. A handler here
+# makes every child start with the default disposition, so Python there raises KeyboardInterrupt as for a user.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if os.environ.get("DEVICE") == "gpu":  # run the same suite on the GPU (as MLX's MLXTestCase does)
     mx.set_default_device(mx.gpu)
