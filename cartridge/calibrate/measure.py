@@ -31,7 +31,14 @@ from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..tiers import TIERS
 from . import sequence
-from .sequence import eval_sequence, filled_cache, scored, split_of
+from .sequence import (
+    eval_sequence,
+    filled_cache,
+    log_softmax,
+    log_softmax_inplace,
+    scored,
+    split_of,
+)
 from .walk import SharedPrefixCache, shifted_exp
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
@@ -134,21 +141,6 @@ def run_from(model, layer, h, kv):
     return logits_of(model, h)[0]
 
 
-def log_softmax(logits):
-    """(..., vocab) float32 logits -> log-probabilities (on CPU by numpy: `walk.shifted_exp`'s reason)."""
-    if mx.default_device() != mx.cpu:
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    mx.eval(logits)
-    return mx.array(_log_softmax_np(np.array(logits)))
-
-
-def _log_softmax_np(a):
-    """Log-softmax of float32 a (..., vocab) in place; returns a."""
-    np.subtract(a, a.max(axis=-1, keepdims=True), out=a)
-    np.subtract(a, np.log(np.exp(a).sum(axis=-1, keepdims=True)), out=a)
-    return a
-
-
 def kl_rows(ref_logprobs, logits):
     """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
     float32 -> (B,) float32 (lazy except on CPU, where numpy computes it)."""
@@ -156,7 +148,7 @@ def kl_rows(ref_logprobs, logits):
         return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
     mx.eval(ref_logprobs, logits)
     ref = np.asarray(ref_logprobs)
-    return mx.array((np.exp(ref) * (ref - _log_softmax_np(np.array(logits)))).sum(axis=-1).mean(axis=-1))
+    return mx.array((np.exp(ref) * (ref - log_softmax_inplace(np.array(logits)))).sum(axis=-1).mean(axis=-1))
 
 
 def kl_mean(ref_logprobs, logits):

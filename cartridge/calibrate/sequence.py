@@ -3,6 +3,7 @@ generic probe questions, each with the model's own fp16 greedy answer, teacher-f
 """
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..models.prompt import followup_tokens, question_tokens
@@ -69,5 +70,16 @@ def filled_cache(k, v):
 
 
 def log_softmax(logits):
-    """(..., vocab) float32 logits -> log-probabilities."""
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    """(..., vocab) float32 logits -> log-probabilities (on CPU by numpy: MLX's CPU exp is scalar code,
+    `walk.shifted_exp`)."""
+    if mx.default_device() != mx.cpu:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(logits)
+    return mx.array(log_softmax_inplace(np.array(logits)))
+
+
+def log_softmax_inplace(a):
+    """Log-softmax of float32 a (..., vocab) in place; returns a."""
+    np.subtract(a, a.max(axis=-1, keepdims=True), out=a)
+    np.subtract(a, np.log(np.exp(a).sum(axis=-1, keepdims=True)), out=a)
+    return a
