@@ -76,7 +76,11 @@ class UnpackedCodec(TierCodec):
 
     def decode_stored(self, parts, params):
         """The values in the stored basis and that basis (`TierCodec.decode_stored`): a +rot side stays rotated."""
-        return self._values(parts), Basis(params["rotation"]) if self.rotated else None
+        return self._values(parts), self.stored_basis(params)
+
+    def stored_basis(self, params):
+        """The +rot rotation for a rotated stored tier, else None (`TierCodec.stored_basis`)."""
+        return Basis(params["rotation"]) if self.rotated else None
 
     def scores(self, q, parts, params):
         """q . K^T: (n_kv_heads, R, head_dim) float32 -> (n_pages, n_kv_heads, R, P) float32 (a transposed view).

@@ -112,7 +112,10 @@ class TierCodec:
             tuple: (values (..., head_dim) float32 or the stored dtype, basis): basis None for the original one,
             else an object whose `rotate(x)` / `unrotate(y)` map (n_kv_heads, T, head_dim) arrays into / out of it.
         """
-        return self.decode(parts, params), None
+        return self.decode(parts, params), self.stored_basis(params)
+
+    def stored_basis(self, params):
+        """The basis `decode_stored` returns, without decoding anything: here None (the original one)."""
 
     def bytes_per_token(self, n_kv_heads, head_dim):
         """Stored bytes per token for one (layer, side): the tier's formula in spec/FORMAT.md."""

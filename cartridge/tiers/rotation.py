@@ -144,7 +144,10 @@ class RotatedCodec(TierCodec):
         return unrotate(self.base.decode(parts, params), params["rotation"])
 
     def decode_stored(self, parts, params):
-        return self.base.decode(parts, params), Basis(params["rotation"])
+        return self.base.decode(parts, params), self.stored_basis(params)
+
+    def stored_basis(self, params):
+        return Basis(params["rotation"])
 
     def scores(self, q, parts, params):
         return self.base.scores(rotate(q, params["rotation"]), parts, params)  # (R q).(R k) = q.k

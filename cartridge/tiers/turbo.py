@@ -134,7 +134,10 @@ class TurboCodec(TierCodec):
         return unrotate(self._codewords(parts["codes"], params) * parts["norms"].astype(mx.float32), signs)
 
     def decode_stored(self, parts, params):
-        return self._codewords(parts["codes"], params) * parts["norms"].astype(mx.float32), Basis(_prepared(params)[0])
+        return self._codewords(parts["codes"], params) * parts["norms"].astype(mx.float32), self.stored_basis(params)
+
+    def stored_basis(self, params):
+        return Basis(_prepared(params)[0])
 
     def _blocks(self, parts):
         """Slices of pages whose decoded size stays under BLOCK_ELEMENTS floats."""

@@ -39,7 +39,7 @@ def _sequence(prefix, side, dtype, tail, n, decode=None):
     n_pages, n_kv, page, _ = next(iter(parts.values())).shape
     x = None if decode is None else decode(side, n, dtype, tail.shape[-1])
     if x is not None:
-        basis = codec.decode_stored(parts, params)[1]  # only the basis: the lazy decode is never evaluated
+        basis = codec.stored_basis(params)
     else:
         extra = max(0, -(-n // page) - n_pages)  # pages of room for the tail
         x, basis = codec.decode_stored({name: _laid(a, extra) for name, a in parts.items()}, params)
