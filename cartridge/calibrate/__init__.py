@@ -118,6 +118,15 @@ def checked_model(model, budget):
     return None
 
 
+def least_bytes_per_token(n_layers, shapes, tiers):
+    """Bytes/token of `n_layers` layers with each side in the smallest of `tiers` (one tier: that tier's schema).
+
+    Args:
+        shapes (dict): "k"/"v" -> (n_kv_heads, head_dim). tiers (tuple[str]): tier names.
+    """
+    return n_layers * sum(min(TIERS[t].bytes_per_token(*shapes[s]) for t in tiers) for s in ("k", "v"))
+
+
 def check_reachable(budget, plans):
     """Before the prefill: refuse a byte budget below the cheapest schema the search could choose (every layer-side
     in its smallest candidate tier), in the words `search.choose` would use after the measurement.
@@ -132,7 +141,7 @@ def check_reachable(budget, plans):
     if not plans or any(p.kind != "attention" for p in plans):
         return
     shapes = {"k": plans[0].k_shape, "v": plans[0].v_shape}
-    fp16_bpt = len(plans) * sum(TIERS["fp16"].bytes_per_token(*shapes[s]) for s in ("k", "v"))
+    fp16_bpt = least_bytes_per_token(len(plans), shapes, ("fp16",))
     bound = budget.bytes_bound(fp16_bpt)
     if bound is None:
         return
@@ -140,7 +149,7 @@ def check_reachable(budget, plans):
         candidates = ("fp16", *fitting(shapes))
     except CalibrationUnsupportedError:  # a preset then takes its fixed recipe after the prefill
         return
-    least = len(plans) * sum(min(TIERS[t].bytes_per_token(*shapes[s]) for t in candidates) for s in ("k", "v"))
+    least = least_bytes_per_token(len(plans), shapes, candidates)
     if bound < least:
         raise InputError(f"budget {bound} bytes/token is below the cheapest measured schema ({least} bytes/token)")
 
@@ -205,7 +214,7 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
     shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
     candidates = fitting(shapes)
     sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, candidates, progress)
-    fp16_bpt = len(caches) * sum(TIERS["fp16"].bytes_per_token(*shapes[s]) for s in ("k", "v"))
+    fp16_bpt = least_bytes_per_token(len(caches), shapes, ("fp16",))
     first, choice = _best(sens, len(caches), shapes, budget.bytes_bound(fp16_bpt), budget.max_kl, len(tokens))
     kl, agree = measure.verify(lm.model, sens.probe, choice.schema, first)
     record = {"target": budget.record(), "bytes_per_token": choice.bytes_per_token, "fp16_bytes_per_token": fp16_bpt,
