@@ -2,7 +2,7 @@
 pass over the reference K/V and over the K/V under test; per position, KL (reference || test) and whether the
 argmax agrees. Two subcommands:
 
-    presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu]
+    presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu] [--extra T,...] [--heavy] [--attention]
     blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--dtype float32]
 
 `presets` (issue 33): calibrated presets against fp16 on real questions, without building cartridges. DOC is
@@ -13,6 +13,10 @@ the K/V round-tripped through each schema's tiers (encode, reference decode). Th
 first token, whether it is identical and the tokens to its first divergence exactly (before the first
 disagreement the contexts are the same); --bleu adds sentence BLEU, for which the schema's own continuation
 after that point is generated greedily to 50 tokens. --fixed scores uniform schemas (k_tier/v_tier) too.
+Per variant, three more searches over the same measurement: --extra T,... measures those tiers beside the
+candidates and chooses among all ("VARIANT+extra/PRESET"); --heavy keeps the measured heavy hitters (leading
+tokens) in fp16, their bytes taken from the budget ("VARIANT+heavy/PRESET"); --attention chooses by the summed
+attention-output error alone, every layer weighted alike, without the walk's KL ("VARIANT+attention/PRESET").
 
 `blend` (issue 33 item 3): which tokens of a later document to recompute. For the pair of a
 `cartridge eval A B --json` report, every question's reference answer (recompute-all's greedy answer there) is
@@ -56,7 +60,7 @@ from cartridge.compose import ComposedCartridge, Part, compose
 from cartridge.eval.composed import by_class, timed_greedy
 from cartridge.eval.metrics import sentence_bleu
 from cartridge.models.prompt import SEPARATOR, prefix_tokens, prompt_mode, question_tokens
-from cartridge.tiers import TIERS
+from cartridge.tiers import TIERS, protect
 
 
 def log_probs(model, ids, cache, start=0):
@@ -124,9 +128,10 @@ class Presets:
         return [log_probs(self.model, s + a[:-1], self.cache(pairs), start=len(s) - 1)
                 for s, a in zip(self.seqs, self.answers)]
 
-    def score(self, schema, bleu=False):
-        pairs = [tuple(measure.round_trip(row[s], x, row["layer"], s) if row[s] != "fp16" else x
-                       for s, x in zip("kv", p)) for row, p in zip(schema, self.kv)]
+    def score(self, schema, bleu=False, first=0):
+        """Teacher-forced agreement of `schema` (its first `first` prefix tokens kept in fp16) with fp16."""
+        pairs = [tuple(measure._protected(measure.round_trip(row[s], x, row["layer"], s), x, first)
+                       if row[s] != "fp16" else x for s, x in zip("kv", p)) for row, p in zip(schema, self.kv)]
         first = agree = n = 0
         kls, div = [], []
         for ref, got in zip(self.ref, self.log_probs_over(pairs)):
@@ -150,23 +155,41 @@ def rounded(r):
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "schema"}
 
 
+def searches(args, sens, run, candidates):
+    """{suffix: (kl dict, protected first tokens, their bytes/token)} of the searches this run asks for."""
+    plain = {k: v for k, v in sens.kl.items() if k[2] in ("fp16", *candidates)}
+    out = {"": (plain, 0, 0)}
+    if args.extra:
+        out["+extra"] = (sens.kl, 0, 0)
+    if args.heavy and sens.protect_first:
+        n = sens.protect_first
+        shapes = [run.shapes[s] for _ in range(len(run.kv)) for s in "kv"]
+        kept = {k: v for k, v in sens.kl_protected.items() if k[2] in ("fp16", *candidates)}
+        out["+heavy"] = (kept, n, protect.bytes_per_token(n, 0, len(run.tokens), shapes))
+    if args.attention:
+        out["+attention"] = ({k: (0.0 if k[2] == "fp16" else sens.attn_err[k]) for k in plain}, 0, 0)
+    return out
+
+
 def presets_main(args):
     run = Presets(cartridge.load_model(args.model), args.doc, args.questions, args.out + ".answers.json")
     fp16_bpt = len(run.kv) * 2 * TIERS["fp16"].bytes_per_token(*run.shapes["k"])
+    candidates, extra = fitting(run.shapes), tuple(filter(None, args.extra.split(",")))
     results = {}
     for variant in args.variants or ["base"]:
         t0 = time.time()
         for name, val in VARIANTS[variant].items():
             setattr(sequence, name, val)
-        sens = measure.measure(run.model, run.tok, run.mode, run.caches, run.tokens, fitting(run.shapes))
+        sens = measure.measure(run.model, run.tok, run.mode, run.caches, run.tokens, candidates + extra)
         secs = time.time() - t0
-        for preset, ratio in PRESET_RATIOS:
-            ch = search.choose(sens.kl, len(run.kv), run.shapes, int(fp16_bpt // ratio))
-            r = run.score(ch.schema, args.bleu)
-            r.update(bytes=ch.bytes_per_token, pred=ch.predicted_kl, calib_s=secs,
-                     schema=[(row["k"], row["v"]) for row in ch.schema])
-            results[f"{variant}/{preset}"] = r
-            print(variant, preset, rounded(r), flush=True)
+        for suffix, (kl, first, copies) in searches(args, sens, run, candidates).items():
+            for preset, ratio in PRESET_RATIOS:
+                ch = search.choose(kl, len(run.kv), run.shapes, int(fp16_bpt // ratio) - copies)
+                r = run.score(ch.schema, args.bleu, first)
+                r.update(bytes=ch.bytes_per_token + copies, pred=ch.predicted_kl, calib_s=secs, protect_first=first,
+                         schema=[(row["k"], row["v"]) for row in ch.schema])
+                results[f"{variant}{suffix}/{preset}"] = r
+                print(f"{variant}{suffix}", preset, rounded(r), flush=True)
     for name in filter(None, args.fixed.split(",")):
         kt, vt = name.split("/")
         schema = [{"layer": i, "k": kt, "v": vt} for i in range(len(run.kv))]
@@ -347,6 +370,9 @@ def main():
                    "(default: base)")
     p.add_argument("--fixed", default="", help="uniform schemas scored too, e.g. int8/int8,turbo4/turbo3")
     p.add_argument("--bleu", action="store_true", help="sentence BLEU of each schema's own greedy answer too")
+    p.add_argument("--extra", default="", help="tiers measured beside the candidates, e.g. mxfp4+rot,nvfp4+rot")
+    p.add_argument("--heavy", action="store_true", help="also the schemas with the heavy hitters kept in fp16")
+    p.add_argument("--attention", action="store_true", help="also the schemas chosen by attention error alone")
     p.add_argument("--model", default="default")
     p.set_defaults(run=presets_main)
     b = sub.add_parser("blend", help="which tokens of a composition's later document to recompute")
