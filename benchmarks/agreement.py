@@ -130,7 +130,7 @@ class Presets:
 
     def score(self, schema, bleu=False, first=0):
         """Teacher-forced agreement of `schema` (its first `first` prefix tokens kept in fp16) with fp16."""
-        pairs = [tuple(measure._protected(measure.round_trip(row[s], x, row["layer"], s), x, first)
+        pairs = [tuple(kept_first(measure.round_trip(row[s], x, row["layer"], s), x, first)
                        if row[s] != "fp16" else x for s, x in zip("kv", p)) for row, p in zip(schema, self.kv)]
         first = agree = n = 0
         kls, div = [], []
@@ -149,6 +149,11 @@ class Presets:
 
     def text(self, ids):
         return self.tok.decode([t for t in ids if t not in self.eos])
+
+
+def kept_first(x2, x, first):
+    """x2 (1, n_kv, T, D) with its first `first` tokens put back from x (protected tokens, as calibrate.verify)."""
+    return mx.concatenate([x[:, :, :first], x2[:, :, first:]], axis=2) if first else x2
 
 
 def rounded(r):
