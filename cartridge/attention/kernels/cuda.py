@@ -31,7 +31,7 @@ import numpy as np
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO  # noqa: F401
 from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
-from . import cuda_decode, dense
+from . import cuda_decode, cuda_prefill, dense
 from .constants import constant_lines
 
 _NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
@@ -176,18 +176,6 @@ def _kernel(kind, n_chunks, consts, shared_memory=0):
                                header=source_header()[0], shared_memory=shared_memory)
 
 
-def _tc_side_bytes(tid, bits, D):
-    """Bytes of one side's 16-token tile in flash_pass1_tc (TcSide in flash_decode.cuh)."""
-    affine = tid in (AFF8, AFF6, AFF4, KIVI4)
-    b0 = (2 * D if tid in (FP16, BF16) else D if tid in (AFF8, MXFP8) else 3 * D // 4 if tid == AFF6
-          else D * bits // 8 if tid == TURBO else D // 2)
-    b1 = D // 16 if affine else {MXFP8: D // 32, MXFP4: D // 32, NVFP4: D // 16, TURBO: 2}.get(tid, 0)
-    b2 = D // 16 if affine else 0
-    rows = 32 if tid == KIVI4 else 16  # arrays 1 and 2: kivi4 copies its token group's 32 rows
-    rs = b0 if b0 % 16 or (b0 // 16) % 2 else b0 + 16  # TcSide::RS: an odd number of 16-byte units
-    return 16 * rs + (rows * b1 + 15) // 16 * 16 + (rows * b2 + 15) // 16 * 16
-
-
 def _lut_bytes(tid, bits):
     """Bytes of one side's shared-memory code-pair table (TcSide::LUT_BYTES): 0 for a tier without lookups."""
     if tid not in (MXFP4, NVFP4, TURBO):
@@ -200,7 +188,7 @@ def tc_smem_bytes(k_spec, v_spec, D, lreg=False, warps=None, stages=None):
     """Dynamic shared memory of flash_pass1_tc (tc_smem_bytes in flash_decode.cuh): the code-pair tables (unless
     `lreg`, lookups in registers), then the stages or the warps' outputs, whichever is larger."""
     warps, stages = warps or TC_WARPS, stages or TC_STAGES
-    tk, tv = _tc_side_bytes(k_spec[0], k_spec[1], D), _tc_side_bytes(v_spec[0], v_spec[1], D)
+    tk, tv = (cuda_prefill.tc_side_bytes(s[0], s[1], D) for s in (k_spec, v_spec))
     tables = 0 if lreg else _lut_bytes(k_spec[0], k_spec[1]) + _lut_bytes(v_spec[0], v_spec[1])
     return tables + max(warps * stages * (tk + tv), warps * 8 * D * 4)
 
@@ -436,12 +424,31 @@ class FusedAttention:
             work = (n_splits + 1) * self.n_kv * R * (D + 2) + self.n_kv
             return _Plan(_kernel(kind + "+finish", 1, consts, smem), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
-        finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
-                  ("VROT", self.v_back), ("SINKS", sinks), ("NP", 0 if self.kept is None else self.kept[0].shape[1]),
-                  ("SCALE", float(scale))]
         consts = tuple(consts)
         return _Plan(_kernel(kind, 0, consts, smem), consts, inputs, grid, threads, False,
-                     _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
+                     self._finish_kernel(dtype, D, n_chunks, chunk_size, scale, sinks), R, per, n_splits, 0)
+
+    def _finish_kernel(self, dtype, D, n_chunks, chunk_size, scale, sinks):
+        """The two-kernel finish (`finish_row`) for this layer: tail chunks, rotated V, sinks, protected tokens."""
+        return _kernel("finish", n_chunks, (
+            ("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size), ("VROT", self.v_back),
+            ("SINKS", sinks), ("NP", 0 if self.kept is None else self.kept[0].shape[1]), ("SCALE", float(scale))))
+
+    def _finish(self, finish, partials, R, queries, prm, sinks, cache, n_chunks):
+        """Launch `finish` over pass 1's `partials` (O, M, L) of R query rows per KV head: the output."""
+        k_chunks, v_chunks = cache.tail_chunks
+        tails = [c for pair in zip(k_chunks[:n_chunks], v_chunks[:n_chunks]) for c in pair]
+        return finish(
+            inputs=[*partials, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
+                    *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, R),
+            threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+            init_value=POISON)[0]
+
+    def _prefills(self, R, dtype, D):
+        """True if `cuda_prefill` answers R query rows per KV head of `dtype` (both sides read there, the TurboQuant
+        codebooks symmetric, a GPU with tensor cores)."""
+        return (cuda_prefill.reads(self.k_spec, self.v_spec, self.page, D, dtype, R) and self.table_ok
+                and has_tensor_cores())
 
     def __call__(self, cache, queries, scale, sinks=None):
         """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
@@ -460,12 +467,18 @@ class FusedAttention:
                 as one more logit per head. Default: None.
         """
         _, n_q, L, D = queries.shape
-        if n_q // self.n_kv * L >= self._dense_min_rows(queries.dtype, D):
-            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
+        R = n_q // self.n_kv * L
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
-        if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
+        fits = 1 <= n_chunks <= MAX_CHUNKS and D in HEAD_DIMS and (sinks is None or SINKS_FUSED)
+        if fits and self._prefills(R, queries.dtype, D):
+            *partials, prm = cuda_prefill.pass1(self, queries, scale, tail_len, source_header())
+            finish = self._finish_kernel(queries.dtype, D, n_chunks, chunk_size, scale, sinks is not None)
+            return self._finish(finish, partials, R, queries, prm, sinks, cache, n_chunks)
+        if R >= self._dense_min_rows(queries.dtype, D):
+            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
+        if not fits:
             return None
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
                   and tail_len <= chunk_size and not self.v_back and sinks is None and self.kept is None)
@@ -486,13 +499,8 @@ class FusedAttention:
                 grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
                 output_dtypes=[queries.dtype], init_value=POISON)[0]
         partial = [(plan.n_splits, self.n_kv, plan.R)]
-        O, M, Lsum = plan.kernel(
+        partials = plan.kernel(
             inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
             output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
             init_value=POISON)
-        tails = [c for pair in zip(k_chunks[:n_chunks], v_chunks[:n_chunks]) for c in pair]
-        return plan.finish(
-            inputs=[O, M, Lsum, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
-                    *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, plan.R),
-            threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
-            init_value=POISON)[0]
+        return self._finish(plan.finish, partials, plan.R, queries, prm, sinks, cache, n_chunks)
