@@ -296,15 +296,15 @@ def profile():
 
 PREFILL_TIERS = ("fp16", "mlx4g32", "mlx4g32+rot", "int8", "fp8", "kivi4", "nvfp4", "turbo4", "turbo3")
 # launch shapes of cuda_prefill's kernel swept for these tiers: (WARPS, TARGET_BLOCKS)
-PREFILL_SHAPES = {"fp16": ((8, 264), (4, 528), (4, 132)), "mlx4g32": ((8, 264), (4, 528), (4, 132)),
-                  "turbo3": ((8, 264),)}
+PREFILL_SHAPES = {"fp16": ((4, 264), (8, 528), (8, 132)), "mlx4g32": ((4, 264), (8, 528), (8, 132)),
+                  "turbo3": ((4, 264),)}
 
 
 def _prefill_variants(prefix, L, tier):
     """(name, kernel, rows from which the call decodes the pages, CUDA_DECODE, cuda_prefill (WARPS, TARGET_BLOCKS)
     or None) of the question-prefill paths timed for L query tokens."""
     fused = cuda.FusedAttention(prefix)
-    out = [("decoded-cuda", fused, 1, True, None), ("prefill", fused, 1 << 30, True, (4, 264))]
+    out = [("decoded-cuda", fused, 1, True, None), ("prefill", fused, 1 << 30, True, (cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS))]
     out += [(f"prefill-w{w}-b{b}", fused, 1 << 30, True, (w, b)) for w, b in PREFILL_SHAPES.get(tier, ())]
     out.append(("dequantize-once", contiguous.ContiguousAttention(dequantize(prefix, mx.float16)), 1, True, None))
     if L < 256:

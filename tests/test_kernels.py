@@ -37,6 +37,9 @@ SHAPES = [
 # 1.05e-3 on an H200, benchmarks/results/h200-kernel-tests-protect.log)
 TOL = 1e-3
 TOL_FP16 = 2e-3
+# bf16 queries: the tail and the output are bf16 too, and rounding the output alone is up to 2^-9 of each value
+# (the prefill kernel: 2.34e-3 and 2.72e-3 on an H200, benchmarks/results/h200-s5-kernel-tests.log)
+TOL_BF16 = 5e-3
 
 
 def reference(q, k, v, tail_k, tail_v, scale, sinks=None):
@@ -294,7 +297,10 @@ def test_question_prefill_cuda_decode_matches_float64(tier, shape, monkeypatch):
     head_dim 64 was 1.07e-3 from float64 with float32 queries on an H200)."""
     from cartridge.attention.kernels import cuda
 
+    from cartridge.attention.kernels import cuda_prefill
+
     monkeypatch.setattr(cuda, "DECODED_MIN_ROWS", 1)  # every call takes the question-prefill path
+    monkeypatch.setattr(cuda_prefill, "ENABLED", False)  # and decodes the pages (not the prefill kernel)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 5))
     kernel = cuda.FusedAttention(prefix)
     fused = replace(prefix, kernel=kernel)
@@ -390,7 +396,8 @@ def test_question_prefill_kernel_matches_float64(tier, shape, dtype, monkeypatch
     got = _run(replace(prefix, kernel=kernel), q, tk, tv, dtype)
     assert calls == [1]
     q16, tk16, tv16 = (np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, tk, tv))
-    _check(prefix, q16, tk16, tv16, got, f"prefill kernel {tier} {shape} {dtype}", tol=TOL_FP16)
+    _check(prefix, q16, tk16, tv16, got, f"prefill kernel {tier} {shape} {dtype}",
+           tol=TOL_FP16 if dtype == mx.float16 else TOL_BF16)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")

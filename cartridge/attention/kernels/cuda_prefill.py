@@ -27,12 +27,18 @@ from .dense import per_kv_head
 
 ENABLED = True  # benchmarks switch it off to time the other paths
 TILE = 64  # prefix tokens per tile (PF_TOK in flash_decode.cuh)
-WARPS = 4  # warps per block: 16 query rows each
+# Launch shape and rows, measured on an H200 (benchmarks/results/h200-s5-prefill.json: 32 q / 8 kv heads, head_dim
+# 128, 32,768 and 131,072 tokens, 32 / 64 / 256 question tokens = 128 / 256 / 1,024 rows per KV head; times over
+# MLX's dense SDPA): 8 warps (128 rows a block) against 4 at 131,072 tokens and 32 tokens: mlx4g32 0.29x against
+# 0.61x, turbo3 0.36x against 0.84x, fp16 0.21x against 0.30x; 264 blocks beat 132 and 528 for mlx4g32. From 128
+# rows the kernel beats flash_pass1_tc's row blocks (0.63-0.96x at 128 rows) and the pages decoded for MLX's SDPA
+# (1.07-1.26x); at 256 rows (8 warps) mlx4g32 0.77x, turbo3 0.95x, fp16 0.56x against 1.10-1.23x decoded; at 1,024
+# rows it loses (mlx4g32 2.56x, turbo3 3.25x, fp16 1.90x against decoded 1.09-1.17x: each block of 128 rows decodes
+# the whole prefix again, and its mma.sync loop runs at about 230 TFLOP/s, below MLX's SDPA). 512 rows: not measured.
+WARPS = 8  # warps per block: 16 query rows each
 TARGET_BLOCKS = 264  # blocks to aim for over splits x KV heads x row blocks (132 SMs x 2)
-# query rows per KV head from which `cuda.FusedAttention` takes this kernel (below, `flash_pass1_tc`'s row blocks
-# of 8 read the prefix few enough times); MAX_ROWS: up to which (above, the pages decoded for MLX's SDPA)
-MIN_ROWS = 64
-MAX_ROWS = 1 << 30
+MIN_ROWS = 128  # query rows per KV head from which `cuda.FusedAttention` takes this kernel
+MAX_ROWS = 256  # and up to which (above: the pages decoded for MLX's SDPA, `cuda.DECODED_MIN_ROWS`)
 TIERS = (FP16, BF16, AFF8, AFF6, AFF4, KIVI4, MXFP8, MXFP4, NVFP4, TURBO)  # the tiers flash_pass1_tc reads
 HEAD_DIMS = (64, 128)
 CALL = ("cart::prefill_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS>(q, SCALE, (const void*)k0, (const void*)k1, "
