@@ -447,3 +447,30 @@ def test_question_prefill_kernel_splits_whole_tiles():
     assert cuda_prefill.smem_bytes((cuda_prefill.FP16, 0), (cuda_prefill.FP16, 0), 128) == 2 * 8 * 16 * 272
     assert cuda_prefill.smem_bytes((cuda_prefill.AFF4, 0), (cuda_prefill.AFF4, 0), 128) == \
         2 * 8 * (16 * 80 + 128 + 128) + 2 * 64 * 136 * 2
+
+
+@pytest.mark.parametrize("tier", ["fp16", "mlx4g32+rot", "turbo4", "nvfp4"])
+def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
+    """MLX 0.32 evaluates a lazy array on the stream of the thread that made it: the kernel's fixed inputs (made
+    when a cartridge loads) must hold their data, so a server's worker thread can launch it (a lazy `mx.zeros`
+    codebook raised 'There is no Stream(gpu, 0) in current thread' there on an H200)."""
+    import threading
+
+    from cartridge.attention.kernels import cuda
+
+    prefix, *_ = _case(tier, SHAPES[3], seed=1)
+    kernel = cuda.FusedAttention(prefix)
+    fixed = [*kernel.k_in[len(prefix.k_parts):], *kernel.v_in[len(prefix.v_parts):], kernel.cbk, kernel.cbv,
+             kernel.sgk, kernel.sgv, cuda._NO_SINKS]
+    errors = []
+
+    def attend():
+        try:
+            mx.eval([a + 0 for a in fixed])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    worker = threading.Thread(target=attend)
+    worker.start()
+    worker.join()
+    assert errors == []

@@ -34,7 +34,16 @@ from ...tiers.rotation import sign_bits
 from . import cuda_decode, cuda_prefill, dense
 from .constants import constant_lines
 
-_NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
+
+
+def _zeros(shape, dtype=np.float32):
+    """A zero array with its data (not a lazy `mx.zeros`): MLX 0.32 evaluates a lazy array on the stream of the
+    thread that made it, so one made at load and first evaluated on a server's worker thread raised 'There is no
+    Stream(gpu, 0) in current thread' (tests/test_generate_loop.py on an H200, mlx4g32+rot)."""
+    return mx.array(np.zeros(shape, dtype=dtype))
+
+
+_NO_SINKS = _zeros((1,))  # the finish's `snk` input when the model has no sinks
 TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
@@ -244,7 +253,7 @@ def _side_inputs(spec, parts, params, rot=None):
     """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy: a
     TurboQuant side's, or a rotated side's (the rotation's signs, the same for every KV head)."""
     tid, _, names = spec
-    arrays = [parts[n] for n in names] + [mx.zeros((4,), dtype=mx.uint32)] * (3 - len(names))
+    arrays = [parts[n] for n in names] + [_zeros((4,), np.uint32)] * (3 - len(names))
     if rot is not None:
         n_kv, D = arrays[0].shape[1], rot["block"]
         signs = mx.array(np.tile(sign_bits(rot["seed"], D), (n_kv, 1)))  # (n_kv, D)
@@ -253,13 +262,13 @@ def _side_inputs(spec, parts, params, rot=None):
     if tid == NVFP4:  # cb[0]: the global factor global_scale / (448 * 6), times the 2^8 the kernel's fp16 scales lack
         cb = np.zeros(16, dtype=np.float32)
         cb[0] = params["global_scale"] / (448.0 * 6.0) * 256.0
-        return arrays, mx.array(cb), mx.zeros((1,), dtype=mx.float32)
+        return arrays, mx.array(cb), _zeros((1,))
     if tid == TURBO:
         cb = np.zeros(16, dtype=np.float32)
         cb[: len(params["codebook"])] = params["codebook"]
         signs = mx.array(np.asarray(params["signs"], dtype=np.float32))  # (n_kv, D)
         return arrays, mx.array(cb), signs
-    return arrays, mx.zeros((16,), dtype=mx.float32), mx.zeros((1,), dtype=mx.float32)
+    return arrays, _zeros((16,)), _zeros((1,))
 
 
 def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks=None, granule=None):
