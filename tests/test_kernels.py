@@ -474,3 +474,15 @@ def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
     worker.start()
     worker.join()
     assert errors == []
+
+
+def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():
+    from cartridge.attention.kernels import cuda_prefill as cp
+
+    aff4, int8, turbo3, turbo4 = (cp.AFF4, 0, ()), (cp.AFF8, 0, ()), (cp.TURBO, 3, ()), (cp.TURBO, 4, ())
+    f16 = mx.float16
+    assert [cp.reads(int8, int8, 256, 128, f16, r) for r in (127, 128, 255, 256)] == [False, True, True, False]
+    assert [cp.reads(s, s, 256, 128, f16, 256) for s in (aff4, turbo3, turbo4)] == [True, True, False]
+    assert not cp.reads(aff4, aff4, 256, 128, f16, 256, rotated=True) and cp.reads(aff4, aff4, 256, 128, f16, 255, True)
+    assert not cp.reads(aff4, aff4, 256, 128, mx.float32, 128)  # float32 queries: the exact paths
+    assert not cp.reads(aff4, aff4, 8, 128, f16, 128) and not cp.reads(aff4, aff4, 256, 256, f16, 128)

@@ -456,7 +456,8 @@ class FusedAttention:
     def _prefills(self, R, dtype, D):
         """True if `cuda_prefill` answers R query rows per KV head of `dtype` (both sides read there, the TurboQuant
         codebooks symmetric, a GPU with tensor cores)."""
-        return (cuda_prefill.reads(self.k_spec, self.v_spec, self.page, D, dtype, R) and self.table_ok
+        return (cuda_prefill.reads(self.k_spec, self.v_spec, self.page, D, dtype, R, self.k_rot or self.v_rot)
+                and self.table_ok
                 and has_tensor_cores())
 
     def __call__(self, cache, queries, scale, sinks=None):

@@ -38,7 +38,13 @@ TILE = 64  # prefix tokens per tile (PF_TOK in flash_decode.cuh)
 WARPS = 8  # warps per block: 16 query rows each
 TARGET_BLOCKS = 264  # blocks to aim for over splits x KV heads x row blocks (132 SMs x 2)
 MIN_ROWS = 128  # query rows per KV head from which `cuda.FusedAttention` takes this kernel
-MAX_ROWS = 256  # and up to which (above: the pages decoded for MLX's SDPA, `cuda.DECODED_MIN_ROWS`)
+# and up to which: below 256 rows it beat flash_pass1_tc's row blocks (what answered there before) for every tier
+# measured, even at 4 warps (256 rows: 1.14-1.61x against 1.28-2.00x); from 256 rows the pages decoded for MLX's
+# SDPA (`cuda.DECODED_MIN_ROWS`) answer, except for the (K tier, bits) measured faster at 256 rows with 8 warps
+# (unrotated): mlx4g32 0.77x, turbo3 0.95x, fp16 0.56x against 1.10-1.23x decoded (the others ran at 4 warps only)
+MAX_ROWS = 255
+MAX_ROWS_WIDE = 256
+WIDE = frozenset(((AFF4, 0), (TURBO, 3), (FP16, 0)))
 TIERS = (FP16, BF16, AFF8, AFF6, AFF4, KIVI4, MXFP8, MXFP4, NVFP4, TURBO)  # the tiers flash_pass1_tc reads
 HEAD_DIMS = (64, 128)
 CALL = ("cart::prefill_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS>(q, SCALE, (const void*)k0, (const void*)k1, "
@@ -83,14 +89,18 @@ def _kernel(header, digest, consts, shared_memory):
                                shared_memory=shared_memory)
 
 
-def reads(k_spec, v_spec, page, head_dim, dtype, rows):
+def reads(k_spec, v_spec, page, head_dim, dtype, rows, rotated=False):
     """True if `prefill_tc` answers `rows` query rows per KV head of `dtype` over sides of kernel tiers `k_spec`,
-    `v_spec` ((tier id, bits, components), `cuda.tier_spec`) in pages of `page` tokens: ENABLED, MIN_ROWS <= rows
-    <= MAX_ROWS, fp16/bf16 queries (the kernel rounds them and the values to fp16, as `flash_pass1_tc` does), the
+    `v_spec` ((tier id, bits, components), `cuda.tier_spec`) in pages of `page` tokens, `rotated` if either side is
+    a +rot tier: ENABLED, MIN_ROWS <= rows <= MAX_ROWS (MAX_ROWS_WIDE for the unrotated K tiers in WIDE), fp16/bf16
+    queries (the kernel rounds them and the values to fp16, as `flash_pass1_tc` does), the
     tiers `flash_pass1_tc` reads, whole 16-token tiles in a page, head_dim 64 or 128. The caller checks the GPU
     (tensor cores) and the TurboQuant codebooks (symmetric in fp16: looked up in registers)."""
-    return (ENABLED and MIN_ROWS <= rows <= MAX_ROWS and dtype in (mx.float16, mx.bfloat16)
-            and None not in (k_spec, v_spec) and k_spec[0] in TIERS and v_spec[0] in TIERS
+    if None in (k_spec, v_spec):
+        return False
+    wide = not rotated and (k_spec[0], k_spec[1]) in WIDE
+    return (ENABLED and MIN_ROWS <= rows <= (MAX_ROWS_WIDE if wide else MAX_ROWS)
+            and dtype in (mx.float16, mx.bfloat16) and k_spec[0] in TIERS and v_spec[0] in TIERS
             and page % 16 == 0 and head_dim in HEAD_DIMS)
 
 
