@@ -7,8 +7,9 @@ rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one
 the block of the last split also attends over the tail, as one more partial, and the last block of each
 KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
 block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the
-tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
-`cartridge.attention.kernels.portable` (tests compare them against float64).
+tensor-core variant `flash_pass1_mma`. A question of many query rows per KV head takes `cuda_prefill`'s kernel
+as pass 1 (the rows in `cuda_prefill.reads`) or, from `DECODED_MIN_ROWS` rows, the pages decoded for MLX's SDPA.
+The plain reference for all of them is `cartridge.attention.kernels.portable` (tests compare them against float64).
 
 Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX
 builds and hashes the kernel source on every call. The source handed to MLX is therefore a few lines

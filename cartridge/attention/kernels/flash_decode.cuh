@@ -1631,11 +1631,7 @@ __device__ void prefill_tc(const T* q, float scale, const void* k0, const void* 
   const uint4 tabk = tc_table<TK, BK>(cbk), tabv = tc_table<TV, BV>(cbv);
 
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  float o[NO][4];
-#pragma unroll
-  for (int b = 0; b < NO; ++b)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[b][c] = 0.f;
+  float o[NO][4] = {};  // this warp's rows' output, unnormalized
   // ldmatrix rows of this lane: K (non-transposed) token l % 8 of an n-block, head_dim 8 (l / 8) of 32; V
   // (transposed) token l % 8 + 8 ((l / 8) % 2) of a 16-token k-step, head_dim 8 (l / 16) of 16
   const int k_off = (lane % 8) * ROW + 16 * (lane / 8);
