@@ -83,6 +83,22 @@ def tiny_dir(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def built(tiny_dir, tmp_path_factory):
+    """The CLI tests' cartridge (tests/test_cli.py's DOC x 3, page 16), built once by a real `cartridge build`
+    process for every CLI test module: (its path, the build's CompletedProcess). The tests only read it."""
+    from clirun import run_process
+    from test_cli import DOC
+
+    folder = tmp_path_factory.mktemp("cli")
+    corpus = folder / "doc.txt"
+    corpus.write_text(DOC * 3)
+    out = folder / "doc.cart"
+    r = run_process("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")
+    assert r.returncode == 0, r.stderr.decode()
+    return out, r
+
+
+@pytest.fixture(scope="session")
 def real_model():
     """The default model, loaded once for the slow tests."""
     return cartridge.load_model()

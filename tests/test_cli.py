@@ -11,17 +11,6 @@ from clirun import run_inprocess as run  # the other modules' `run` too (tests/c
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 
 
-@pytest.fixture(scope="module")
-def built(tiny_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli")
-    corpus = folder / "doc.txt"
-    corpus.write_text(DOC * 3)
-    out = folder / "doc.cart"
-    r = run_process("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")  # build as a process
-    assert r.returncode == 0, r.stderr.decode()
-    return out, r
-
-
 def test_build_summary_and_inspect_json(built, tiny_dir):
     out, r = built
     assert r.stdout.decode().startswith(f"built {out}: ")

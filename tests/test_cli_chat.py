@@ -14,7 +14,6 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import numpy as np
 import pytest
-from test_cli import built  # noqa: F401  (the built fixture: a tiny-model cartridge)
 from test_cli_interrupt import start, wait_for
 
 from cartridge.cli.chat import _turn
