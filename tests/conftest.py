@@ -109,6 +109,15 @@ def sample_questions(n=None):
     return rows[:n] if n else rows
 
 
+@pytest.hookimpl(tryfirst=True)  # before the -m selection
+def pytest_collection_modifyitems(items):
+    """Mark `slow` the tests a module names in SLOW_IDS ("test_x[portable-0-1000]"): combinations of a
+    fixture's params and a test's, which no parametrize mark can mark alone."""
+    for item in items:
+        if item.name in getattr(getattr(item, "module", None), "SLOW_IDS", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_addoption(parser):
     parser.addoption("--fuzz-iterations", type=int, default=200,
                      help="inputs per target for tests/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")
