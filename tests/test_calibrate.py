@@ -1,13 +1,13 @@
 """Schemas chosen by measurement at build (`cartridge.calibrate`, spec/FORMAT.md 4.7, issue 33)."""
 
 import pytest
+from conftest import make_tiny
 
 import cartridge
 from cartridge.calibrate import BUDGETS, Budget, parse_ratio, search
 from cartridge.errors import InputError
 from cartridge.format import keys as K
 from cartridge.tiers import TIERS
-from conftest import make_tiny
 
 DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. Descale it monthly "
        "with white vinegar; never immerse the base in water. The filter is dishwasher safe. ") * 3
@@ -187,9 +187,10 @@ FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built
 def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenizer, tmp_path):
     import warnings
 
+    from family_models import make_model
+
     from cartridge.calibrate import CalibrationFallbackWarning
     from cartridge.tiers import presets
-    from family_models import make_model
 
     lm = make_model(family, smol_tokenizer)
     with warnings.catch_warnings(record=True) as seen:
@@ -211,8 +212,9 @@ def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenize
 
 
 def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before_the_prefill(smol_tokenizer, tmp_path):
-    from cartridge.errors import CalibrationUnsupportedError
     from family_models import make_model
+
+    from cartridge.errors import CalibrationUnsupportedError
 
     lm = make_model("qwen3_next", smol_tokenizer)
     with pytest.raises(CalibrationUnsupportedError, match="ArraysCache caches; build with --preset, a tier or --schema"):
@@ -291,7 +293,12 @@ def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_p
 def test_the_evaluation_sequence_asks_every_probe_as_a_follow_up_turn(tiny64, monkeypatch):
     from cartridge.build import prefill
     from cartridge.calibrate import sequence
-    from cartridge.models.prompt import followup_tokens, prefix_tokens, prompt_mode, question_tokens
+    from cartridge.models.prompt import (
+        followup_tokens,
+        prefix_tokens,
+        prompt_mode,
+        question_tokens,
+    )
 
     tok, mode = tiny64.tokenizer, prompt_mode(tiny64.tokenizer)
     tokens = prefix_tokens(tok, DOC, mode)
@@ -334,14 +341,32 @@ def test_kl_rows_is_the_mean_kl_of_each_row_against_the_reference():
     import mlx.core as mx
     import numpy as np
 
-    from cartridge.calibrate import measure
+    from cartridge.calibrate import head
 
     mx.random.seed(8)
     ref_logits, logits = 3 * mx.random.normal((4, 50)), 3 * mx.random.normal((3, 4, 50))
-    ref = measure.log_softmax(ref_logits)
+    ref = head.log_softmax(ref_logits)
     r, q = np.asarray(ref_logits, dtype=np.float64), np.asarray(logits, dtype=np.float64)
     r, q = (x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (r, q))
     want = (np.exp(r) * (r - q)).sum(-1).mean(-1)  # (3,)
     assert np.allclose(np.asarray(ref), r, atol=1e-5)
-    assert np.allclose(np.asarray(measure.kl_rows(ref, logits)), want, rtol=1e-4)
-    assert measure.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)
+    assert np.allclose(np.asarray(head.kl_rows(ref, logits)), want, rtol=1e-4)
+    assert head.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_walks_lm_head_kl_from_the_top_tokens_and_tail_samples_is_the_full_logits_kl(tiny64):
+    import mlx.core as mx
+    import numpy as np
+
+    from cartridge.calibrate import head
+
+    mx.random.seed(3)
+    h0 = 4 * mx.random.normal((1, 12, 64))
+    h = mx.concatenate([h0, h0 + 0.3 * mx.random.normal((3, 12, 64)) * mx.array([0.1, 1.0, 3.0])[:, None, None]])
+    ref, full = head.walk_kl(tiny64.model, h, 2, head_tokens=10**9)  # every row's full logits
+    ref2, approx = head.walk_kl(tiny64.model, h, 2)  # HEAD_TOKENS and TAIL_SAMPLES of a 49,152 vocabulary
+    assert np.array_equal(np.asarray(ref), np.asarray(ref2)) and ref.shape == (12, tiny64.model.args.vocab_size)
+    assert full[0] < full[1] < full[2] and full[0] > 1e-6
+    assert np.allclose(approx, full, rtol=0.03), (approx, full)  # 1-2.4% on this flat distribution
+    _, no_tail = head.walk_kl(tiny64.model, h, 2, tail_samples=0)
+    assert all(t < a for t, a in zip(no_tail, approx))  # the tail's second-order term, left out, is >= 0

@@ -31,11 +31,11 @@ from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..tiers import TIERS
 from . import sequence
+from .head import kl_mean, logits_of, walk_kl
 from .sequence import (
     eval_sequence,
     filled_cache,
-    log_softmax,
-    log_softmax_inplace,
+    log_softmax,  # noqa: F401  (measure.log_softmax: benchmarks/agreement.py's)
     scored,
     split_of,
 )
@@ -47,7 +47,6 @@ LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (
 HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
 FAITHFUL_KL = 1e-3  # nats: the walk's reference logits vs the model's own forward; more = a family it cannot walk
-LOGIT_ROWS = 4  # rows of E per LM-head chunk: (4, E, vocab) float32 logits at a time
 
 
 @dataclass
@@ -121,15 +120,6 @@ def check_plain(caches):
                                           f"{', '.join(kinds)} caches")
 
 
-def logits_of(model, h):
-    """LM-head logits of final hidden states h (B, E, hidden) -> (B, E, vocab) float32."""
-    body = model.model
-    out = body.norm(h)
-    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False) or not hasattr(model, "lm_head")
-    out = body.embed_tokens.as_linear(out) if tied else model.lm_head(out)
-    return out.astype(mx.float32)
-
-
 def run_from(model, layer, h, kv):
     """Layers `layer`.. on input h (1, E, hidden) over caches holding `kv` (list of (K, V) from `layer` on):
     (E, vocab) float32 logits."""
@@ -139,21 +129,6 @@ def run_from(model, layer, h, kv):
         h = block(h, mask, cache=cache)
         mx.eval(h)  # a layer at a time, so Ctrl-C is honoured between layers
     return logits_of(model, h)[0]
-
-
-def kl_rows(ref_logprobs, logits):
-    """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
-    float32 -> (B,) float32 (lazy except on CPU, where numpy computes it)."""
-    if mx.default_device() != mx.cpu:
-        return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
-    mx.eval(ref_logprobs, logits)
-    ref = np.asarray(ref_logprobs)
-    return mx.array((np.exp(ref) * (ref - log_softmax_inplace(np.array(logits)))).sum(axis=-1).mean(axis=-1))
-
-
-def kl_mean(ref_logprobs, logits):
-    """Mean over positions of KL(ref || q) in nats; ref_logprobs and logits (E, vocab) float32."""
-    return kl_rows(ref_logprobs, logits[None]).item()
 
 
 def fp16_rounded(x):
@@ -329,14 +304,8 @@ def wavefront(model, probe, candidates, out, progress=None):
             pieces.update(layer_pieces)
             if progress:
                 progress(j + 1, len(layers))
-    kls = []
-    for r in range(0, h.shape[0], LOGIT_ROWS):
-        logits = logits_of(model, h[r:r + LOGIT_ROWS])  # (<= LOGIT_ROWS, E, vocab)
-        if r == 0:
-            probe.logprobs = log_softmax(logits[0])
-        kls.append(kl_rows(probe.logprobs[probe.start:], logits[:, probe.start:]))
-        mx.eval(kls[-1], probe.logprobs)
-    out.measured = {j: max(0.0, kl) for j, kl in enumerate(mx.concatenate(kls)[1:].tolist())}
+    probe.logprobs, kls = walk_kl(model, h, probe.start)
+    out.measured = dict(enumerate(kls))
     return errors, pieces
 
 
