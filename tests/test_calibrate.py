@@ -153,26 +153,30 @@ def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
     assert heavy_hitters(mx.full((t,), 1 / t)) == (0, 0.0)
 
 
-def test_the_batched_walk_measures_what_one_forward_per_replaced_layer_measures(tiny64):
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers_measures(tiny64, group, monkeypatch):
     from cartridge.build import prefill
     from cartridge.calibrate import measure
     from cartridge.models.prompt import prefix_tokens, prompt_mode
 
+    monkeypatch.setattr(measure, "WALK_GROUP", group)
     mode = prompt_mode(tiny64.tokenizer)
     tokens = prefix_tokens(tiny64.tokenizer, DOC, mode)
     caches = prefill(tiny64.model, tokens)
     sens = measure.measure(tiny64.model, tiny64.tokenizer, mode, caches, tokens)
     probe = sens.probe
     assert sens.eval_tokens == probe.ids.shape[1] == probe.logprobs.shape[0]
-    for j in range(len(caches)):
-        k, v = probe.kv[j]
+    for first in range(0, len(caches), group):
+        layers = range(first, min(first + group, len(caches)))
         kv = list(probe.kv)
-        kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in ((k, "k"), (v, "v")))
+        for j in layers:
+            kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in zip(kv[j], "kv"))
         one = measure.kl_mean(probe.logprobs, measure.run_from(tiny64.model, 0, probe.embedded, kv))
-        assert sens.measured[j] == pytest.approx(one, rel=1e-2)  # float32 sums of a batch of 3 rows vs 1
-        share = sum(sens.kl[(j, s, measure.REFERENCE_TIER)] for s in "kv")  # the layer's KL, split between K and V
-        assert share == pytest.approx(sens.measured[j], rel=1e-6, abs=1e-9)
-    assert sens.measured[0] > 0
+        # float32 sums of a batch of rows vs 1; the walk's LM head takes 1,024 columns of 49,152 per position (head.py)
+        assert sum(sens.measured[j] for j in layers) == pytest.approx(one, rel=1e-2)
+        for j in layers:
+            share = sum(sens.kl[(j, s, measure.REFERENCE_TIER)] for s in "kv")  # the layer's KL, split in K and V
+            assert share == pytest.approx(sens.measured[j], rel=1e-6, abs=1e-9) and sens.measured[j] > 0
 
 
 FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built instead)
@@ -241,7 +245,8 @@ def test_the_protected_attention_error_equals_the_error_with_the_leading_tokens_
     assert error(side, ref)[0].item() == pytest.approx(0.0, abs=1e-10) and err.item() > 1e-4
 
 
-def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
+@pytest.mark.parametrize("replaced_rows", [1, 2])
+def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens(replaced_rows):
     import mlx.core as mx
 
     from cartridge.calibrate.walk import SharedPrefixCache
@@ -250,12 +255,12 @@ def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
     rows, n_kv, g, s, e, d = 3, 2, 3, 37, 9, 16  # GQA 3, odd prefix and own lengths
     k, v, k2, v2 = (mx.random.normal((1, n_kv, s, d)) for _ in range(4))
     q, own_k, own_v = mx.random.normal((rows, n_kv * g, e, d)), *(mx.random.normal((rows, n_kv, e, d)) for _ in range(2))
-    cache = SharedPrefixCache(k, v, k2, v2)
+    cache = SharedPrefixCache(k, v, k2, v2, replaced_rows)
     keys, values = cache.update_and_fetch(own_k, own_v)
     got = cache.attention(q, keys, values, d ** -0.5, "causal")
     assert cache.offset == s + e and got.shape == (rows, n_kv * g, e, d)
     for r in range(rows):
-        pk, pv = (k2, v2) if r == rows - 1 else (k, v)
+        pk, pv = (k2, v2) if r >= rows - replaced_rows else (k, v)
         want = mx.fast.scaled_dot_product_attention(q[r:r + 1], mx.concatenate([pk, own_k[r:r + 1]], axis=2),
                                                     mx.concatenate([pv, own_v[r:r + 1]], axis=2),
                                                     scale=d ** -0.5, mask="causal")
