@@ -38,7 +38,7 @@ class SharedPrefixCache(PrefillCache):
         """Causal attention of queries (R, n_heads, E, head_dim) over the prefix of their row and their own
         keys/values (R, n_kv_heads, E, head_dim): (R, n_heads, E, head_dim) in the queries' dtype."""
         r, h, e, d = queries.shape
-        n_kv, s, n = keys.shape[1], self.offset - e, self.replaced_rows
+        n_kv, n = keys.shape[1], self.replaced_rows
         q = (queries.astype(mx.float32) * scale).reshape(r, n_kv, h // n_kv * e, d)  # (R, n_kv, g * E, D)
         rows = q.shape[2]
         pre = mx.concatenate([_stacked(q[:-n], self.prefix[0].swapaxes(-1, -2)),
