@@ -375,20 +375,3 @@ def test_the_walks_lm_head_kl_from_the_top_tokens_and_tail_samples_is_the_full_l
     assert np.allclose(approx, full, rtol=0.03), (approx, full)  # 1-2.4% on this flat distribution
     _, no_tail = head.walk_kl(tiny64.model, h, 2, tail_samples=0)
     assert all(t < a for t, a in zip(no_tail, approx))  # the tail's second-order term, left out, is >= 0
-
-
-def test_the_key_errors_of_several_candidates_in_one_pass_are_each_ones_alone():
-    import mlx.core as mx
-    import numpy as np
-
-    from cartridge.calibrate.measure import AttentionError
-
-    mx.random.seed(11)
-    q, k, v = mx.random.normal((4, 7, 16)), mx.random.normal((1, 2, 40, 16)), mx.random.normal((1, 2, 40, 16))
-    keys = [k + s * mx.random.normal(k.shape) for s in (0.01, 0.1, 0.5)]
-    together = AttentionError(q, k, v).keys_replaced(keys)
-    for x2, (err, pieces) in zip(keys, together):
-        err1, pieces1 = AttentionError(q, k, v)("k", x2)
-        assert err.item() == pytest.approx(err1.item(), rel=1e-5) and err.item() > 0
-        for a, b in zip(pieces, pieces1):
-            assert np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -217,15 +217,6 @@ class AttentionError:
         u2 = e2 @ self.v32  # unnormalized output; z2 is softmax's sum
         return self._err(u2 / z2), (u2, z2, e_lead - e2[..., :n])
 
-    def keys_replaced(self, keys):
-        """`__call__("k", x2)` for each x2 of keys (list of (1, n_kv, T, D)), their exponentials in one pass
-        (on CPU one sync for all, not one each)."""
-        x2, n = mx.stack([a[0] for a in keys]).astype(mx.float32), self.lead  # (C, n_kv, T, D)
-        lead = mx.array(np.repeat(np.asarray(self.s_lead)[None], len(keys), axis=0))  # own buffer: overwritten
-        (e2, e_lead), (z2, _) = shifted_exp(self.q @ x2.swapaxes(-1, -2), lead)  # (C, n_kv, group * E, T)
-        u2 = e2 @ self.v32  # (C, n_kv, group * E, D)
-        return [(self._err(u2[c] / z2[c]), (u2[c], z2[c], e_lead[c] - e2[c, ..., :n])) for c in range(len(keys))]
-
     def protected(self, side, pieces, first):
         """The error of `__call__`'s replacement with its first `first` (<= LEAD_TOKENS) tokens kept in fp16."""
         if side == "v":
@@ -341,13 +332,11 @@ def _split(kls, direct):
 def _layer_errors(error, layer, k, v, candidates, ref_trips):
     """({(layer, side, tier): lazy attention error}, {same key: `AttentionError.protected`'s pieces}) of every
     candidate on both sides of one layer."""
-    trips = {side: [ref_trips[side] if name == REFERENCE_TIER else round_trip(name, x, layer, side)
-                    for name in candidates] for side, x in (("k", k), ("v", v))}
-    found = {"k": error.keys_replaced(trips["k"]), "v": [error("v", x2) for x2 in trips["v"]]}
     lazy, pieces = {}, {}
-    for side, results in found.items():
-        for name, (e, p) in zip(candidates, results):
-            lazy[(layer, side, name)], pieces[(layer, side, name)] = e, p
+    for side, x in (("k", k), ("v", v)):
+        for name in candidates:
+            x2 = ref_trips[side] if name == REFERENCE_TIER else round_trip(name, x, layer, side)
+            lazy[(layer, side, name)], pieces[(layer, side, name)] = error(side, x2)
     return lazy, pieces
 
 
