@@ -11,7 +11,8 @@ inputs, so they are not run again). The rows grow from 1 to n_layers / WALK_GROU
 KL(reference || row) over E's positions (`head.walk_kl`) is the measured damage of replacing the group,
 shared between its layers by each one's own change of the residual stream (squared, over E): a row
 started at that layer and run through it alone, then dropped. Adjacent layers' changes reach the output
-through nearly the same layers; two layers a row halve the row-layers of the walk (30 layers: 270, not 495).
+through nearly the same layers; two layers a row would halve the row-layers of the walk (30 layers: 270,
+not 495), but the schemas chosen from it were measured up to 39% worse (docs/calibration.md): the default is 1.
 The model's own forward of E (the greedy answer's) checks the walk.
 
 Running every candidate tier through the model would cost layers x sides x tiers forwards of E; instead
@@ -47,7 +48,7 @@ from .walk import SharedPrefixCache, shifted_exp
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
-WALK_GROUP = 2  # consecutive layers one row of the walk replaces together (1: a row per layer)
+WALK_GROUP = 1  # consecutive layers one row of the walk replaces together; 2 measured worse (calibration.md)
 LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
 HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
