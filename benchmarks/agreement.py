@@ -205,7 +205,10 @@ class Pair:
             mx.eval([c.state for c in ref])
         self.prefill_s = time.perf_counter() - t0
         self.dev = []  # (n_layers, n_read): deviation of the stored K/V from the fresh prefill's, per layer
+        self.b_kv = []  # per layer: the fresh prefill's (k, v) of B's composed tokens (boundary + read)
         for layer, c in enumerate(ref):
+            self.b_kv.append((c.keys[0, :, len(self.carts[0].tokens):len(base.tokens)],
+                              c.values[0, :, len(self.carts[0].tokens):len(base.tokens)]))
             fresh = (c.keys[0, :, self.first:len(base.tokens)].astype(mx.float32),
                      c.values[0, :, self.first:len(base.tokens)].astype(mx.float32))
             stored = blend.stored_kv(Part(self.carts[-1].prefixes[layer], self.shift, self.start), base._ropes[layer])
@@ -242,6 +245,19 @@ def top(scores, k):
     return blend.select(list(scores), k)
 
 
+def normed(d):
+    return d / d.mean()
+
+
+def gradual(pair, first, then, widen=3):
+    """The paper's gradual filtering (section 4.3), from the fresh prefill's deviations: `widen` x k candidates by
+    layer `first`'s deviation, the k of them deviating most at layer `then`."""
+    def choose(k):
+        cand = np.array(top(pair.dev[first], min(pair.n_read, widen * k)))
+        return sorted(cand[np.argsort(-pair.dev[then][cand], kind="stable")[:k]].tolist())
+    return choose
+
+
 def strategies(pair, rng_seed=0):
     n = pair.n_read
     out = {
@@ -257,18 +273,31 @@ def strategies(pair, rng_seed=0):
     for layer in (1, 4, 8, 16):
         if layer < len(pair.dev):
             out[f"layer{layer}"] = partial(top, pair.dev[layer])
+    out["layer4+8"] = lambda k: top(normed(pair.dev[4]) + normed(pair.dev[8]), k)
+    out["layer1+4"] = lambda k: top(normed(pair.dev[1]) + normed(pair.dev[4]), k)
+    out["gradual1-8"] = gradual(pair, 1, 8)
+    out["gradual4-12"] = gradual(pair, 4, 12)
+    out["gradual4-16"] = gradual(pair, 4, 16)
     return {k: v if isinstance(v, tuple) else ("deviation", v) for k, v in out.items()}
 
 
-def composed(pair, ratio, how):
+def composed(pair, ratio, how, fresh_below=0):
     """compose() of the pair at `ratio`; how = (selection, choose): its stored-token choice replaced by
-    `choose(k)` (None: compose's own, by `selection`)."""
+    `choose(k)` (None: compose's own, by `selection`). fresh_below=N: layers 0..N-1 of the questions' caches hold
+    the fresh prefill's K/V for every token of B (what a selection pass at layer N computes anyway)."""
     selection, choose = how
     class Chosen(ComposedCartridge):
         def _select(self, caches, cart, part, k):
             if choose is None or k in (0, len(cart.tokens) - part.start):
                 return super()._select(caches, cart, part, k)
             return choose(k)
+
+        def prompt_cache(self):
+            caches = super().prompt_cache()
+            for layer in range(fresh_below if self.blended else 0):  # not while composing
+                c = caches[layer]
+                caches[layer] = type(c)(c.parts[:1], [pair.b_kv[layer]], c.length, c.rope)
+            return caches
     t0 = time.perf_counter()
     comp = Chosen(pair.carts, 16, SEPARATOR, ratio, pair.select_layer, selection)
     return comp, time.perf_counter() - t0
@@ -316,11 +345,12 @@ def blend_main(args):
     for ratio in (float(r) for r in args.ratios.split(",")):
         for name in args.strategies.split(",") + (["oracle"] if args.oracle else []):
             boundary = ratio <= pair.n_fresh / (pair.n_fresh + pair.n_read)
-            key = "all" if ratio == 1.0 else ("boundary" if boundary else None)
+            base, _, below = name.partition("@fresh")  # NAME@freshN: layers < N fresh for all of B
+            key = "all" if ratio == 1.0 else ("boundary" if boundary and not below else None)
             if key and key in done:
                 row = dict(done[key], strategy=name)
             else:
-                comp, cs = composed(pair, ratio, table[name])
+                comp, cs = composed(pair, ratio, table[base], int(below or 0))
                 b = comp.blended[0]
                 at = np.array(b["positions"]) - pair.first
                 row = {"strategy": name, "ratio": ratio, "recomputed": b["fresh"] + b["selected"],

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
-from cartridge.attention.kernels import cuda, cuda_decode  # noqa: E402
+from cartridge.attention.kernels import cuda, cuda_decode, cuda_prefill  # noqa: E402
 
 FLOAT_INPUTS = {"sgk", "sgv", "cbk", "cbv", "cb", "snk", "work", "O", "M", "L"}
 TIERS = {"fp16": (cuda.FP16, 0), "bf16": (cuda.BF16, 0), "int8": (cuda.AFF8, 0), "int6": (cuda.AFF6, 0),
@@ -62,6 +62,10 @@ def variants():
                   ("NP", 32), ("SCALE", D ** -0.5))
         yield f"finish d{D}", "finish", finish
         for name, (tid, bits) in TIERS.items():
+            for T in (mx.float16, mx.bfloat16) if name == "int8" else (mx.float16,):
+                consts = (("T", T), ("TK", tid), ("BK", bits), ("TV", tid), ("BV", bits), ("HD", D), ("NKV", 8),
+                          ("PAGE", 256), ("WARPS", cuda_prefill.WARPS), ("SCALE", D ** -0.5))
+                yield f"prefill {name} d{D}{' bf16' if T == mx.bfloat16 else ''}", "prefill", consts
             if tid in cuda_decode.DECODED_TIERS:
                 consts = (("T", mx.float16), ("TIER", tid), ("BITS", bits), ("HD", D), ("NKV", 8), ("PAGE", 256),
                           ("WARPS", cuda_decode.WARPS))
@@ -73,6 +77,8 @@ def wrapper(kind, consts):
     n_chunks = dict(consts).get("NCH", 0) if kind == "finish" else 0
     if kind == "decode":
         name, inputs, outputs, body = cuda_decode.kernel_spec(consts, cuda.source_header()[1])
+    elif kind == "prefill":
+        name, inputs, outputs, body = cuda_prefill.kernel_spec(consts, cuda.source_header()[1])
     else:
         name, inputs, outputs, body = cuda.kernel_spec(kind, n_chunks, consts)
     T = cuda.CUDA_TYPES[dict(consts)["T"]]

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 
 from cartridge.attention.backends import cuda as cuda_backend
 from cartridge.attention.cache import CartridgeCache
-from cartridge.attention.kernels import contiguous, cuda
+from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import dequantize
 from cartridge.eval import bench
@@ -294,28 +294,33 @@ def profile():
     return []
 
 
-PREFILL_TIERS = ("mlx4g32", "mlx4g32+rot", "int8", "fp8", "kivi4", "nvfp4", "turbo4", "turbo3")
+PREFILL_TIERS = ("fp16", "mlx4g32", "mlx4g32+rot", "int8", "fp8", "kivi4", "nvfp4", "turbo4", "turbo3")
+# launch shapes of cuda_prefill's kernel swept for these tiers: (WARPS, TARGET_BLOCKS)
+PREFILL_SHAPES = {"fp16": ((4, 264), (8, 528), (8, 132)), "mlx4g32": ((4, 264), (8, 528), (8, 132)),
+                  "turbo3": ((4, 264),)}
 
 
-def _prefill_variants(prefix, L):
-    """(name, kernel, rows from which the call decodes the pages, CUDA_DECODE) of the question-prefill paths timed
-    for L query tokens."""
+def _prefill_variants(prefix, L, tier):
+    """(name, kernel, rows from which the call decodes the pages, CUDA_DECODE, cuda_prefill (WARPS, TARGET_BLOCKS)
+    or None) of the question-prefill paths timed for L query tokens."""
     fused = cuda.FusedAttention(prefix)
-    out = [("decoded-cuda", fused, 1, True)]
-    if L >= 256:
-        out += [("decoded-mlx", fused, 1, False),
-                ("dequantize-once", contiguous.ContiguousAttention(dequantize(prefix, mx.float16)), 1, True)]
-    else:
-        out.append(("kernel", fused, 1 << 30, True))
+    out = [("decoded-cuda", fused, 1, True, None), ("prefill", fused, 1 << 30, True, (cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS))]
+    out += [(f"prefill-w{w}-b{b}", fused, 1 << 30, True, (w, b)) for w, b in PREFILL_SHAPES.get(tier, ())]
+    out.append(("dequantize-once", contiguous.ContiguousAttention(dequantize(prefix, mx.float16)), 1, True, None))
+    if L < 256:
+        out.append(("kernel", fused, 1 << 30, True, None))
     return out
 
 
 def prefill():
-    """A question's attention (L tokens, causal) over the prefix: MLX's dense SDPA; the fused kernel (L < 256); the
-    pages decoded for the call by `cuda_decode` or by MLX ops, then MLX's SDPA; dequantize-once's contiguous
-    buffer. Each output's max abs error against the MLX-op decode (or the kernel)."""
-    rows, saved = [], (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE)
-    for n, tiers, lengths in ((131072, PREFILL_TIERS, (32, 64, 256)), (32768, PREFILL_TIERS[:3], (32, 256))):
+    """A question's attention (L tokens, causal) over the prefix: MLX's dense SDPA; `cuda_prefill`'s kernel (at
+    several launch shapes for a few tiers); the pages decoded for the call by `cuda_decode`, then MLX's SDPA;
+    dequantize-once's contiguous buffer; the decode kernel's row blocks (L < 256). Each output's max abs error
+    against the first (the decoded pages and MLX's SDPA)."""
+    rows = []
+    saved = (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE,
+             cuda_prefill.ENABLED, cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS, cuda_prefill.MIN_ROWS)
+    for n, lengths in ((131072, (32, 64, 256)), (32768, (32, 256))):
         k, v = bench.random_kv(N_KV, n, D, seed=n)
         for L in lengths:
             q = mx.random.normal((1, N_Q, L, D)).astype(mx.float16)
@@ -328,13 +333,15 @@ def prefill():
             rows.append({"tier": "dense", "context": n, "query_tokens": L, "variant": "sdpa", "us": us})
             print(json.dumps(rows[-1]), flush=True)
             del dk, dv
-            for tier in tiers:
+            for tier in PREFILL_TIERS:
                 prefix, _ = bench.tier_prefix(tier, k, v)
                 mx.eval(prefix.k_parts, prefix.v_parts)
                 ref = None
-                for name, kernel, min_rows, decode in _prefill_variants(prefix, L):
+                for name, kernel, min_rows, decode, shape in _prefill_variants(prefix, L, tier):
                     cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = \
                         {}, min_rows, min_rows, decode
+                    cuda_prefill.ENABLED, cuda_prefill.MIN_ROWS = shape is not None, 1
+                    cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS = shape or saved[5:7]
                     c = CartridgeCache(replace(prefix, kernel=kernel))
                     c.update_and_fetch(new, new)
                     row = {"tier": tier, "context": n, "query_tokens": L, "variant": name, "error": None}
@@ -350,10 +357,22 @@ def prefill():
                     print(json.dumps(row), flush=True)
                     del c
                     mx.clear_cache()
-                cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = saved
+                (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE,
+                 cuda_prefill.ENABLED, cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS, cuda_prefill.MIN_ROWS) = saved
                 del prefix
                 mx.clear_cache()
+    _prefill_table(rows)
     return rows
+
+
+def _prefill_table(rows):
+    """Print each (context, L, tier)'s variants as x MLX's dense SDPA."""
+    base = {(r["context"], r["query_tokens"]): r["us"] for r in rows if r["tier"] == "dense"}
+    print(f"{'context':>7} {'L':>4} {'tier':12} " + " ".join(f"{v:>16}" for v in ("variant: x sdpa",)))
+    for key in sorted({(r["context"], r["query_tokens"], r["tier"]) for r in rows if r["tier"] != "dense"}):
+        cells = [f"{r['variant']} {r['us'] / base[key[:2]]:.2f}" if r["us"] else f"{r['variant']} -"
+                 for r in rows if (r["context"], r["query_tokens"], r["tier"]) == key]
+        print(f"{key[0]:>7} {key[1]:>4} {key[2]:12} sdpa {base[key[:2]]:.0f} us | " + ", ".join(cells), flush=True)
 
 
 PARTS = {"floors": floors, "e2e": e2e, "sweep": sweep, "profile": profile, "prefill": prefill}

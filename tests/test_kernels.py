@@ -37,6 +37,9 @@ SHAPES = [
 # 1.05e-3 on an H200, benchmarks/results/h200-kernel-tests-protect.log)
 TOL = 1e-3
 TOL_FP16 = 2e-3
+# bf16 queries: the tail and the output are bf16 too, and rounding the output alone is up to 2^-9 of each value
+# (the prefill kernel: 2.34e-3 and 2.72e-3 on an H200, benchmarks/results/h200-s5-kernel-tests.log)
+TOL_BF16 = 5e-3
 
 
 def reference(q, k, v, tail_k, tail_v, scale, sinks=None):
@@ -294,7 +297,10 @@ def test_question_prefill_cuda_decode_matches_float64(tier, shape, monkeypatch):
     head_dim 64 was 1.07e-3 from float64 with float32 queries on an H200)."""
     from cartridge.attention.kernels import cuda
 
+    from cartridge.attention.kernels import cuda_prefill
+
     monkeypatch.setattr(cuda, "DECODED_MIN_ROWS", 1)  # every call takes the question-prefill path
+    monkeypatch.setattr(cuda_prefill, "ENABLED", False)  # and decodes the pages (not the prefill kernel)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 5))
     kernel = cuda.FusedAttention(prefix)
     fused = replace(prefix, kernel=kernel)
@@ -359,3 +365,124 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
     name, inputs, outputs, body = cuda_decode.kernel_spec(consts, digest)
     assert digest in name and "using T = __half;" in body and "constexpr int BITS = 3;" in body
     assert inputs == ["c0", "c1", "c2", "cb", "prm"] and outputs == ["out"] and "cart::decode_tiles<" in body
+
+
+PREFILL_TIERS = ["fp16", "bf16", "int8", "int6+rot", "mlx4g32", "mlx4g32+rot", "kivi4", "fp8", "mxfp4", "nvfp4+rot",
+                 "turbo2", "turbo3", "turbo4"]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier, shape, dtype", [
+    *((t, s, mx.float16) for t, s in itertools.product(PREFILL_TIERS, [(8, 2, 64, 1001, 64, 300, 37),
+                                                                      (32, 8, 128, 777, 128, 20, 5)])),
+    ("mlx4g32", (32, 8, 128, 5003, 256, 40, 40), mx.float16),  # 10 splits, 3 row blocks, the last partial
+    ("fp16", (32, 8, 128, 5003, 256, 40, 40), mx.bfloat16),
+    ("int8", (8, 2, 64, 1001, 64, 300, 37), mx.bfloat16),
+])
+def test_question_prefill_kernel_matches_float64(tier, shape, dtype, monkeypatch):
+    """A question's prefill by `cuda_prefill` (tensor cores over the stored tiles, 64-token tiles, the last one
+    partial; splits merged by the finish with the tail over one or two chunks): every query row against float64
+    over the same rounded inputs; the kernel, not another path, answers."""
+    from cartridge.attention.kernels import cuda, cuda_prefill
+
+    monkeypatch.setattr(cuda, "POISON", float("nan"))
+    monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
+    prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 6))
+    kernel = cuda.FusedAttention(prefix)
+    n_q, n_kv, D, _, _, _, L = shape
+    assert kernel._prefills(n_q // n_kv * L, dtype, D) and not kernel._prefills(n_q // n_kv * L, mx.float32, D)
+    calls = []
+    monkeypatch.setattr(cuda_prefill, "pass1", lambda *a, _f=cuda_prefill.pass1: calls.append(1) or _f(*a))
+    got = _run(replace(prefix, kernel=kernel), q, tk, tv, dtype)
+    assert calls == [1]
+    q16, tk16, tv16 = (np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, tk, tv))
+    _check(prefix, q16, tk16, tv16, got, f"prefill kernel {tier} {shape} {dtype}",
+           tol=TOL_FP16 if dtype == mx.float16 else TOL_BF16)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier, shape, first, last", [
+    ("turbo3", (9, 3, 64, 257, 256, 7, 7), 70, 0),  # protection past the first 64-token tile
+    ("nvfp4+rot", (32, 8, 128, 777, 128, 20, 5), 17, 3),
+    ("kivi4", (32, 8, 128, 777, 128, 20, 5), 2, 2),
+])
+def test_question_prefill_kernel_protected_tokens_match_float64(tier, shape, first, last, monkeypatch):
+    """Protected tokens (format 1.5) with the prefill kernel: it reads stored tokens first .. n - last - 1 only."""
+    from cartridge.attention.kernels import cuda, cuda_prefill
+
+    monkeypatch.setattr(cuda, "POISON", float("nan"))
+    monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
+    prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 7))
+    prefix = with_protected(prefix, first, last, shape[2])
+    got = _run(replace(prefix, kernel=cuda.FusedAttention(prefix)), q, tk, tv, mx.float16)
+    q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
+    want = protected_reference(prefix, q16, tk16, tv16)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.isfinite(got).all() and err < TOL_FP16, f"prefill kernel protected {tier}: relative error {err:.2e}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier", ["fp16", "mlx4g32+rot", "turbo4"])
+def test_question_prefill_kernel_sinks_match_float64(tier, monkeypatch):
+    from cartridge.attention.kernels import cuda, cuda_prefill
+
+    monkeypatch.setattr(cuda, "POISON", float("nan"))
+    monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
+    shape = (32, 8, 128, 777, 128, 20, 5)
+    prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 8))
+    sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3
+    got = _run(replace(prefix, kernel=cuda.FusedAttention(prefix)), q, tk, tv, mx.float16, sinks=sinks)
+    q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
+    _check(prefix, q16, tk16, tv16, got, f"prefill kernel {tier} sinks", sinks, tol=TOL_FP16)
+
+
+def test_question_prefill_kernel_splits_whole_tiles():
+    from cartridge.attention.kernels import cuda_prefill
+
+    # 256 query tokens x GQA 4 = 16 row blocks of 64 over 8 KV heads: 3 splits of 43,712 tokens (683 tiles)
+    assert cuda_prefill.split_tokens(131072, 8, 16, 264) == (43712, 3)
+    assert cuda_prefill.split_tokens(1000, 8, 1, 264) == (256, 4)  # at least 4 tiles a split
+    assert cuda_prefill.split_tokens(20, 1, 1, 264) == (64, 1)
+    # shared memory: two stages of 4 + 4 TcSide tiles, and a decoded tile per side not stored as fp16
+    assert cuda_prefill.smem_bytes((cuda_prefill.FP16, 0), (cuda_prefill.FP16, 0), 128) == 2 * 8 * 16 * 272
+    assert cuda_prefill.smem_bytes((cuda_prefill.AFF4, 0), (cuda_prefill.AFF4, 0), 128) == \
+        2 * 8 * (16 * 80 + 128 + 128) + 2 * 64 * 136 * 2
+
+
+@pytest.mark.parametrize("tier", ["fp16", "mlx4g32+rot", "turbo4", "nvfp4"])
+def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
+    """MLX 0.32 evaluates a lazy array on the stream of the thread that made it: the kernel's fixed inputs (made
+    when a cartridge loads) must hold their data, so a server's worker thread can launch it (a lazy `mx.zeros`
+    codebook raised 'There is no Stream(gpu, 0) in current thread' there on an H200)."""
+    import threading
+
+    from cartridge.attention.kernels import cuda
+
+    prefix, *_ = _case(tier, SHAPES[3], seed=1)
+    kernel = cuda.FusedAttention(prefix)
+    fixed = [*kernel.k_in[len(prefix.k_parts):], *kernel.v_in[len(prefix.v_parts):], kernel.cbk, kernel.cbv,
+             kernel.sgk, kernel.sgv, cuda._NO_SINKS]
+    errors = []
+
+    def attend():
+        try:
+            mx.eval([a + 0 for a in fixed])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    worker = threading.Thread(target=attend)
+    worker.start()
+    worker.join()
+    assert errors == []
+
+
+def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():
+    from cartridge.attention.kernels import cuda_prefill as cp
+
+    aff4, int8, turbo3, turbo4 = (cp.AFF4, 0, ()), (cp.AFF8, 0, ()), (cp.TURBO, 3, ()), (cp.TURBO, 4, ())
+    f16 = mx.float16
+    assert [cp.reads(int8, int8, 256, 128, f16, r) for r in (127, 128, 255, 256)] == [False, True, True, False]
+    assert [cp.reads(s, s, 256, 128, f16, 256) for s in (aff4, turbo3, turbo4)] == [True, True, False]
+    assert not cp.reads(aff4, aff4, 256, 128, f16, 256, rotated=True) and cp.reads(aff4, aff4, 256, 128, f16, 255, True)
+    assert not cp.reads(aff4, aff4, 256, 128, mx.float32, 128)  # float32 queries: the exact paths
+    assert not cp.reads(aff4, aff4, 8, 128, f16, 128) and not cp.reads(aff4, aff4, 256, 256, f16, 128)

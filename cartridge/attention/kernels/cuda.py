@@ -7,8 +7,9 @@ rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one
 the block of the last split also attends over the tail, as one more partial, and the last block of each
 KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
 block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the
-tensor-core variant `flash_pass1_mma`. The plain reference for all of them is
-`cartridge.attention.kernels.portable` (tests compare them against float64).
+tensor-core variant `flash_pass1_mma`. A question of many query rows per KV head takes `cuda_prefill`'s kernel
+as pass 1 (the rows in `cuda_prefill.reads`) or, from `DECODED_MIN_ROWS` rows, the pages decoded for MLX's SDPA.
+The plain reference for all of them is `cartridge.attention.kernels.portable` (tests compare them against float64).
 
 Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX
 builds and hashes the kernel source on every call. The source handed to MLX is therefore a few lines
@@ -31,10 +32,19 @@ import numpy as np
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO  # noqa: F401
 from ...tiers.layout import layout_of
 from ...tiers.rotation import sign_bits
-from . import cuda_decode, dense
+from . import cuda_decode, cuda_prefill, dense
 from .constants import constant_lines
 
-_NO_SINKS = mx.zeros((1,), dtype=mx.float32)  # the finish's `snk` input when the model has no sinks
+
+
+def _zeros(shape, dtype=np.float32):
+    """A zero array with its data (not a lazy `mx.zeros`): MLX 0.32 evaluates a lazy array on the stream of the
+    thread that made it, so one made at load and first evaluated on a server's worker thread raised 'There is no
+    Stream(gpu, 0) in current thread' (tests/test_generate_loop.py on an H200, mlx4g32+rot)."""
+    return mx.array(np.zeros(shape, dtype=dtype))
+
+
+_NO_SINKS = _zeros((1,))  # the finish's `snk` input when the model has no sinks
 TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no plain pass 1)
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # warps per pass-1 block
@@ -176,18 +186,6 @@ def _kernel(kind, n_chunks, consts, shared_memory=0):
                                header=source_header()[0], shared_memory=shared_memory)
 
 
-def _tc_side_bytes(tid, bits, D):
-    """Bytes of one side's 16-token tile in flash_pass1_tc (TcSide in flash_decode.cuh)."""
-    affine = tid in (AFF8, AFF6, AFF4, KIVI4)
-    b0 = (2 * D if tid in (FP16, BF16) else D if tid in (AFF8, MXFP8) else 3 * D // 4 if tid == AFF6
-          else D * bits // 8 if tid == TURBO else D // 2)
-    b1 = D // 16 if affine else {MXFP8: D // 32, MXFP4: D // 32, NVFP4: D // 16, TURBO: 2}.get(tid, 0)
-    b2 = D // 16 if affine else 0
-    rows = 32 if tid == KIVI4 else 16  # arrays 1 and 2: kivi4 copies its token group's 32 rows
-    rs = b0 if b0 % 16 or (b0 // 16) % 2 else b0 + 16  # TcSide::RS: an odd number of 16-byte units
-    return 16 * rs + (rows * b1 + 15) // 16 * 16 + (rows * b2 + 15) // 16 * 16
-
-
 def _lut_bytes(tid, bits):
     """Bytes of one side's shared-memory code-pair table (TcSide::LUT_BYTES): 0 for a tier without lookups."""
     if tid not in (MXFP4, NVFP4, TURBO):
@@ -200,7 +198,7 @@ def tc_smem_bytes(k_spec, v_spec, D, lreg=False, warps=None, stages=None):
     """Dynamic shared memory of flash_pass1_tc (tc_smem_bytes in flash_decode.cuh): the code-pair tables (unless
     `lreg`, lookups in registers), then the stages or the warps' outputs, whichever is larger."""
     warps, stages = warps or TC_WARPS, stages or TC_STAGES
-    tk, tv = _tc_side_bytes(k_spec[0], k_spec[1], D), _tc_side_bytes(v_spec[0], v_spec[1], D)
+    tk, tv = (cuda_prefill.tc_side_bytes(s[0], s[1], D) for s in (k_spec, v_spec))
     tables = 0 if lreg else _lut_bytes(k_spec[0], k_spec[1]) + _lut_bytes(v_spec[0], v_spec[1])
     return tables + max(warps * stages * (tk + tv), warps * 8 * D * 4)
 
@@ -256,7 +254,7 @@ def _side_inputs(spec, parts, params, rot=None):
     """Component arrays padded to three, codebook padded to 16 floats, and signs (n_kv, D) or a dummy: a
     TurboQuant side's, or a rotated side's (the rotation's signs, the same for every KV head)."""
     tid, _, names = spec
-    arrays = [parts[n] for n in names] + [mx.zeros((4,), dtype=mx.uint32)] * (3 - len(names))
+    arrays = [parts[n] for n in names] + [_zeros((4,), np.uint32)] * (3 - len(names))
     if rot is not None:
         n_kv, D = arrays[0].shape[1], rot["block"]
         signs = mx.array(np.tile(sign_bits(rot["seed"], D), (n_kv, 1)))  # (n_kv, D)
@@ -265,13 +263,13 @@ def _side_inputs(spec, parts, params, rot=None):
     if tid == NVFP4:  # cb[0]: the global factor global_scale / (448 * 6), times the 2^8 the kernel's fp16 scales lack
         cb = np.zeros(16, dtype=np.float32)
         cb[0] = params["global_scale"] / (448.0 * 6.0) * 256.0
-        return arrays, mx.array(cb), mx.zeros((1,), dtype=mx.float32)
+        return arrays, mx.array(cb), _zeros((1,))
     if tid == TURBO:
         cb = np.zeros(16, dtype=np.float32)
         cb[: len(params["codebook"])] = params["codebook"]
         signs = mx.array(np.asarray(params["signs"], dtype=np.float32))  # (n_kv, D)
         return arrays, mx.array(cb), signs
-    return arrays, mx.zeros((16,), dtype=mx.float32), mx.zeros((1,), dtype=mx.float32)
+    return arrays, _zeros((16,)), _zeros((1,))
 
 
 def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks=None, granule=None):
@@ -436,12 +434,32 @@ class FusedAttention:
             work = (n_splits + 1) * self.n_kv * R * (D + 2) + self.n_kv
             return _Plan(_kernel(kind + "+finish", 1, consts, smem), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
-        finish = [("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size),
-                  ("VROT", self.v_back), ("SINKS", sinks), ("NP", 0 if self.kept is None else self.kept[0].shape[1]),
-                  ("SCALE", float(scale))]
         consts = tuple(consts)
         return _Plan(_kernel(kind, 0, consts, smem), consts, inputs, grid, threads, False,
-                     _kernel("finish", n_chunks, tuple(finish)), R, per, n_splits, 0)
+                     self._finish_kernel(dtype, D, n_chunks, chunk_size, scale, sinks), R, per, n_splits, 0)
+
+    def _finish_kernel(self, dtype, D, n_chunks, chunk_size, scale, sinks):
+        """The two-kernel finish (`finish_row`) for this layer: tail chunks, rotated V, sinks, protected tokens."""
+        return _kernel("finish", n_chunks, (
+            ("T", dtype), ("HD", D), ("NKV", self.n_kv), ("NCH", n_chunks), ("CH", chunk_size), ("VROT", self.v_back),
+            ("SINKS", sinks), ("NP", 0 if self.kept is None else self.kept[0].shape[1]), ("SCALE", float(scale))))
+
+    def _finish(self, finish, partials, R, queries, prm, sinks, cache, n_chunks):
+        """Launch `finish` over pass 1's `partials` (O, M, L) of R query rows per KV head: the output."""
+        k_chunks, v_chunks = cache.tail_chunks
+        tails = [c for pair in zip(k_chunks[:n_chunks], v_chunks[:n_chunks]) for c in pair]
+        return finish(
+            inputs=[*partials, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
+                    *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, R),
+            threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+            init_value=POISON)[0]
+
+    def _prefills(self, R, dtype, D):
+        """True if `cuda_prefill` answers R query rows per KV head of `dtype` (both sides read there, the TurboQuant
+        codebooks symmetric, a GPU with tensor cores)."""
+        return (cuda_prefill.reads(self.k_spec, self.v_spec, self.page, D, dtype, R, self.k_rot or self.v_rot)
+                and self.table_ok
+                and has_tensor_cores())
 
     def __call__(self, cache, queries, scale, sinks=None):
         """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
@@ -460,12 +478,18 @@ class FusedAttention:
                 as one more logit per head. Default: None.
         """
         _, n_q, L, D = queries.shape
-        if n_q // self.n_kv * L >= self._dense_min_rows(queries.dtype, D):
-            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
+        R = n_q // self.n_kv * L
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
-        if not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS or (sinks is not None and not SINKS_FUSED):
+        fits = 1 <= n_chunks <= MAX_CHUNKS and D in HEAD_DIMS and (sinks is None or SINKS_FUSED)
+        if fits and self._prefills(R, queries.dtype, D):
+            *partials, prm = cuda_prefill.pass1(self, queries, scale, tail_len, source_header())
+            finish = self._finish_kernel(queries.dtype, D, n_chunks, chunk_size, scale, sinks is not None)
+            return self._finish(finish, partials, R, queries, prm, sinks, cache, n_chunks)
+        if R >= self._dense_min_rows(queries.dtype, D):
+            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
+        if not fits:
             return None
         single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
                   and tail_len <= chunk_size and not self.v_back and sinks is None and self.kept is None)
@@ -486,13 +510,8 @@ class FusedAttention:
                 grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
                 output_dtypes=[queries.dtype], init_value=POISON)[0]
         partial = [(plan.n_splits, self.n_kv, plan.R)]
-        O, M, Lsum = plan.kernel(
+        partials = plan.kernel(
             inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
             output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
             init_value=POISON)
-        tails = [c for pair in zip(k_chunks[:n_chunks], v_chunks[:n_chunks]) for c in pair]
-        return plan.finish(
-            inputs=[O, M, Lsum, queries, prm, self.sgv, _NO_SINKS if sinks is None else sinks.astype(mx.float32),
-                    *self._protected(queries.dtype), *tails], grid=(128, self.n_kv, plan.R),
-            threadgroup=(128, 1, 1), output_shapes=[queries.shape], output_dtypes=[queries.dtype],
-            init_value=POISON)[0]
+        return self._finish(plan.finish, partials, plan.R, queries, prm, sinks, cache, n_chunks)

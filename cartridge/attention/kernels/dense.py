@@ -61,7 +61,7 @@ def _sequence(prefix, side, dtype, tail, n, decode=None):
     return x[:, :, :n], basis
 
 
-def _per_kv_head(fn, x, n_kv):
+def per_kv_head(fn, x, n_kv):
     """fn over (1, n_q, L, D) queries or outputs grouped by KV head as (n_kv, group x L, D)."""
     _, n_q, L, D = x.shape
     # (1, n_q, L, D) -> (n_kv, n_q / n_kv * L, D): q head h belongs to KV head h // group
@@ -97,6 +97,6 @@ def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa, d
     k, k_basis = _sequence(prefix, "k", dt, tk, n, decode)
     v, v_basis = _sequence(prefix, "v", dt, tv, n, decode)
     if k_basis is not None:
-        queries = _per_kv_head(k_basis.rotate, queries, n_kv).astype(dt)
+        queries = per_kv_head(k_basis.rotate, queries, n_kv).astype(dt)
     out = attend(queries, k, v, scale, sinks)
-    return out if v_basis is None else _per_kv_head(v_basis.unrotate, out, n_kv).astype(dt)
+    return out if v_basis is None else per_kv_head(v_basis.unrotate, out, n_kv).astype(dt)

@@ -1492,3 +1492,240 @@ __device__ void decode_tiles(const void* c0, const void* c1, const void* c2, con
   }
 }
 }  // namespace cart
+
+namespace cart {
+// ---- A question's prefill on the stored pages (`kernels/cuda_prefill.py`, issue 34 item 3) ----
+// FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning")
+// over compressed tiles. A block holds BR = 16 WARPS query rows of one KV head (the GQA group's rows stacked:
+// R = group x question tokens) and streams one split of the prefix in tiles of PF_TOK tokens: the block copies a
+// tile as stored (four 16-token TcSide tiles per side, cp.async, two stages), decodes it once into fp16 K and V
+// rows in shared memory (`tile_deq4`, the token factors folded in; fp16 pages are read in place: a TcSide tile of
+// fp16 already is rows of D + 8 halves), and each warp computes its 16 rows' scores (mma.m16n8k16: rows as M,
+// head_dim as K, tokens as N; K fragments by ldmatrix), an online softmax in registers, and O += P V (the score
+// accumulators become P, the A operand; V fragments by ldmatrix.trans). Each warp writes its own rows' partials to
+// O, M, L (splits, NKV, R[, D]) as flash_pass1_tc does (M in natural-log units), and `finish_row` merges the
+// splits, the dense tail and protected tokens. Queries of a rotated K (+rot, TurboQuant) arrive rotated (the host
+// rotates them); every query row sees every prefix token, so the only mask is the stored range first .. n - 1.
+constexpr int PF_TOK = 64;  // tokens per tile
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+template <int TK, int BK, int TV, int BV, int D>
+struct PfLayout {
+  using SK = TcSide<TK, BK, D>;
+  using SV = TcSide<TV, BV, D>;
+  static constexpr bool KD = TK == FP16, VD = TV == FP16;  // read in place, not decoded
+  static constexpr int ROW = (D + 8) * 2;  // bytes of a decoded row (conflict-free ldmatrix: 16 mod 128)
+  static constexpr int STAGE = 4 * (SK::BYTES + SV::BYTES);
+  static constexpr int DEC = PF_TOK * ROW;  // one decoded side
+  static constexpr int BYTES = 2 * STAGE + (KD ? 0 : DEC) + (VD ? 0 : DEC);
+  static_assert(!KD || SK::RS == ROW, "an fp16 TcSide row is a decoded row");
+};
+
+// One side's tile (stage `st`, four TcSide tiles) decoded into rows of D + 8 halves at `dec`, times each token's
+// factor (TurboQuant: its norm) and `gf` (nvfp4's global factor).
+template <int TIER, int BITS, int D>
+__device__ __forceinline__ void pf_decode(const unsigned char* st, unsigned char* dec, const uint4& tab,
+                                          const float* cb, float gf) {
+  using S = TcSide<TIER, BITS, D>;
+  constexpr int ROW = (D + 8) * 2;
+  for (int i = threadIdx.x; i < PF_TOK * D / 4; i += blockDim.x) {
+    const int r = i / (D / 4), d0 = 4 * (i % (D / 4));
+    const char* tile = reinterpret_cast<const char*>(st) + (r / 16) * S::BYTES;
+    uint32_t x01, x23;
+    tile_deq4<TIER, BITS, D, true>(tile, r % 16, d0, tab, nullptr, x01, x23);
+    if constexpr (TIER == TURBO || TIER == NVFP4) {
+      const float f = tc_token_factor<TIER, BITS, D>(tile, r % 16, cb) * gf;
+      const float2 a = __half22float2(bits_h2(x01)), b = __half22float2(bits_h2(x23));
+      x01 = h2_bits(__floats2half2_rn(a.x * f, a.y * f));
+      x23 = h2_bits(__floats2half2_rn(b.x * f, b.y * f));
+    }
+    *reinterpret_cast<uint2*>(dec + r * ROW + 2 * d0) = uint2{x01, x23};
+  }
+}
+
+template <typename T, int TK, int BK, int TV, int BV, int D, int NKV, int P, int WARPS>
+__device__ void prefill_tc(const T* q, float scale, const void* k0, const void* k1, const void* k2, const void* v0,
+                           const void* v1, const void* v2, const float* cbk, const float* cbv, const int32_t* prm,
+                           float* O, float* M, float* L) {
+  using Lay = PfLayout<TK, BK, TV, BV, D>;
+  using SK = typename Lay::SK;
+  using SV = typename Lay::SV;
+  constexpr int NK = D / 16, NO = D / 8, ROW = Lay::ROW;  // k-steps of the scores; n-blocks of the output
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  const int n_tokens = prm[0], R = prm[1], per_split = prm[2], first = prm[7];
+  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tig = lane & 3;
+  const int row0 = blockIdx.z * 16 * WARPS + warp * 16;  // this warp's rows row0 + g, row0 + g + 8
+
+  extern __shared__ __align__(16) unsigned char dsm[];
+  {
+    uint32_t have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (uint32_t)Lay::BYTES) __trap();
+  }
+  unsigned char* kdec = dsm + 2 * Lay::STAGE;
+  unsigned char* vdec = kdec + (Lay::KD ? 0 : Lay::DEC);
+  const int t0 = prm[6] + blockIdx.x * per_split, t1 = min(t0 + per_split, n_tokens);
+  const int n_tiles = (t1 - t0 + PF_TOK - 1) / PF_TOK;
+  const char* const kc[3] = {static_cast<const char*>(k0), static_cast<const char*>(k1), static_cast<const char*>(k2)};
+  const char* const vc[3] = {static_cast<const char*>(v0), static_cast<const char*>(v1), static_cast<const char*>(v2)};
+
+  auto load_tile = [&](int tile, int buf) {  // 8 TcSide tiles (K 0-3, V 0-3), one warp each
+    const uint32_t st = (uint32_t)__cvta_generic_to_shared(dsm + buf * Lay::STAGE);
+    for (int s = warp; s < 8; s += WARPS) {
+      const int tb = t0 + PF_TOK * tile + 16 * (s % 4);
+      const bool in = tb < t1;  // past the split: zeros (a token at a valid address, none of its bytes copied)
+      const size_t tok = in ? ((size_t)(tb / P) * NKV + h) * P + tb % P : (size_t)h * P;
+      const unsigned lim = in ? t1 - tb : 0u;
+      if (s < 4) tc_copy_side<SK>(st + (s % 4) * SK::BYTES, kc, tok, in ? tb : 0, lim, lane);
+      else tc_copy_side<SV>(st + 4 * SK::BYTES + (s % 4) * SV::BYTES, vc, tok, in ? tb : 0, lim, lane);
+    }
+  };
+  if (n_tiles > 0) load_tile(0, 0);
+  cp_async_commit();
+
+  // A of the scores: rows g, g + 8 of this warp, head_dim 16 j + 2 tig (+1) and + 8, each row times a power of two
+  // that puts its largest element near 2^15 (exact for fp16 and bf16 queries)
+  uint32_t qa[NK][4];
+  float qinv[2];
+  {
+    float qf[2][NK][4];
+    float mx[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = row0 + g + 8 * i;
+      const T* qr = q + ((size_t)h * R + (row < R ? row : 0)) * D;
+#pragma unroll
+      for (int j = 0; j < NK; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float v = row < R ? (float)qr[16 * j + 2 * tig + (c & 1) + 8 * (c >> 1)] : 0.f;
+          qf[i][j][c] = v;
+          mx[i] = fmaxf(mx[i], fabsf(v));
+        }
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
+    }
+    float s[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      s[i] = mx[i] > 0.f ? exp2f(floorf(log2f(32768.f / mx[i]))) : 1.f;
+      qinv[i] = scale * LOG2E / s[i];
+    }
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+      qa[j][0] = h2_bits(__floats2half2_rn(qf[0][j][0] * s[0], qf[0][j][1] * s[0]));
+      qa[j][1] = h2_bits(__floats2half2_rn(qf[1][j][0] * s[1], qf[1][j][1] * s[1]));
+      qa[j][2] = h2_bits(__floats2half2_rn(qf[0][j][2] * s[0], qf[0][j][3] * s[0]));
+      qa[j][3] = h2_bits(__floats2half2_rn(qf[1][j][2] * s[1], qf[1][j][3] * s[1]));
+    }
+  }
+  const float kg = TK == NVFP4 ? cbk[0] : 1.f, vg = TV == NVFP4 ? cbv[0] : 1.f;
+  const uint4 tabk = tc_table<TK, BK>(cbk), tabv = tc_table<TV, BV>(cbv);
+
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float o[NO][4] = {};  // this warp's rows' output, unnormalized
+  // ldmatrix rows of this lane: K (non-transposed) token l % 8 of an n-block, head_dim 8 (l / 8) of 32; V
+  // (transposed) token l % 8 + 8 ((l / 8) % 2) of a 16-token k-step, head_dim 8 (l / 16) of 16
+  const int k_off = (lane % 8) * ROW + 16 * (lane / 8);
+  const int v_off = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW + 16 * (lane / 16);
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int buf = tile & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // this tile is in shared memory for every warp; every warp is done with the last one
+    if (tile + 1 < n_tiles) load_tile(tile + 1, buf ^ 1);
+    cp_async_commit();
+    const unsigned char* st = dsm + buf * Lay::STAGE;
+    if constexpr (!Lay::KD) pf_decode<TK, BK, D>(st, kdec, tabk, cbk, kg);
+    if constexpr (!Lay::VD) pf_decode<TV, BV, D>(st + 4 * SK::BYTES, vdec, tabv, cbv, vg);
+    if constexpr (!Lay::KD || !Lay::VD) __syncthreads();
+    const uint32_t kb = (uint32_t)__cvta_generic_to_shared(Lay::KD ? st : kdec) + k_off;
+    const uint32_t vb = (uint32_t)__cvta_generic_to_shared(Lay::VD ? st + 4 * SK::BYTES : vdec) + v_off;
+    const int tb = t0 + PF_TOK * tile;
+
+    float s[PF_TOK / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < PF_TOK / 8; ++nb) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[nb][c] = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < NK / 2; ++jj) {
+        uint32_t b[4];
+        ldsm_x4(b, kb + nb * 8 * ROW + jj * 64);
+        mma16816(s[nb], qa[2 * jj], b[0], b[1]);
+        mma16816(s[nb], qa[2 * jj + 1], b[2], b[3]);
+      }
+    }
+    float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nb = 0; nb < PF_TOK / 8; ++nb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int t = tb + 8 * nb + 2 * tig + (c & 1);
+        s[nb][c] = t < t1 && t >= first ? s[nb][c] * qinv[c >> 1] : NEG_INF;
+        mt[c >> 1] = fmaxf(mt[c >> 1], s[nb][c]);
+      }
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) mt[i] = fmaxf(mt[i], __shfl_xor_sync(0xffffffffu, mt[i], off));
+      const float mn = fmaxf(m[i], mt[i]);
+      base[i] = mn == NEG_INF ? 0.f : mn;  // a row with no token yet: every p is 0
+      const float alpha = exp2_ftz(m[i] - base[i]);
+      m[i] = mn;
+      l[i] *= alpha;
+#pragma unroll
+      for (int b = 0; b < NO; ++b) {
+        o[b][2 * i] *= alpha;
+        o[b][2 * i + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < PF_TOK / 16; ++kk) {
+      float p[2][4];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          p[u][c] = exp2_ftz(s[2 * kk + u][c] - base[c >> 1]);
+          l[c >> 1] += p[u][c];
+        }
+      const uint32_t a[4] = {h2_bits(__floats2half2_rn(p[0][0], p[0][1])), h2_bits(__floats2half2_rn(p[0][2], p[0][3])),
+                             h2_bits(__floats2half2_rn(p[1][0], p[1][1])), h2_bits(__floats2half2_rn(p[1][2], p[1][3]))};
+#pragma unroll
+      for (int nd = 0; nd < NO / 2; ++nd) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, vb + kk * 16 * ROW + nd * 32);
+        mma16816(o[2 * nd], a, b[0], b[1]);
+        mma16816(o[2 * nd + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], off);
+    const int row = row0 + g + 8 * i;
+    if (row >= R) continue;
+    const size_t base_row = ((size_t)blockIdx.x * NKV + h) * R + row;
+#pragma unroll
+    for (int b = 0; b < NO; ++b)
+      *reinterpret_cast<float2*>(O + base_row * D + 8 * b + 2 * tig) = make_float2(o[b][2 * i], o[b][2 * i + 1]);
+    if (tig == 0) {
+      M[base_row] = m[i] * LN2;
+      L[base_row] = l[i];
+    }
+  }
+}
+}  // namespace cart
