@@ -83,6 +83,22 @@ def tiny_dir(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def built(tiny_dir, tmp_path_factory):
+    """The CLI tests' cartridge (tests/test_cli.py's DOC x 3, page 16), built once by a real `cartridge build`
+    process for every CLI test module: (its path, the build's CompletedProcess). The tests only read it."""
+    from clirun import run_process
+    from test_cli import DOC
+
+    folder = tmp_path_factory.mktemp("cli")
+    corpus = folder / "doc.txt"
+    corpus.write_text(DOC * 3)
+    out = folder / "doc.cart"
+    r = run_process("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")
+    assert r.returncode == 0, r.stderr.decode()
+    return out, r
+
+
+@pytest.fixture(scope="session")
 def real_model():
     """The default model, loaded once for the slow tests."""
     return cartridge.load_model()
@@ -91,6 +107,15 @@ def real_model():
 def sample_questions(n=None):
     rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     return rows[:n] if n else rows
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection
+def pytest_collection_modifyitems(items):
+    """Mark `slow` the tests a module names in SLOW_IDS ("test_x[portable-0-1000]"): combinations of a
+    fixture's params and a test's, which no parametrize mark can mark alone."""
+    for item in items:
+        if item.name in getattr(getattr(item, "module", None), "SLOW_IDS", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser):

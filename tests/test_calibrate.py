@@ -1,13 +1,13 @@
 """Schemas chosen by measurement at build (`cartridge.calibrate`, spec/FORMAT.md 4.7, issue 33)."""
 
 import pytest
+from conftest import make_tiny
 
 import cartridge
 from cartridge.calibrate import BUDGETS, Budget, parse_ratio, search
 from cartridge.errors import InputError
 from cartridge.format import keys as K
 from cartridge.tiers import TIERS
-from conftest import make_tiny
 
 DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. Descale it monthly "
        "with white vinegar; never immerse the base in water. The filter is dishwasher safe. ") * 3
@@ -153,26 +153,30 @@ def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
     assert heavy_hitters(mx.full((t,), 1 / t)) == (0, 0.0)
 
 
-def test_the_batched_walk_measures_what_one_forward_per_replaced_layer_measures(tiny64):
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers_measures(tiny64, group, monkeypatch):
     from cartridge.build import prefill
     from cartridge.calibrate import measure
     from cartridge.models.prompt import prefix_tokens, prompt_mode
 
+    monkeypatch.setattr(measure, "WALK_GROUP", group)
     mode = prompt_mode(tiny64.tokenizer)
     tokens = prefix_tokens(tiny64.tokenizer, DOC, mode)
     caches = prefill(tiny64.model, tokens)
     sens = measure.measure(tiny64.model, tiny64.tokenizer, mode, caches, tokens)
     probe = sens.probe
     assert sens.eval_tokens == probe.ids.shape[1] == probe.logprobs.shape[0]
-    for j in range(len(caches)):
-        k, v = probe.kv[j]
+    for first in range(0, len(caches), group):
+        layers = range(first, min(first + group, len(caches)))
         kv = list(probe.kv)
-        kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in ((k, "k"), (v, "v")))
+        for j in layers:
+            kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in zip(kv[j], "kv"))
         one = measure.kl_mean(probe.logprobs, measure.run_from(tiny64.model, 0, probe.embedded, kv))
-        assert sens.measured[j] == pytest.approx(one, rel=1e-2)  # float32 sums of a batch of 3 rows vs 1
-        share = sum(sens.kl[(j, s, measure.REFERENCE_TIER)] for s in "kv")  # the layer's KL, split between K and V
-        assert share == pytest.approx(sens.measured[j], rel=1e-6, abs=1e-9)
-    assert sens.measured[0] > 0
+        # float32 sums of a batch of rows vs 1; the walk's LM head takes 1,024 columns of 49,152 per position (head.py)
+        assert sum(sens.measured[j] for j in layers) == pytest.approx(one, rel=1e-2)
+        for j in layers:
+            share = sum(sens.kl[(j, s, measure.REFERENCE_TIER)] for s in "kv")  # the layer's KL, split in K and V
+            assert share == pytest.approx(sens.measured[j], rel=1e-6, abs=1e-9) and sens.measured[j] > 0
 
 
 FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built instead)
@@ -187,9 +191,10 @@ FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built
 def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenizer, tmp_path):
     import warnings
 
+    from family_models import make_model
+
     from cartridge.calibrate import CalibrationFallbackWarning
     from cartridge.tiers import presets
-    from family_models import make_model
 
     lm = make_model(family, smol_tokenizer)
     with warnings.catch_warnings(record=True) as seen:
@@ -211,8 +216,9 @@ def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenize
 
 
 def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before_the_prefill(smol_tokenizer, tmp_path):
-    from cartridge.errors import CalibrationUnsupportedError
     from family_models import make_model
+
+    from cartridge.errors import CalibrationUnsupportedError
 
     lm = make_model("qwen3_next", smol_tokenizer)
     with pytest.raises(CalibrationUnsupportedError, match="ArraysCache caches; build with --preset, a tier or --schema"):
@@ -239,7 +245,8 @@ def test_the_protected_attention_error_equals_the_error_with_the_leading_tokens_
     assert error(side, ref)[0].item() == pytest.approx(0.0, abs=1e-10) and err.item() > 1e-4
 
 
-def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
+@pytest.mark.parametrize("replaced_rows", [1, 2])
+def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens(replaced_rows):
     import mlx.core as mx
 
     from cartridge.calibrate.walk import SharedPrefixCache
@@ -248,12 +255,12 @@ def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens():
     rows, n_kv, g, s, e, d = 3, 2, 3, 37, 9, 16  # GQA 3, odd prefix and own lengths
     k, v, k2, v2 = (mx.random.normal((1, n_kv, s, d)) for _ in range(4))
     q, own_k, own_v = mx.random.normal((rows, n_kv * g, e, d)), *(mx.random.normal((rows, n_kv, e, d)) for _ in range(2))
-    cache = SharedPrefixCache(k, v, k2, v2)
+    cache = SharedPrefixCache(k, v, k2, v2, replaced_rows)
     keys, values = cache.update_and_fetch(own_k, own_v)
     got = cache.attention(q, keys, values, d ** -0.5, "causal")
     assert cache.offset == s + e and got.shape == (rows, n_kv * g, e, d)
     for r in range(rows):
-        pk, pv = (k2, v2) if r == rows - 1 else (k, v)
+        pk, pv = (k2, v2) if r >= rows - replaced_rows else (k, v)
         want = mx.fast.scaled_dot_product_attention(q[r:r + 1], mx.concatenate([pk, own_k[r:r + 1]], axis=2),
                                                     mx.concatenate([pv, own_v[r:r + 1]], axis=2),
                                                     scale=d ** -0.5, mask="causal")
@@ -291,7 +298,12 @@ def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_p
 def test_the_evaluation_sequence_asks_every_probe_as_a_follow_up_turn(tiny64, monkeypatch):
     from cartridge.build import prefill
     from cartridge.calibrate import sequence
-    from cartridge.models.prompt import followup_tokens, prefix_tokens, prompt_mode, question_tokens
+    from cartridge.models.prompt import (
+        followup_tokens,
+        prefix_tokens,
+        prompt_mode,
+        question_tokens,
+    )
 
     tok, mode = tiny64.tokenizer, prompt_mode(tiny64.tokenizer)
     tokens = prefix_tokens(tok, DOC, mode)
@@ -334,14 +346,32 @@ def test_kl_rows_is_the_mean_kl_of_each_row_against_the_reference():
     import mlx.core as mx
     import numpy as np
 
-    from cartridge.calibrate import measure
+    from cartridge.calibrate import head
 
     mx.random.seed(8)
     ref_logits, logits = 3 * mx.random.normal((4, 50)), 3 * mx.random.normal((3, 4, 50))
-    ref = measure.log_softmax(ref_logits)
+    ref = head.log_softmax(ref_logits)
     r, q = np.asarray(ref_logits, dtype=np.float64), np.asarray(logits, dtype=np.float64)
     r, q = (x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (r, q))
     want = (np.exp(r) * (r - q)).sum(-1).mean(-1)  # (3,)
     assert np.allclose(np.asarray(ref), r, atol=1e-5)
-    assert np.allclose(np.asarray(measure.kl_rows(ref, logits)), want, rtol=1e-4)
-    assert measure.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)
+    assert np.allclose(np.asarray(head.kl_rows(ref, logits)), want, rtol=1e-4)
+    assert head.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_walks_lm_head_kl_from_the_top_tokens_and_tail_samples_is_the_full_logits_kl(tiny64):
+    import mlx.core as mx
+    import numpy as np
+
+    from cartridge.calibrate import head
+
+    mx.random.seed(3)
+    h0 = 4 * mx.random.normal((1, 12, 64))
+    h = mx.concatenate([h0, h0 + 0.3 * mx.random.normal((3, 12, 64)) * mx.array([0.1, 1.0, 3.0])[:, None, None]])
+    ref, full = head.walk_kl(tiny64.model, h, 2, head_tokens=10**9)  # every row's full logits
+    ref2, approx = head.walk_kl(tiny64.model, h, 2)  # HEAD_TOKENS and TAIL_SAMPLES of a 49,152 vocabulary
+    assert np.array_equal(np.asarray(ref), np.asarray(ref2)) and ref.shape == (12, tiny64.model.args.vocab_size)
+    assert full[0] < full[1] < full[2] and full[0] > 1e-6
+    assert np.allclose(approx, full, rtol=0.03), (approx, full)  # 1-2.4% on this flat distribution
+    _, no_tail = head.walk_kl(tiny64.model, h, 2, tail_samples=0)
+    assert all(t < a for t, a in zip(no_tail, approx))  # the tail's second-order term, left out, is >= 0

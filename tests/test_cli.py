@@ -2,35 +2,20 @@
 
 import hashlib
 import json
-import subprocess
 import sys
 
 import pytest
+from clirun import run_process
+from clirun import run_inprocess as run  # the other modules' `run` too (tests/clirun.py says which stay real)
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
-
-
-def run(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", *map(str, args)], input=stdin,
-                          capture_output=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def built(tiny_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli")
-    corpus = folder / "doc.txt"
-    corpus.write_text(DOC * 3)
-    out = folder / "doc.cart"
-    r = run("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")
-    assert r.returncode == 0, r.stderr.decode()
-    return out, r
 
 
 def test_build_summary_and_inspect_json(built, tiny_dir):
     out, r = built
     assert r.stdout.decode().startswith(f"built {out}: ")
     assert "tokens/s prefill" in r.stdout.decode()
-    info = json.loads(run("inspect", out, "--json").stdout)
+    info = json.loads(run_process("inspect", out, "--json").stdout)
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
@@ -95,8 +80,7 @@ def test_inspect_takes_a_cartz(built, tmp_path, monkeypatch):
     out, _ = built
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert run("pack", out, "-o", tmp_path / "d.cartz").returncode == 0
-    r = subprocess.run([sys.executable, "-m", "cartridge.cli.main", "inspect", str(tmp_path / "d.cartz"), "--json"],
-                       capture_output=True, timeout=300)
+    r = run_process("inspect", tmp_path / "d.cartz", "--json")
     assert r.returncode == 0, r.stderr.decode()
     d = json.loads(r.stdout)
     assert d["total_bytes"] == (tmp_path / "d.cartz").stat().st_size
@@ -117,7 +101,7 @@ def test_build_warns_when_little_context_is_left(tiny_dir, tmp_path):
 
 def test_ask_streams_answer_and_reports_timing(built):
     out, _ = built
-    r = run("ask", out, "How much is the rent?", "--max-tokens", "5")
+    r = run_process("ask", out, "How much is the rent?", "--max-tokens", "5")
     assert r.returncode == 0, r.stderr.decode()
     err = r.stderr.decode()
     assert "TTFT" in err and "load" in err and "tokens/s" in err
@@ -126,6 +110,9 @@ def test_ask_streams_answer_and_reports_timing(built):
 def test_build_from_stdin(tiny_dir, tmp_path):
     r = run("build", "-", "-o", tmp_path / "s.cart", "--model", tiny_dir, stdin=DOC.encode())
     assert r.returncode == 0, r.stderr.decode()
+
+
+REAL_PROCESS_CASES = ("not utf-8", "not a cartridge", "question past context")  # build, inspect, ask
 
 
 @pytest.mark.parametrize("case, expect", [
@@ -150,49 +137,50 @@ def test_build_from_stdin(tiny_dir, tmp_path):
 ])
 def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
     out, _ = built
+    cmd = run_process if case in REAL_PROCESS_CASES else run  # one real process per command
     corpus = tmp_path / "c.txt"
     corpus.write_text(DOC)
     target = tmp_path / "new.cart"
     before = sorted(p.name for p in tmp_path.iterdir())
     if case == "missing corpus":
-        r = run("build", tmp_path / "nope.txt", "-o", target, "--model", tiny_dir)
+        r = cmd("build", tmp_path / "nope.txt", "-o", target, "--model", tiny_dir)
     elif case == "empty corpus":
         corpus.write_text(" \n")
-        r = run("build", corpus, "-o", target, "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir)
     elif case == "not utf-8":
         corpus.write_bytes(b"abcd\xff\xfe")
-        r = run("build", corpus, "-o", target, "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir)
     elif case == "too long":
         corpus.write_text(DOC * 40)
-        r = run("build", corpus, "-o", target, "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir)
     elif case == "unknown tier":
-        r = run("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int3")
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int3")
     elif case == "output exists":
-        r = run("build", corpus, "-o", out, "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", out, "--model", tiny_dir)
     elif case == "not a cartridge":
-        r = run("inspect", corpus)
+        r = cmd("inspect", corpus)
     elif case == "missing model":
-        r = run("build", corpus, "-o", target, "--model", tmp_path / "no-model")
+        r = cmd("build", corpus, "-o", target, "--model", tmp_path / "no-model")
     elif case == "empty question":
-        r = run("ask", out, "  ")
+        r = cmd("ask", out, "  ")
     elif case == "missing folder":
-        r = run("build", corpus, "-o", tmp_path / "no-folder" / "x.cart", "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", tmp_path / "no-folder" / "x.cart", "--model", tiny_dir)
     elif case == "file as folder":
-        r = run("build", corpus, "-o", corpus / "x.cart", "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", corpus / "x.cart", "--model", tiny_dir)
     elif case == "empty output":
-        r = run("build", corpus, "-o", "", "--model", tiny_dir)
+        r = cmd("build", corpus, "-o", "", "--model", tiny_dir)
     elif case == "file at output":
-        r = run("build", corpus, "-o", corpus, "--model", tiny_dir, "--force")
+        r = cmd("build", corpus, "-o", corpus, "--model", tiny_dir, "--force")
     elif case == "empty model":
-        r = run("ask", out, "Who?", "--model", "")
+        r = cmd("ask", out, "Who?", "--model", "")
     elif case == "empty v tier":
-        r = run("build", corpus, "-o", target, "--model", tiny_dir, "--v-tier", "")
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--v-tier", "")
     elif case == "schema and tier":
-        r = run("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int8", "--schema", corpus)
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int8", "--schema", corpus)
     elif case == "question past context":
-        r = run("ask", out, "Who may terminate the lease? " * 100)
+        r = cmd("ask", out, "Who may terminate the lease? " * 100)
     elif case == "max tokens past context":
-        r = run("ask", out, "Who?", "--max-tokens", 10_000_000)
+        r = cmd("ask", out, "Who?", "--max-tokens", 10_000_000)
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode != 0
     assert len(err) == 1, err

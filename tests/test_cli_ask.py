@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from test_cli import built, run  # noqa: F401  (the built fixture: a tiny-model cartridge)
+from test_cli import run
 
 
 def test_ask_reads_the_question_from_stdin(built):

@@ -14,7 +14,6 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import numpy as np
 import pytest
-from test_cli import built  # noqa: F401  (the built fixture: a tiny-model cartridge)
 from test_cli_interrupt import start, wait_for
 
 from cartridge.cli.chat import _turn
@@ -129,10 +128,11 @@ def test_ctrl_c_at_the_prompt_after_an_answer_leaves_and_ctrl_d_after_it_is_harm
 
 
 def test_piped_chat_echoes_each_question(built):
+    from clirun import run_process
     from test_cli import run
 
     out, _ = built
-    r = run("chat", out, "--max-tokens", "4", stdin=f"{Q1}\n\n{Q2}\n".encode())
+    r = run_process("chat", out, "--max-tokens", "4", stdin=f"{Q1}\n\n{Q2}\n".encode())
     assert r.returncode == 0, r.stderr.decode()
     lines = r.stdout.decode().splitlines()
     assert len(lines) == 4 and lines[0] == f"> {Q1}" and lines[2] == f"> {Q2}"

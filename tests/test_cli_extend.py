@@ -1,19 +1,16 @@
 """The command line of issue 20: `extend` in place and to -o, `ask --save-as`, asking the saved
 conversation, and one clear line for bad input."""
 
-import subprocess
-import sys
-
 import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
+from clirun import run_inprocess, run_process
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 MORE = "Pets are allowed with a deposit of 200 euros.\n"
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    return run_inprocess(*args, text=True)
 
 
 def test_extend_then_ask_save_as_then_resume(tiny_dir, tmp_path):
@@ -21,7 +18,7 @@ def test_extend_then_ask_save_as_then_resume(tiny_dir, tmp_path):
     cartridge.build(DOC, cart, model=str(tiny_dir), page_size=16)
     n_old = len(cartridge.open_cartridge(cart)[0].tokens)
     (tmp_path / "more.txt").write_text(MORE)
-    r = run("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext.cart")
+    r = run_process("extend", cart, tmp_path / "more.txt", "-o", tmp_path / "ext.cart", text=True)  # as a process
     assert r.returncode == 0, r.stderr
     info = cartridge.open_cartridge(tmp_path / "ext.cart")[0]
     assert r.stdout.startswith(f"extended {tmp_path / 'ext.cart'}: {len(info.tokens)} tokens ({n_old} stored kept")

@@ -141,15 +141,13 @@ def test_bad_tier_options_refused(tiny32, tmp_path):
 
 
 def test_cli_convert_and_one_line_refusal(tiny32, tmp_path):
-    import subprocess
-    import sys
+    from clirun import run_inprocess, run_process
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "cartridge.cli.main", "convert", *map(str, args)],
-                              capture_output=True, timeout=300)
+        return run_inprocess("convert", *args)
 
     src = cartridge.build(DOC, tmp_path / "src.cart", model=tiny32)
-    r = run(src.path, "-o", tmp_path / "q.cart", "--tier", "mlx4g32", "--boundary-protect", "1")
+    r = run_process("convert", src.path, "-o", tmp_path / "q.cart", "--tier", "mlx4g32", "--boundary-protect", "1")
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().startswith(f"converted {src.path} -> {tmp_path / 'q.cart'}: {src.tokens} tokens, ")
     assert "layers 0-1 K fp16 V fp16" in r.stdout.decode()  # 2 layers, N=1: both protected

@@ -36,8 +36,14 @@ def model(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=5, max_position_embeddings=4096, head_dim=64)
 
 
-@pytest.fixture(scope="module", params=[("fp16", "auto"), ("fp16", "portable"), ("mlx4g32+rot", "auto"),
-                                        ("fp16", "contiguous")], ids=lambda p: f"{p[0]}-{p[1]}")
+CARTS = [("fp16", "auto"), ("fp16", "portable"), ("mlx4g32+rot", "auto"), ("fp16", "contiguous")]  # (tier, attention)
+
+
+def _cart_id(param):
+    return f"{param[0]}-{param[1]}"
+
+
+@pytest.fixture(scope="module", params=CARTS, ids=_cart_id)
 def cart(request, model, tmp_path_factory):
     tier, attention = request.param
     path = tmp_path_factory.mktemp("loop") / f"{tier}.cart"
@@ -106,8 +112,18 @@ def _stream_generate(cart, prompt, cache, n):
         yield r.token, r.logprobs
 
 
-@pytest.mark.parametrize("loop", [_generate_step, _stream_generate], ids=["generate_step", "stream_generate"])
-def test_turns_on_one_cache_match_a_fresh_prefill(cart, loop):
+def test_turns_on_one_cache_match_a_fresh_prefill(cart):
+    _check_turns(cart, _generate_step)
+
+
+# stream_generate drives the cache through generate_step (above, every cartridge): make test runs it on one
+@pytest.mark.parametrize("cart", [pytest.param(p, id=_cart_id(p), marks=() if p == CARTS[0] else pytest.mark.slow)
+                                  for p in CARTS], indirect=True)
+def test_turns_under_stream_generate_match_a_fresh_prefill(cart):
+    _check_turns(cart, _stream_generate)
+
+
+def _check_turns(cart, loop):
     stream, yielded = _run_turns(cart, loop)
     assert len(stream) > 1100
     want = _reference_logprobs(cart, stream)

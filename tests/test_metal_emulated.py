@@ -47,7 +47,13 @@ def test_emulated_metal_matches_float64(tier, shape, emulate):
     _check(prefix, q, tk, tv, tm._kernel_out(prefix, q, tk, tv), f"emulated metal {tier} {shape}")
 
 
-@pytest.mark.parametrize("tier, shape", [("mlx4g32+rot", tm.SHAPES[3]), ("turbo4", tm.SHAPES[1])])
+# the queries are read into float registers before, and the sinks merged after, the per-tier decode (which the test
+# above runs for every decode family): make test runs each for one tier, ~7 s an emulated case; the others under slow
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tier, shape", [("mlx4g32+rot", tm.SHAPES[3]),
+                                         pytest.param("turbo4", tm.SHAPES[1], marks=_SLOW)])
 def test_emulated_metal_sinks_match_float64(tier, shape, emulate):
     tm.test_metal_sinks_match_float64(tier, shape)  # the marked test's body, on the emulator
 
@@ -61,6 +67,7 @@ def test_emulated_metal_float32_pages_beside_mxfp4(emulate):
     tm.test_metal_float32_pages_beside_a_compressed_side("mxfp4")
 
 
-@pytest.mark.parametrize("tier", ["mlx4g32", "turbo4", "nvfp4+rot"])
+@pytest.mark.parametrize("tier", ["mlx4g32", pytest.param("turbo4", marks=_SLOW),
+                                  pytest.param("nvfp4+rot", marks=_SLOW)])
 def test_emulated_metal_fp16_queries_match_float64(tier, emulate):
     tm.test_metal_matches_float64(tier, tm.SHAPES[3])  # float32 and fp16 queries, 8 rows, on the emulator

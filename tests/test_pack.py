@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from cartfiles import files, flip, write
+from clirun import run_inprocess, run_process
 
 import cartridge
 from cartridge.errors import (
@@ -149,8 +150,7 @@ def test_hostile_pack_refused_and_nothing_left(packed, tmp_path, case):
 
 
 def run_cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, **kw)
+    return run_process(*args, text=True, **kw)
 
 
 def test_cli_pack_unpack_progress_and_errors(packed, tmp_path):
@@ -158,11 +158,11 @@ def test_cli_pack_unpack_progress_and_errors(packed, tmp_path):
     r = run_cli("pack", src, "-o", tmp_path / "c.cartz")
     assert r.returncode == 0 and r.stdout.startswith(f"packed {src} -> {tmp_path / 'c.cartz'}: ")
     assert "pack: 100%" in r.stderr  # tqdm on stderr
-    r = run_cli("unpack", tmp_path / "c.cartz", "-o", tmp_path / "c.cart")
+    r = run_inprocess("unpack", tmp_path / "c.cartz", "-o", tmp_path / "c.cart", text=True)
     assert r.returncode == 0 and "unpack: 100%" in r.stderr and "(verified)" in r.stdout
     assert files(tmp_path / "c.cart") == files(src)
     os.truncate(tmp_path / "c.cartz", 200)
-    r = run_cli("unpack", tmp_path / "c.cartz", "-o", tmp_path / "d.cart")
+    r = run_inprocess("unpack", tmp_path / "c.cartz", "-o", tmp_path / "d.cart", text=True)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: cartridge {tmp_path / 'c.cartz'}: packed cartridge is 200 bytes; its zstandard frame ends at ")

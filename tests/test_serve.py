@@ -19,7 +19,7 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-
+from clirun import run_inprocess, run_process
 from conftest import TINY_CONFIG, make_tiny
 
 openai = pytest.importorskip("openai")
@@ -174,8 +174,7 @@ def test_chat_stream_is_the_same_answer(client, carts):
 
 def test_chat_matches_cartridge_ask(client, shelf):
     folder, _ = shelf
-    ask = subprocess.run([sys.executable, "-m", "cartridge.cli.main", "ask", folder / "lease.cart", QUESTION,
-                          "--max-tokens", str(MAX)], capture_output=True, text=True, timeout=300)
+    ask = run_inprocess("ask", folder / "lease.cart", QUESTION, "--max-tokens", MAX, text=True)
     assert ask.returncode == 0, ask.stderr
     assert _chat(client, "lease", _user())[0].choices[0].message.content == ask.stdout.removesuffix("\n")
 
@@ -491,8 +490,8 @@ def test_max_bytes_refuses_more_than_any_machine_has():
 ])
 def test_serve_refuses_bad_options_in_one_line(shelf, args, expect):
     folder, _ = shelf
-    r = subprocess.run([sys.executable, "-m", "cartridge.cli.main", "serve", *([] if args[0].startswith("/") else
-                        [folder]), *args], capture_output=True, text=True, timeout=120)
+    run = run_process if args[0].startswith("/") else run_inprocess  # one real process
+    r = run("serve", *([] if args[0].startswith("/") else [folder]), *args, text=True)
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and expect in r.stderr and r.stderr.count("\n") == 1
 

@@ -30,8 +30,15 @@ def model(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=3, max_position_embeddings=4096, head_dim=64)  # a fused kernel's head_dim
 
 
-@pytest.fixture(scope="module", params=["portable", "dequantize-once", "fused", "question-prefill",
-                                                "contiguous"])
+PATHS = ["portable", "dequantize-once", "fused", "question-prefill", "contiguous"]
+# the 300- and 1,000-token queries (each ~1,000 rows of 49,152 logits compared) run on every path under slow; make
+# test runs them on portable and fused, and on every path the chunk boundaries +-1 and the 511/513-token queries
+SLOW_IDS = {f"test_query_across_tail_chunks_matches_mlx_lm[{path}-{before}-{length}]"
+            for path in ("dequantize-once", "question-prefill", "contiguous")
+            for before, length in [(0, 1000), (250, 300), (700, 300)]}
+
+
+@pytest.fixture(scope="module", params=PATHS)
 def cart(request, model, tmp_path_factory):
     if request.param == "fused" and backend() != "cuda":
         pytest.skip("the fused kernels need the CUDA backend (run with DEVICE=gpu on an NVIDIA GPU)")

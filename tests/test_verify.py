@@ -3,11 +3,10 @@ and the checks only verify makes (schema against the tiers' formulas, padding, t
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from cartfiles import flip, forge_records, write
+from clirun import run_inprocess, run_process
 
 import cartridge
 from cartridge.errors import ChecksumError, FieldError
@@ -20,13 +19,12 @@ PAGE_BYTES = 2 * 4 * 8 * 2
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "cartridge.cli.main", "verify", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    return run_inprocess("verify", *args, text=True)
 
 
 def test_cli_verify_good_bad_and_json(tmp_path):
     path = write(tmp_path / "a.cart")
-    r = run(path)
+    r = run_process("verify", path, text=True)  # as a process
     assert r.returncode == 0 and r.stdout.startswith(f"ok: {path}: manifest, index, header and page tables, schema, "
                                                      "page checksums, padding, token ids; 8 pages in 4 extents")
     doc = json.loads(run(path, "--json").stdout)

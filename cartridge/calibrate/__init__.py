@@ -11,7 +11,7 @@ from ..errors import CalibrationUnsupportedError, InputError
 from ..tiers import TIERS
 from . import measure, search
 
-CALIBRATION_VERSION = 2  # bump when the measurement or search changes what a budget preset builds
+CALIBRATION_VERSION = 3  # bump when the measurement or search changes what a budget preset builds
 BUDGETS = {"safe": 2.0, "balanced": 3.0, "compact": 4.5}  # preset -> at most 1/ratio of fp16's bytes/token
 
 

@@ -4,11 +4,16 @@ After the fp16 prefill every layer's K/V is at hand. The last `slice_tokens` tok
 generic probe question and the model's own fp16 greedy answer to it, form the *evaluation sequence* E; it is
 teacher-forced over the cache of the earlier prefix (K/V rounded to fp16, as an fp16 cartridge stores them).
 
-One batched pass walks the layers (`wavefront`): row 0 is the reference (fp16 K/V everywhere); at layer j
-a new row starts from row 0's input with layer j's K *and* V replaced by the reference tier's encode +
-decode, and runs to the end (the layers below see the same inputs, so they are not run again). The rows
-grow from 1 to n_layers + 1; the mean next-token KL(reference || row) over E's positions is the measured
-damage of replacing layer j. The model's own forward of E (the greedy answer's) checks the walk.
+One batched pass walks the layers (`wavefront`): row 0 is the reference (fp16 K/V everywhere); at every
+WALK_GROUP-th layer j a new row starts from row 0's input with the K *and* V of layers j .. j + WALK_GROUP - 1
+replaced by the reference tier's encode + decode, and runs to the end (the layers below see the same
+inputs, so they are not run again). The rows grow from 1 to n_layers / WALK_GROUP + 1; the mean next-token
+KL(reference || row) over E's positions (`head.walk_kl`) is the measured damage of replacing the group,
+shared between its layers by each one's own change of the residual stream (squared, over E): a row
+started at that layer and run through it alone, then dropped. Adjacent layers' changes reach the output
+through nearly the same layers; two layers a row would halve the row-layers of the walk (30 layers: 270,
+not 495), but the schemas chosen from it were measured up to 39% worse (docs/calibration.md): the default is 1.
+The model's own forward of E (the greedy answer's) checks the walk.
 
 Running every candidate tier through the model would cost layers x sides x tiers forwards of E; instead
 each layer's measured KL is shared between its candidates and sides by their attention-output error on
@@ -31,11 +36,11 @@ from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..tiers import TIERS
 from . import sequence
+from .head import kl_mean, logits_of, walk_kl
 from .sequence import (
     eval_sequence,
     filled_cache,
-    log_softmax,
-    log_softmax_inplace,
+    log_softmax,  # noqa: F401  (measure.log_softmax: benchmarks/agreement.py's)
     scored,
     split_of,
 )
@@ -43,11 +48,11 @@ from .walk import SharedPrefixCache, shifted_exp
 
 CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
+WALK_GROUP = 1  # consecutive layers one row of the walk replaces together; 2 measured worse (calibration.md)
 LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
 HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
 FAITHFUL_KL = 1e-3  # nats: the walk's reference logits vs the model's own forward; more = a family it cannot walk
-LOGIT_ROWS = 4  # rows of E per LM-head chunk: (4, E, vocab) float32 logits at a time
 
 
 @dataclass
@@ -56,7 +61,8 @@ class Sensitivity:
 
     Attributes:
         kl (dict): (layer, side, tier) -> predicted mean next-token KL in nats vs fp16 (fp16 itself: 0).
-        measured (dict): layer -> KL measured with its K and V both replaced by the reference tier.
+        measured (dict): layer -> KL measured with its K and V both replaced by the reference tier (its
+            share of its group's, WALK_GROUP layers replaced together).
         attn_err (dict): (layer, side, tier) -> squared relative attention-output error on E's queries.
         eval_tokens (int): positions of E. forwards (int): model passes run (the batched walk counts one).
         seconds (float): wall time. probe (Probe): the reference pass, for `verify`.
@@ -121,15 +127,6 @@ def check_plain(caches):
                                           f"{', '.join(kinds)} caches")
 
 
-def logits_of(model, h):
-    """LM-head logits of final hidden states h (B, E, hidden) -> (B, E, vocab) float32."""
-    body = model.model
-    out = body.norm(h)
-    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False) or not hasattr(model, "lm_head")
-    out = body.embed_tokens.as_linear(out) if tied else model.lm_head(out)
-    return out.astype(mx.float32)
-
-
 def run_from(model, layer, h, kv):
     """Layers `layer`.. on input h (1, E, hidden) over caches holding `kv` (list of (K, V) from `layer` on):
     (E, vocab) float32 logits."""
@@ -139,21 +136,6 @@ def run_from(model, layer, h, kv):
         h = block(h, mask, cache=cache)
         mx.eval(h)  # a layer at a time, so Ctrl-C is honoured between layers
     return logits_of(model, h)[0]
-
-
-def kl_rows(ref_logprobs, logits):
-    """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
-    float32 -> (B,) float32 (lazy except on CPU, where numpy computes it)."""
-    if mx.default_device() != mx.cpu:
-        return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
-    mx.eval(ref_logprobs, logits)
-    ref = np.asarray(ref_logprobs)
-    return mx.array((np.exp(ref) * (ref - log_softmax_inplace(np.array(logits)))).sum(axis=-1).mean(axis=-1))
-
-
-def kl_mean(ref_logprobs, logits):
-    """Mean over positions of KL(ref || q) in nats; ref_logprobs and logits (E, vocab) float32."""
-    return kl_rows(ref_logprobs, logits[None]).item()
 
 
 def fp16_rounded(x):
@@ -310,8 +292,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
 def wavefront(model, probe, candidates, out, progress=None):
     """The batched walk over the layers (module docstring): fills probe.queries, probe.logprobs,
     out.measured and out.attn_err; returns (per-layer AttentionError, `_layer_errors`' pieces)."""
-    layers, errors, pieces = model.model.layers, [], {}
-    h = probe.embedded  # (rows, E, hidden): row 0 the reference, row j + 1 replaces layer j
+    layers, errors, pieces, direct = model.model.layers, [], {}, []
+    h = probe.embedded  # (rows, E, hidden): row 0 the reference, row i + 1 replaces the layers of group i
     seen = lambda q, k, v, cache, mask: probe.queries.append(q[0].astype(mx.float32))  # (n_heads, E, D)
     route.install()
     if progress:
@@ -320,24 +302,32 @@ def wavefront(model, probe, candidates, out, progress=None):
         for j, block in enumerate(layers):
             k, v = probe.kv[j]
             k2, v2 = (round_trip(REFERENCE_TIER, a, j, s) for a, s in ((k, "k"), (v, "v")))
-            h = mx.concatenate([h, h[:1]])  # (j + 2, E, hidden)
-            h = block(h, "causal", cache=SharedPrefixCache(k, v, k2, v2))
+            opens = j % WALK_GROUP == 0  # a new row for the group; else one for this layer alone, run one layer
+            h = mx.concatenate([h, h[:1]])  # (rows + 1, E, hidden)
+            h = block(h, "causal", cache=SharedPrefixCache(k, v, k2, v2, 1 if opens else 2))
+            direct.append(((h[-1] - h[0])[probe.start:] ** 2).sum())  # layer j's own change of the residual
             errors.append(AttentionError(probe.queries[j], k, v))
             lazy, layer_pieces = _layer_errors(errors[j], j, k, v, candidates, {"k": k2, "v": v2})
-            mx.eval(h, lazy, layer_pieces)
+            mx.eval(h, lazy, layer_pieces, direct[-1])
+            h = h if opens else h[:-1]
             out.attn_err.update({key: e.item() for key, e in lazy.items()})
             pieces.update(layer_pieces)
             if progress:
                 progress(j + 1, len(layers))
-    kls = []
-    for r in range(0, h.shape[0], LOGIT_ROWS):
-        logits = logits_of(model, h[r:r + LOGIT_ROWS])  # (<= LOGIT_ROWS, E, vocab)
-        if r == 0:
-            probe.logprobs = log_softmax(logits[0])
-        kls.append(kl_rows(probe.logprobs[probe.start:], logits[:, probe.start:]))
-        mx.eval(kls[-1], probe.logprobs)
-    out.measured = {j: max(0.0, kl) for j, kl in enumerate(mx.concatenate(kls)[1:].tolist())}
+    probe.logprobs, kls = walk_kl(model, h, probe.start)
+    out.measured = _split(kls, [d.item() for d in direct])
     return errors, pieces
+
+
+def _split(kls, direct):
+    """layer -> KL: each group's measured KL (kls, one per WALK_GROUP layers) shared between its layers by
+    their own change of the residual stream (direct, one per layer)."""
+    measured = {}
+    for i, kl in enumerate(kls):
+        group = range(i * WALK_GROUP, min((i + 1) * WALK_GROUP, len(direct)))
+        total = sum(direct[j] for j in group)
+        measured.update({j: kl * (direct[j] / total if total > 0 else 1 / len(group)) for j in group})
+    return measured
 
 
 def _layer_errors(error, layer, k, v, candidates, ref_trips):

@@ -1,7 +1,7 @@
 """The cache of one layer in calibration's batched walk (`measure.wavefront`).
 
-Rows 0 .. R-2 of the walk attend over the same fp16 prefix and row R-1 over its replacement, each row also
-over its own evaluation tokens. mlx-lm's attention would take R copies of the prefix and run R x n_heads
+The first rows of the walk attend over the same fp16 prefix and the last one (or few) over its replacement,
+each row also over its own evaluation tokens. mlx-lm's attention would take R copies of the prefix and run R x n_heads
 small products; here the shared rows' queries are stacked into one product per KV head, and the own-token
 part is merged in the same softmax. `route` sends a `PrefillCache`'s attention to its `attention` method.
 On CPU the exponentials run in numpy, in place in the scores' buffers (`shifted_exp`): MLX's CPU exp is
@@ -16,15 +16,17 @@ from ..attention.prefill import PrefillCache
 
 
 class SharedPrefixCache(PrefillCache):
-    """One layer of the walk: a shared prefix (k, v), the last row's replacement (k2, v2).
+    """One layer of the walk: a shared prefix (k, v), the last `replaced_rows` rows' replacement (k2, v2).
 
     Args:
         k, v, k2, v2 (mx.array): (1, n_kv_heads, S, head_dim) each.
+        replaced_rows (int): the last rows attending over (k2, v2), at least 1 and fewer than the rows.
+            Default: 1.
     """
 
-    def __init__(self, k, v, k2, v2):
+    def __init__(self, k, v, k2, v2, replaced_rows=1):
         KVCache.__init__(self)  # not PrefillCache's: nothing to decode
-        self.prefix, self.replaced = (k, v), (k2, v2)
+        self.prefix, self.replaced, self.replaced_rows = (k, v), (k2, v2), replaced_rows
         self.offset = self.prefix_tokens = k.shape[2]
 
     def update_and_fetch(self, keys, values):
@@ -36,23 +38,25 @@ class SharedPrefixCache(PrefillCache):
         """Causal attention of queries (R, n_heads, E, head_dim) over the prefix of their row and their own
         keys/values (R, n_kv_heads, E, head_dim): (R, n_heads, E, head_dim) in the queries' dtype."""
         r, h, e, d = queries.shape
-        n_kv, s = keys.shape[1], self.offset - e
+        n_kv, n = keys.shape[1], self.replaced_rows
         q = (queries.astype(mx.float32) * scale).reshape(r, n_kv, h // n_kv * e, d)  # (R, n_kv, g * E, D)
-        (k, v), (k2, v2) = ((a[0].astype(mx.float32) for a in pair) for pair in (self.prefix, self.replaced))
         rows = q.shape[2]
-        shared = q[:-1].transpose(1, 0, 2, 3).reshape(n_kv, (r - 1) * rows, d)  # (n_kv, (R-1) g E, D)
-        pre = mx.concatenate([(shared @ k.swapaxes(-1, -2)).reshape(n_kv, r - 1, rows, s).transpose(1, 0, 2, 3),
-                              (q[-1] @ k2.swapaxes(-1, -2))[None]])  # (R, n_kv, g E, S)
+        pre = mx.concatenate([_stacked(q[:-n], self.prefix[0].swapaxes(-1, -2)),
+                              _stacked(q[-n:], self.replaced[0].swapaxes(-1, -2))])  # (R, n_kv, g E, S)
         own = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (R, n_kv, g E, E)
         position = mx.arange(rows) % e  # query row g_i * E + i is at position i
         own = mx.where(mx.arange(e)[None] <= position[:, None], own, -mx.inf)
         (p_pre, p_own), sums = shifted_exp(pre, own)
-        z = sums[0] + sums[1]
-        shared_out = (p_pre[:-1].transpose(1, 0, 2, 3).reshape(n_kv, (r - 1) * rows, s) @ v)
-        out_pre = mx.concatenate([shared_out.reshape(n_kv, r - 1, rows, d).transpose(1, 0, 2, 3),
-                                  (p_pre[-1] @ v2)[None]])  # (R, n_kv, g E, D)
-        out = (out_pre + p_own @ values.astype(mx.float32)) / z
+        out_pre = mx.concatenate([_stacked(p_pre[:-n], self.prefix[1]), _stacked(p_pre[-n:], self.replaced[1])])
+        out = (out_pre + p_own @ values.astype(mx.float32)) / (sums[0] + sums[1])
         return out.reshape(r, h, e, d).astype(queries.dtype)  # (R, n_kv, g, E, D) -> (R, n_heads, E, D)
+
+
+def _stacked(x, y):
+    """x (B, n_kv, M, N) times y (1, n_kv, N, P) as one product per KV head -> (B, n_kv, M, P) float32."""
+    b, n_kv, m, _ = x.shape
+    prod = x.transpose(1, 0, 2, 3).reshape(n_kv, b * m, -1) @ y[0].astype(mx.float32)  # (n_kv, B M, P)
+    return prod.reshape(n_kv, b, m, -1).transpose(1, 0, 2, 3)
 
 
 def shifted_exp(*scores):
