@@ -5,8 +5,8 @@ cartridge against a full prefill of document + question (mlx-lm, no cartridge).
 
 With `--presets exact,safe`, it instead compares cartridges of those presets (fixed recipes, or with
 `--calibrate` the schemas a default build measures on the document) in one run, questions interleaved:
-TTFT broken down into load, the question's prefill over the prefix and the first decode step, each preset's TTFT over the first one's, and decode tokens/s
-(issue 33 item 4: safe's first token on the CPU).
+TTFT broken down into load, the question's prefill over the prefix and the first decode step, each
+preset's TTFT over the first one's, and decode tokens/s (issue 33 item 4: safe's first token on the CPU).
 
     python benchmarks/ttft.py --presets exact,safe --questions 10 --json benchmarks/results/cpu-ttft-safe.json
 """
