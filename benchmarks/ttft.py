@@ -3,10 +3,10 @@ cartridge against a full prefill of document + question (mlx-lm, no cartridge).
 
     python benchmarks/ttft.py [--questions 5] [--tier fp16] [--json out/ttft.json]
 
-With `--presets exact,safe`, it instead compares cartridges of those presets (fixed recipes, no
-calibration) in one run, questions interleaved: TTFT broken down into load, the question's prefill over
-the prefix and the first decode step, each preset's TTFT over the first one's, and decode tokens/s
-(issue 33 item 4: safe's first token on the CPU).
+With `--presets exact,safe`, it instead compares cartridges of those presets (fixed recipes, or with
+`--calibrate` the schemas a default build measures on the document) in one run, questions interleaved:
+TTFT broken down into load, the question's prefill over the prefix and the first decode step, each
+preset's TTFT over the first one's, and decode tokens/s (issue 33 item 4: safe's first token on the CPU).
 
     python benchmarks/ttft.py --presets exact,safe --questions 10 --json benchmarks/results/cpu-ttft-safe.json
 """
@@ -64,7 +64,8 @@ def stages(path, lm, question):
 def compare(args, doc, rows, lm):
     presets = args.presets.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        built = {p: cartridge.build(doc, Path(tmp) / f"{p}.cart", model=lm, preset=p, calibrate=False)
+        built = {p: cartridge.build(doc, Path(tmp) / f"{p}.cart", model=lm, preset=p,
+                                   calibrate=args.calibrate)
                  for p in presets}
         stages(built[presets[0]].path, lm, rows[0]["question"])  # warm-up: the model's first forward passes
         runs = {p: [] for p in presets}
@@ -74,10 +75,11 @@ def compare(args, doc, rows, lm):
     keys = ("load_s", "prefill_s", "first_decode_s", "ttft_s", "load_cpu_s", "prefill_cpu_s", "first_decode_cpu_s",
             "ttft_cpu_s", "decode_tps")
     out = {"machine": machine(), "device": str(mx.default_device()), "mlx": mx.__version__,
-           "tokens": built[presets[0]].tokens, "presets": {}}
+           "tokens": built[presets[0]].tokens, "calibrated": args.calibrate, "presets": {}}
     for p in presets:
         med = {k: statistics.median(r[k] for r in runs[p]) for k in keys}
         out["presets"][p] = {"bytes_per_token": built[p].bytes_per_token, "cartridge_bytes": built[p].bytes,
+                             "schema": built[p].schema,
                              "attention": runs[p][0]["attention"], **{f"median_{k}": v for k, v in med.items()},
                              "questions": runs[p]}
         for k in ("ttft_s", "ttft_cpu_s"):
@@ -136,6 +138,7 @@ def main():
     ap.add_argument("--questions", type=int, default=5)
     ap.add_argument("--tier", default="fp16")
     ap.add_argument("--presets", default=None, help="comma-separated presets to compare (e.g. exact,safe)")
+    ap.add_argument("--calibrate", action="store_true", help="with --presets: calibrated schemas, as a default build")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     doc = (ROOT / "samples" / "lgpl-3.0.txt").read_text()
