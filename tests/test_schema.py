@@ -9,7 +9,7 @@ from conftest import make_tiny
 from test_cli import run
 
 from cartridge.cli.report import inspect_dict, inspect_table
-from cartridge.tiers.schema import check_layer_count, fold_tiers
+from cartridge.tiers.schema import check_layer_count, fold_tiers, tier_runs_text
 from cartridge.errors import InputError
 from cartridge.tiers import read_schema, schema_for
 
@@ -166,6 +166,7 @@ def test_boundary_protect_build_and_inspect(tiny64, tmp_path):
     assert fold_tiers(info.tiers) == [{"layers": "0", "k": "fp16", "v": "fp16"},
                                       {"layers": "1-2", "k": "fp16", "v": "mlx4g32"},
                                       {"layers": "3", "k": "fp16", "v": "fp16"}]
+    assert tier_runs_text(info.tiers) == "layer 0 K fp16 V fp16; layers 1-2 K fp16 V mlx4g32; layer 3 K fp16 V fp16"
 
 
 def test_builds_are_byte_identical(tiny64, tmp_path):

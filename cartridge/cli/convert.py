@@ -15,14 +15,14 @@ def convert(source, output, tier, k_tier, v_tier, boundary_protect, schema, prot
     """Re-encode the fp16 or bf16 cartridge SOURCE into other tiers (no model, no prefill)."""
     import cartridge
 
-    from cartridge.tiers.schema import fold_tiers
+    from cartridge.tiers.schema import tier_runs_text
 
     refuse_tier_clashes(preset, schema)
     with progress_bar("layer", "convert") as progress:
         r = cartridge.convert(source, output, tier=tier, k_tier=k_tier, v_tier=v_tier,
                               boundary_protect=boundary_protect, schema=schema, protect_first=protect_first,
                               protect_last=protect_last, preset=preset, force=force, progress=progress)
-    tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
+    tiers = tier_runs_text(r.schema)
     kept = f"; first {r.protect_first} and last {r.protect_last} tokens also fp16" if r.protect_first + r.protect_last else ""
     click.echo(f"converted {source} -> {r.path}: {r.tokens} tokens, {r.seconds:.1f} s, {r.bytes:,} bytes "
                f"({r.bytes_per_token:,} bytes/token; {tiers}{kept})")

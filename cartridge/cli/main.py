@@ -79,7 +79,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     from cartridge.format.writer import check_output_path
     from cartridge.tiers import check_tier_options, presets
 
-    from cartridge.tiers.schema import fold_tiers
+    from cartridge.tiers.schema import tier_runs_text
 
     budget = _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
@@ -110,7 +110,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
                               **options)
     if r is None:  # a rank other than 0 under --parallel: rank 0 wrote and reports
         return
-    tiers = "; ".join(f"layers {run['layers']} K {run['k']} V {run['v']}" for run in fold_tiers(r.schema))
+    tiers = tier_runs_text(r.schema)
     click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s (prefill {r.prefill_seconds:.1f} s, "
                f"{r.tokens_per_second:.0f} tokens/s prefill), "
                f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")

@@ -204,3 +204,9 @@ def fold_tiers(tiers):
             runs.append({"first": row["layer"], "last": row["layer"], "k": row["k"], "v": row["v"]})
     return [{"layers": f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
              "k": r["k"], "v": r["v"]} for r in runs]
+
+
+def tier_runs_text(tiers):
+    """One line of `fold_tiers`' runs, as build and convert print them: "layer 0 K int8 V int8; layers 1-29 K ..."."""
+    return "; ".join(f"{'layers' if '-' in run['layers'] else 'layer'} {run['layers']} K {run['k']} V {run['v']}"
+                     for run in fold_tiers(tiers))
