@@ -260,3 +260,13 @@ def test_reader_refuses_params_its_tier_cannot_use(tiny64, tmp_path, key, change
     bad = dict(records, **{key: json.dumps({**json.loads(records[key]), **change}).encode()})
     with pytest.raises(CorruptCartridgeError, match=match):
         parse_header(bad, manifest)
+
+
+def test_inspect_tier_columns_fit_the_longest_tier_name(tiny64, tmp_path):
+    r = cartridge.build(DOC, tmp_path / "m.cart", model=tiny64, k_tier="mlx4g32+rot", v_tier="int8")
+    info, _ = cartridge.open_cartridge(r.path)
+    lines = inspect_table(inspect_dict(info, r.path)).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("tiers "))
+    row = lines[head + 1]
+    assert row.split()[1:3] == ["mlx4g32+rot", "int8"]
+    assert lines[head].index(" V ") + 1 == row.index("int8")  # the V column starts where its header does

@@ -194,18 +194,19 @@ def inspect_table(d):
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device: "
         f"{d['attention']['reason']}",
         _memory_line(d["attention"]["memory"]),
-        "tiers         layers  K        V        bytes/token/layer (K+V)",
     ]
+    w = max([8] + [len(name) for run in d["tier_runs"] for name in (run["k"], run["v"]) if name])  # the K/V columns
+    lines.append(f"tiers         layers  {'K':<{w}} {'V':<{w}} bytes/token/layer (K+V)")
     shapes = {row["layer"]: row for row in d["layers"]}
     for run in d["tier_runs"]:
         first = shapes[int(run["layers"].split("-")[0])]
         if run["k"] is None:
             what = KINDS[first["kind"]].tier_label
-            lines.append(f"              {run['layers']:<7} {what:<8} {what:<8} -")
+            lines.append(f"              {run['layers']:<7} {what:<{w}} {what:<{w}} -")
             continue
         per = sum(TIERS[run[s]].bytes_per_token(*u[f"{s}_shape"]) for u in first.get("caches", [first])
                   if KINDS[u["kind"]].tiered for s in ("k", "v"))
-        lines.append(f"              {run['layers']:<7} {run['k']:<8} {run['v']:<8} {per:,}")
+        lines.append(f"              {run['layers']:<7} {run['k']:<{w}} {run['v']:<{w}} {per:,}")
     lines.append("layers        layers  kind       holds")
     for run in fold_layers(d["layers"]):
         lines.append(f"              {run['layers']:<7} {run['kind']:<10} {KINDS[run['kind']].holds(run)}")
