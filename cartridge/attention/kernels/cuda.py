@@ -36,7 +36,6 @@ from . import cuda_decode, cuda_prefill, dense
 from .constants import constant_lines
 
 
-
 def _zeros(shape, dtype=np.float32):
     """A zero array with its data (not a lazy `mx.zeros`): MLX 0.32 evaluates a lazy array on the stream of the
     thread that made it, so one made at load and first evaluated on a server's worker thread raised 'There is no
