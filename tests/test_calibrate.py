@@ -166,6 +166,8 @@ def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers
     sens = measure.measure(tiny64.model, tiny64.tokenizer, mode, caches, tokens)
     probe = sens.probe
     assert sens.eval_tokens == probe.ids.shape[1] == probe.logprobs.shape[0]
+    assert set(sens.cpu_stages) == set(sens.stages) == {"answer", "walk", "protected"}
+    assert min(sens.cpu_stages.values()) >= 0 and sens.cpu_stages["walk"] > 0  # process CPU s of each stage
     for first in range(0, len(caches), group):
         layers = range(first, min(first + group, len(caches)))
         kv = list(probe.kv)

@@ -71,6 +71,7 @@ class Sensitivity:
         lead_mass (float): the share of the attention mass on those N tokens (mean over layers).
         stages (dict): wall seconds of "answer" (E and the model's own forward), "walk" (with the attention
             errors) and "protected" (the attention errors with the heavy hitters kept).
+        cpu_stages (dict): the same stages in process CPU seconds (`time.process_time`, all threads).
     """
 
     kl: dict = field(default_factory=dict)
@@ -84,6 +85,7 @@ class Sensitivity:
     kl_protected: dict = field(default_factory=dict)
     lead_mass: float = 0.0
     stages: dict = field(default_factory=dict)
+    cpu_stages: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -255,7 +257,7 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         CalibrationUnsupportedError: a model or cache kind calibration cannot walk, or a family whose
             layer-by-layer forward differs from its own by more than FAITHFUL_KL.
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     measurable(model, caches)
     if progress:  # from the start: the evaluation sequence's answer comes before the walk
         progress(0, len(model.model.layers))
@@ -267,7 +269,7 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     x = mx.array(ids, dtype=mx.uint32)[None]
     probe = Probe(split, x, kv, model.model.embed_tokens(x), start=scored(len(ids), len(tokens) - split))
     out = Sensitivity(eval_tokens=len(ids), forwards=sequence.ANSWER_TOKENS * len(sequence.PROBES) + 1, probe=probe)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     try:
         errors, pieces = wavefront(model, probe, candidates, out, progress)
     except (TypeError, ValueError, AttributeError) as e:  # a family whose blocks are not called llama's way
@@ -277,15 +279,16 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
     if not faithful <= FAITHFUL_KL:
         raise CalibrationUnsupportedError(f"calibration's layer-by-layer forward of this model differs from its "
                                           f"own (KL {faithful:.3g} nats, at most {FAITHFUL_KL} allowed)")
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     mass = mx.stack([e.mass() for e in errors]).mean(axis=0)  # (T,)
     out.protect_first, out.lead_mass = heavy_hitters(mass)
     if out.protect_first:
         _protected_errors(out, errors, pieces)
     _scale(len(caches), candidates, out)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     out.seconds = t3 - t0
     out.stages = {"answer": round(t1 - t0, 3), "walk": round(t2 - t1, 3), "protected": round(t3 - t2, 3)}
+    out.cpu_stages = {"answer": round(c1 - c0, 3), "walk": round(c2 - c1, 3), "protected": round(c3 - c2, 3)}
     return out
 
 
