@@ -325,6 +325,13 @@ def test_the_evaluation_sequence_asks_every_probe_as_a_follow_up_turn(tiny64, mo
     assert sequence.scored(len(ids), len(tokens) - split) == len(tokens) - split
 
 
+def test_the_evaluation_sequence_takes_the_documents_last_tokens_at_most_half_of_it():
+    from cartridge.calibrate.sequence import split_of
+
+    assert [split_of(list(range(n))) for n in (1, 2, 40, 64, 65, 299)] == [1, 1, 20, 32, 33, 267]
+    assert [split_of(list(range(n)), 8) for n in (10, 299)] == [5, 291]
+
+
 def test_shifted_exp_is_exp_of_the_scores_minus_their_common_row_max_with_masked_entries_zero():
     import mlx.core as mx
     import numpy as np
