@@ -21,10 +21,23 @@ prefill, and the measured KL of each budget's choice (safe 2x, balanced 3x, comp
 recipe's tiers on every layer (`benchmarks/results/calibration.json`):
 
     python benchmarks/layer_error.py --calibration DOC.txt [DOC2 ...] --json benchmarks/results/calibration.json
+
+With --cost, where the time of calibration goes against the prefill (issue 33 item 1's cost target), in one
+process per run: the prefill, then for each variant of the evaluation sequence (its document tail and answer
+lengths, `cartridge.calibrate.sequence`) one `measure` (its stages), the search and `verify` of each budget
+preset, in wall and process CPU seconds. Every chosen schema is also measured on the first variant's
+evaluation sequence (the reference, version 3's by default) and the reference's choice on each variant's, so
+the choices compare on the same positions both ways; the layer-sides whose tier differs from the reference's
+choice are counted. The reference walk's parts are then timed apart (each synced on its own): the 12
+candidate round trips of every layer, the attention errors, the blocks over the growing rows, the LM head's KL
+(`benchmarks/results/calibration-cost.json`):
+
+    python benchmarks/layer_error.py --cost DOC.txt [DOC2 ...] --json OUT.json [--variant v3=32:8 --variant b=8:4]
 """
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -36,10 +49,12 @@ import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
+from cartridge.attention import route
 from cartridge.attention.pages import encode_pages
 from cartridge.build import prefill
-from cartridge.calibrate import BUDGETS, Budget, search
+from cartridge.calibrate import BUDGETS, Budget, head, search, sequence
 from cartridge.calibrate import measure as calibration
+from cartridge.calibrate.walk import SharedPrefixCache
 from cartridge.eval.dataset import load_questions
 from cartridge.models.loader import load_model
 from cartridge.models.prompt import prefix_tokens, prompt_mode, question_tokens
@@ -194,6 +209,129 @@ def calibration_run(path, lm):
     return out
 
 
+class Clock:
+    """Wall and process CPU seconds since the last `lap`."""
+
+    def __init__(self):
+        self.t = (time.perf_counter(), time.process_time())
+
+    def lap(self):
+        now = (time.perf_counter(), time.process_time())
+        out, self.t = {"wall": round(now[0] - self.t[0], 3), "cpu": round(now[1] - self.t[1], 3)}, now
+        return out
+
+
+def parse_variant(text):
+    """'name=SLICE:ANSWER' -> (name, slice tokens, answer tokens)."""
+    name, _, spec = text.partition("=")
+    slice_tokens, _, answer = spec.partition(":")
+    return name, int(slice_tokens), int(answer)
+
+
+def measured(lm, mode, caches, tokens, slice_tokens, answer_tokens):
+    """One `measure` with the evaluation sequence's lengths set: (Sensitivity, {"wall", "cpu"})."""
+    saved = sequence.SLICE_TOKENS, sequence.ANSWER_TOKENS
+    sequence.SLICE_TOKENS, sequence.ANSWER_TOKENS = slice_tokens, answer_tokens
+    try:
+        clock = Clock()
+        sens = calibration.measure(lm.model, lm.tokenizer, mode, caches, tokens)
+        return sens, clock.lap()
+    finally:
+        sequence.SLICE_TOKENS, sequence.ANSWER_TOKENS = saved
+
+
+def components(model, probe):
+    """The reference walk's parts timed apart (each synced): round trips, attention errors, blocks, LM head."""
+    clock, trips, out = Clock(), [], {}
+    for j, (k, v) in enumerate(probe.kv):
+        t = {(s, n): calibration.round_trip(n, x, j, s) for s, x in (("k", k), ("v", v))
+             for n in calibration.CANDIDATES}
+        mx.eval(t)
+        trips.append(t)
+    out["round_trips"] = clock.lap()
+    for j, (k, v) in enumerate(probe.kv):
+        error = calibration.AttentionError(probe.queries[j], k, v)
+        mx.eval({key: error(key[0], x2)[0] for key, x2 in trips[j].items()})
+    out["attention_errors"] = clock.lap()
+    h, ref = probe.embedded, calibration.REFERENCE_TIER
+    route.install()
+    for j, block in enumerate(model.model.layers):
+        k, v = probe.kv[j]
+        h = mx.concatenate([h, h[:1]])  # (rows + 1, E, hidden)
+        h = block(h, "causal", cache=SharedPrefixCache(k, v, trips[j][("k", ref)], trips[j][("v", ref)]))
+        mx.eval(h)
+    out["blocks"] = clock.lap()
+    mx.eval(head.walk_kl(model, h, probe.start)[0])
+    out["lm_head_kl"] = clock.lap()
+    return out
+
+
+def budgets(lm, sens, reference, n_layers, shapes, fp16, reference_budgets=None):
+    """Each budget's choice: bytes, predicted KL, measured KL on this variant's and the reference's sequence,
+    and the reference's choice (`reference_budgets`, None for the reference itself) on this variant's sequence:
+    each choice is the best for the sequence it was measured on, so the two cross measurements tell a worse
+    choice from the noise of a sequence of ~30-60 positions."""
+    out = {}
+    for name in BUDGETS:
+        clock = Clock()
+        choice = search.choose(sens.kl, n_layers, shapes, Budget(preset=name).bytes_bound(fp16))
+        kl, agree = calibration.verify(lm.model, sens.probe, choice.schema)
+        cost = clock.lap()
+        ref_kl, ref_agree = calibration.verify(lm.model, reference.probe, choice.schema)
+        out[name] = {"bytes_per_token": choice.bytes_per_token, "predicted_kl": choice.predicted_kl,
+                     "measured_kl": kl, "top1": agree, "measured_kl_on_reference": ref_kl,
+                     "top1_on_reference": ref_agree, "search_verify": cost, "schema": choice.schema}
+        if reference_budgets is not None:
+            theirs = reference_budgets[name]["schema"]
+            out[name]["reference_choice_measured_kl"] = calibration.verify(lm.model, sens.probe, theirs)[0]
+    return out
+
+
+def differing(schema, reference):
+    """Layer-sides whose tier differs between two schemas."""
+    return sum(a[s] != b[s] for a, b in zip(schema, reference) for s in "kv")
+
+
+def document_run(path, lm, variants):
+    """--cost on one document: the prefill, each variant (`measured`, `budgets`), the reference walk's parts."""
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, Path(path).read_text(), mode)
+    clock = Clock()
+    caches = prefill(lm.model, tokens)
+    out = {"document": str(path), "tokens": len(tokens), "prefill": clock.lap(), "load_average_before": os.getloadavg(),
+           "variants": {}}
+    k = caches[0].keys
+    shapes = {"k": (k.shape[1], k.shape[3]), "v": (caches[0].values.shape[1], caches[0].values.shape[3])}
+    fp16 = len(caches) * 2 * (k.shape[1] * k.shape[3] + shapes["v"][0] * shapes["v"][1])
+    reference = None
+    for name, slice_tokens, answer_tokens in variants:
+        sens, cost = measured(lm, mode, caches, tokens, slice_tokens, answer_tokens)
+        first = out["variants"][variants[0][0]]["budgets"] if out["variants"] else None
+        reference = reference or sens
+        chosen = budgets(lm, sens, reference, len(caches), shapes, fp16, first)
+        build = {key: round(cost[key] + chosen["balanced"]["search_verify"][key], 3) for key in cost}  # one verify
+        row = {"slice_tokens": slice_tokens, "answer_tokens": answer_tokens, "eval_tokens": sens.eval_tokens,
+               "measure": cost, "stages_wall": sens.stages, "stages_cpu": sens.cpu_stages, "calibration": build,
+               "over_prefill": {key: round(build[key] / out["prefill"][key], 3) for key in build},
+               "budgets": chosen}
+        for b in BUDGETS:
+            chosen[b]["layer_sides_differing"] = differing(chosen[b]["schema"], (first or chosen)[b]["schema"])
+        out["variants"][name] = row
+        kls = " ".join(f"{b} {chosen[b]['measured_kl_on_reference']:.5f} ({chosen[b]['layer_sides_differing']}; "
+                       f"own E {chosen[b]['measured_kl']:.5f} vs reference's choice "
+                       f"{chosen[b].get('reference_choice_measured_kl', chosen[b]['measured_kl']):.5f})"
+                       for b in BUDGETS)
+        print(f"{Path(path).name:22} {len(tokens):5} tok {name:6} E {sens.eval_tokens:3}: prefill "
+              f"{out['prefill']['wall']:.1f} s wall / {out['prefill']['cpu']:.1f} cpu, calibration "
+              f"{build['wall']:.1f} / {build['cpu']:.1f} ({row['over_prefill']['wall']:.2f}x / {row['over_prefill']['cpu']:.2f}x) "
+              f"stages {sens.stages} | KL on the reference's E (layer-sides differing; on this E: this choice vs "
+              f"the reference's): {kls}", flush=True)
+    out["reference_walk_components"] = components(lm.model, reference.probe)
+    print(f"{Path(path).name:22} reference walk parts: {out['reference_walk_components']}", flush=True)
+    out["load_average_after"] = os.getloadavg()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("pairs", nargs="+", help="DOC.txt QUESTIONS.jsonl [DOC2 Q2 ...]; with --calibration: DOC.txt ...")
@@ -202,7 +340,19 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated config labels (default: all)")
     ap.add_argument("--calibration", action="store_true",
                     help="measure the calibration at build (issue 33) on each document instead")
+    ap.add_argument("--cost", action="store_true",
+                    help="where the calibration's time goes against the prefill, per evaluation-sequence variant")
+    ap.add_argument("--variant", action="append", type=parse_variant,
+                    help="with --cost: NAME=SLICE:ANSWER, the first the reference (default: v3=32:8 and b=8:4)")
     args = ap.parse_args()
+    if args.cost:
+        variants, lm, results = args.variant or [("v3", 32, 8), ("b", 8, 4)], load_model("default"), []
+        for path in args.pairs:  # written after each document: a long run keeps what it measured
+            results.append(document_run(path, lm, variants))
+            Path(args.json).write_text(json.dumps({"model": "default (SmolLM2-135M-Instruct)", "machine":
+                                                   f"{platform.machine()} CPU, {os.cpu_count()} cores, "
+                                                   f"{platform.node()}", "results": results}, indent=1))
+        return
     if args.calibration:
         lm, results = load_model("default"), []
         for d in args.pairs:  # written after each document: a long run keeps what it measured
