@@ -3,7 +3,7 @@ pass over the reference K/V and over the K/V under test; per position, KL (refer
 argmax agrees. Two subcommands:
 
     presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu] [--extra T,...] [--heavy] [--attention]
-    blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--dtype float32]
+    blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--questions Q.jsonl]
 
 `presets` (issue 33): calibrated presets against fp16 on real questions, without building cartridges. DOC is
 prefilled, each question answered greedily (50 tokens) over the fp16-rounded K/V (cached beside OUT as
@@ -38,7 +38,10 @@ choice of the stored tokens differs between strategies:
                  additive approximation of the best set; not deployable)
 
 With --bleu R,..., each setting at those ratios also answers every question greedily (the report's max_tokens)
-and is compared with the report's reference answers (`metrics.compare_answers`: BLEU, first token, exact).
+and is compared with the report's reference answers (`metrics.compare_answers`: BLEU, first token, exact): the
+answer is the reference's up to its first teacher-forced argmax difference and generated from there. --questions
+Q.jsonl asks those instead of the report's; their reference answers are greedy (--max-tokens) over the fresh
+prefill of the composed tokens (R = 1 answers alike: docs/evaluation.md).
 
     PYTHONPATH=. python benchmarks/agreement.py {presets,blend} --help
 """
