@@ -3,7 +3,7 @@ pass over the reference K/V and over the K/V under test; per position, KL (refer
 argmax agrees. Two subcommands:
 
     presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu] [--extra T,...] [--heavy] [--attention]
-    blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--dtype float32]
+    blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--questions Q.jsonl]
 
 `presets` (issue 33): calibrated presets against fp16 on real questions, without building cartridges. DOC is
 prefilled, each question answered greedily (50 tokens) over the fp16-rounded K/V (cached beside OUT as
@@ -30,13 +30,18 @@ choice of the stored tokens differs between strategies:
                  a selection pass stopped at layer N would see)
     alldev       deviation summed over all layers (full information; not deployable)
     first/last   B's first / last stored tokens; random: a fixed-seed sample
+    qmass*alldev alldev x the attention mass the questions' own prompts + reference answers put on each token
+                 (an oracle of the answers' needs; not deployable)
     mass         attention mass that probe rows (a generic question, `blend.PROBE`) put on each stored token,
                  summed over layers and heads, on the R = 0 composition (`blend.probe_mass`)
     oracle       blocks of 32 tokens ranked by how much recomputing each block alone lowers the KL (measured;
                  additive approximation of the best set; not deployable)
 
 With --bleu R,..., each setting at those ratios also answers every question greedily (the report's max_tokens)
-and is compared with the report's reference answers (`metrics.compare_answers`: BLEU, first token, exact).
+and is compared with the report's reference answers (`metrics.compare_answers`: BLEU, first token, exact): the
+answer is the reference's up to its first teacher-forced argmax difference and generated from there. --questions
+Q.jsonl asks those instead of the report's; their reference answers are greedy (--max-tokens) over the fresh
+prefill of the composed tokens (R = 1 answers alike: docs/evaluation.md).
 
     PYTHONPATH=. python benchmarks/agreement.py {presets,blend} --help
 """
@@ -57,7 +62,8 @@ from cartridge import blend
 from cartridge.build import prefill
 from cartridge.calibrate import fitting, measure, search, sequence
 from cartridge.compose import ComposedCartridge, Part, compose
-from cartridge.eval.composed import by_class, timed_greedy
+from cartridge.eval.composed import by_class, sources, timed_greedy
+from cartridge.eval.dataset import load_questions
 from cartridge.eval.metrics import sentence_bleu
 from cartridge.models.prompt import SEPARATOR, prefix_tokens, prompt_mode, question_tokens
 from cartridge.tiers import TIERS, protect
@@ -214,7 +220,8 @@ BLOCK = 32
 class Pair:
     """The pair's cartridges, questions, reference log-probs and per-layer deviations of B's stored tokens."""
 
-    def __init__(self, report, dtype="auto", select_layer=blend.DEFAULT_SELECT_LAYER, model="default"):
+    def __init__(self, report, dtype="auto", select_layer=blend.DEFAULT_SELECT_LAYER, model="default", questions=None,
+                 max_tokens=32):
         self.report, self.select_layer = report, select_layer
         self.lm = cartridge.load_model(model, dtype=dtype)
         self.carts = [cartridge.load(d["cartridge"]["path"], model=self.lm) for d in report["documents"]]
@@ -242,31 +249,70 @@ class Pair:
             stored = blend.stored_kv(Part(self.carts[-1].prefixes[layer], self.shift, self.start), base._ropes[layer])
             self.dev.append(np.array(blend.deviation(fresh, stored)))
         self.dev = np.array(self.dev)
+        if questions is not None:  # their reference answers: greedy over the fresh prefill of the composed tokens
+            self.questions, self.max_tokens = questions, max_tokens
+            self.answers = []
+            for q in questions:
+                self.answers.append(self.greedy(base.question_prompt(q["question"]), max_tokens, lambda: ref))
+                trim_prompt_cache(ref, ref[0].offset - len(base.tokens))
+        else:
+            self.questions, self.max_tokens = report["questions"], report["settings"]["max_tokens"]
+            self.answers = report["reference"]["answers"]
         self.rows = []
-        for q, a in zip(report["questions"], report["reference"]["answers"]):
-            prompt = base.question_prompt(q["question"]) + a["tokens"]
-            self.rows.append((q["id"], prompt, log_probs(model, prompt, ref)))
-            trim_prompt_cache(ref, len(prompt))
+        for q, a in zip(self.questions, self.answers):
+            asked = base.question_prompt(q["question"])
+            prompt = asked + a["tokens"]
+            self.rows.append((q["id"], prompt, log_probs(model, prompt, ref), len(asked), a))
+            trim_prompt_cache(ref, ref[0].offset - len(base.tokens))
         self.mass = np.array(blend.probe_mass(model, base.prompt_cache(), base.question_prompt(blend.PROBE)))
 
-    def score(self, comp):
-        """Mean KL (fresh || composed) and top-1 agreement over every question's prompt + reference answer."""
+    def question_mass(self):
+        """Attention mass that the questions' own prompts + reference answers put on B's stored tokens over the R = 0
+        composition, summed over questions (`blend.probe_mass`; not deployable: the questions come later)."""
+        if not hasattr(self, "_qmass"):
+            self._qmass = sum(np.array(blend.probe_mass(self.lm.model, self.base.prompt_cache(), prompt))
+                              for _, prompt, *_ in self.rows)
+        return self._qmass
+
+    def greedy(self, prompt, max_tokens, make_cache):
+        """`timed_greedy`'s answer {"tokens", "text"}, the text decoded from the tokens (EOS left out)."""
+        tokens = timed_greedy(self.lm.model, self.lm.tokenizer, prompt, max_tokens, make_cache)["tokens"]
+        return {"tokens": tokens, "text": self.text(tokens)}
+
+    def text(self, tokens):
+        eos = set(self.lm.tokenizer.eos_token_ids)
+        return self.lm.tokenizer.decode([t for t in tokens if t not in eos])
+
+    def score(self, comp, bleu=False):
+        """Mean KL (fresh || composed) and top-1 agreement over every question's prompt + reference answer; with
+        `bleu`, also the greedy answers over `comp` against the reference answers (all / one document / both).
+
+        The greedy answer follows the composed argmax: it equals the reference up to the first position where the
+        teacher-forced argmax differs from the reference token (the same contexts before it), so only the rest is
+        generated (`timed_greedy` from there, to the answer's max tokens)."""
         kl = agree = n = 0
-        per = {}
-        for qid, prompt, ref in self.rows:
-            k, same = compare(ref, log_probs(self.lm.model, prompt, comp.prompt_cache()))
+        per, answers = {}, []
+        for qid, prompt, ref, asked, a in self.rows:
+            got = log_probs(self.lm.model, prompt, comp.prompt_cache())
+            k, same = compare(ref, got)
             per[qid] = float(k.sum()) / len(ref)
             kl, agree, n = kl + float(k.sum()), agree + int(same.sum()), n + len(ref)
-        return {"mean_kl": kl / n, "agree": agree, "n": n, "per_question_kl": per}
-
-    def bleu(self, comp):
-        """Greedy answers over `comp` against the report's reference answers, all / one document / both."""
-        r = self.report
-        answers = [timed_greedy(self.lm.model, self.lm.tokenizer, comp.question_prompt(q["question"]),
-                                r["settings"]["max_tokens"], comp.prompt_cache) for q in r["questions"]]
-        got = by_class(answers, r["reference"]["answers"], r["questions"])
-        return {"bleu": {k: (v["bleu"] if v else None) for k, v in got.items()},
-                "first_token": got["all"]["first_token"], "exact": got["all"]["exact"]}
+            if bleu:
+                hits = got[asked - 1:asked - 1 + len(a["tokens"])].argmax(-1) == np.array(a["tokens"])
+                d = int(np.argmin(hits)) if not hits.all() else len(hits)
+                tail = [] if d == len(hits) else self.greedy(prompt[:asked + d], self.max_tokens - d,
+                                                             comp.prompt_cache)["tokens"]
+                tokens = a["tokens"][:d] + tail
+                answers.append({"tokens": tokens, "text": self.text(tokens)})
+        out = {"mean_kl": kl / n, "agree": agree, "n": n, "per_question_kl": per}
+        if bleu:
+            refs = [{"tokens": a["tokens"], "text": self.text(a["tokens"])} for *_, a in self.rows]
+            got = by_class(answers, refs, self.questions)
+            out.update(bleu={k: (v["bleu"] if v else None) for k, v in got.items()},
+                       first_token=got["all"]["first_token"], exact=got["all"]["exact"],
+                       per_question_bleu=[r["bleu"] for r in got["all"]["per_question"]],
+                       answers=[a["tokens"] for a in answers])
+        return out
 
 
 def top(scores, k):
@@ -297,6 +343,7 @@ def strategies(pair, rng_seed=0):
         "alldev": lambda k: top(pair.dev.sum(0), k),
         "mass": lambda k: top(pair.mass, k),
         "mass*alldev": lambda k: top(pair.mass * pair.dev.sum(0), k),
+        "qmass*alldev": lambda k: top(pair.question_mass() * pair.dev.sum(0), k),
     }
     for layer in (1, 4, 8, 16):
         if layer < len(pair.dev):
@@ -350,7 +397,8 @@ def block_oracle(pair, log):
 def blend_main(args):
     report = json.loads(Path(args.report).read_text())
     t0 = time.perf_counter()
-    pair = Pair(report, args.dtype, args.select_layer, args.model)
+    questions = load_questions(args.questions, sources(len(report["documents"]))) if args.questions else None
+    pair = Pair(report, args.dtype, args.select_layer, args.model, questions, args.max_tokens)
 
     def log(s):
         print(f"[{time.perf_counter() - t0:7.1f}s] {s}", flush=True)
@@ -363,6 +411,8 @@ def blend_main(args):
     table = strategies(pair)
     result = {"report": args.report, "select_layer": args.select_layer, "n_fresh": pair.n_fresh,
               "n_read": pair.n_read, "probe": blend.PROBE, "deviation_per_layer": pair.dev.mean(1).tolist(),
+              "questions": args.questions or "the report's", "max_tokens": pair.max_tokens,
+              "reference_answers": [a["tokens"] for a in pair.answers], "load_average_start": os.getloadavg(),
               "rows": []}
     if args.oracle:
         gain, blocks = block_oracle(pair, log)
@@ -384,10 +434,11 @@ def blend_main(args):
                 row = {"strategy": name, "ratio": ratio, "recomputed": b["fresh"] + b["selected"],
                        "of": b["fresh"] + b["read"], "compose_s": cs, "select_s": b["select_s"],
                        "selected_p10_p50_p90": [int(q(at, p)) for p in (10, 50, 90)] if len(at) else [],
-                       **pair.score(comp), **(pair.bleu(comp) if ratio in bleu_at else {})}
+                       **pair.score(comp, ratio in bleu_at)}
                 if key:
                     done[key] = row
             result["rows"].append(row)
+            result["load_average_end"], result["seconds"] = os.getloadavg(), time.perf_counter() - t0
             log(f"R {ratio:.2f} {name:12s} recomputed {row['recomputed']:4d}/{row['of']} kl {row['mean_kl']:.5f} "
                 f"top1 {row['agree']}/{row['n']} bleu {row.get('bleu', {}).get('all', -1):.3f} "
                 f"sel {row['selected_p10_p50_p90']} compose {row['compose_s']:.1f}s")
@@ -417,6 +468,9 @@ def main():
     b.add_argument("--strategies", default="deviation,attention,first,random")
     b.add_argument("--oracle", action="store_true")
     b.add_argument("--bleu", default="", help="ratios at which to answer greedily too, e.g. 0.1,0.2,0.3")
+    b.add_argument("--questions", help="JSONL questions asked instead of the report's; their reference answers are "
+                   "then greedy over the fresh prefill of the composed tokens")
+    b.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per reference answer (with --questions)")
     b.add_argument("--dtype", default="auto")
     b.add_argument("--select-layer", type=int, default=blend.DEFAULT_SELECT_LAYER)
     b.add_argument("--model", default="default", help="the model the report's cartridges were built with")

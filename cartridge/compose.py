@@ -28,7 +28,7 @@ from .format.header import require_attention_layers
 from .models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
-DEFAULT_RECOMPUTE_RATIO = 0.0  # 0.1-0.3 raised BLEU on one pair, not on another (docs/evaluation.md)
+DEFAULT_RECOMPUTE_RATIO = 0.0  # 0.2 raised BLEU on two pairs, on one within noise (docs/evaluation.md)
 MAX_BOUNDARY_SHIFT = 64  # stored tokens a seam may move on to find ids that tokenize back unchanged
 
 
