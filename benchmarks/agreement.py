@@ -17,6 +17,8 @@ Per variant, three more searches over the same measurement: --extra T,... measur
 candidates and chooses among all ("VARIANT+extra/PRESET"); --heavy keeps the measured heavy hitters (leading
 tokens) in fp16, their bytes taken from the budget ("VARIANT+heavy/PRESET"); --attention chooses by the summed
 attention-output error alone, every layer weighted alike, without the walk's KL ("VARIANT+attention/PRESET").
+`presets` also knows the benchmark-only prototype tiers int5 and int5+rot (`PROTOTYPES`, not registered in the
+package), so --extra int5+rot / --fixed int5+rot/int5+rot measure a 5-bit tier without a format change.
 
 `blend` (issue 33 item 3): which tokens of a later document to recompute. For the pair of a
 `cartridge eval A B --json` report, every question's reference answer (recompute-all's greedy answer there) is
@@ -66,7 +68,9 @@ from cartridge.eval.composed import by_class, sources, timed_greedy
 from cartridge.eval.dataset import load_questions
 from cartridge.eval.metrics import sentence_bleu
 from cartridge.models.prompt import SEPARATOR, prefix_tokens, prompt_mode, question_tokens
-from cartridge.tiers import TIERS, protect
+from cartridge.tiers import TIERS, bitpack, protect
+from cartridge.tiers.affine import AffineCodec, affine_values
+from cartridge.tiers.rotation import RotatedCodec
 
 
 def log_probs(model, ids, cache, start=0):
@@ -82,6 +86,27 @@ def compare(ref, got):
 
 
 # ---- presets ------------------------------------------------------------------------------------------------
+
+class Int5Codec(AffineCodec):
+    """Benchmark-only prototype int5 (issue 33): 5-bit affine, group 32, fp16 scale and bias, 5 * kv_dim/8 +
+    kv_dim/8 bytes per token per layer-side (144 B at kv_dim 192). Not a registered tier (no spec entry, no kernel
+    layout): `PROTOTYPES` are added to this process's TIERS so --extra / --fixed can name int5 and int5+rot. Codes
+    are packed LSB first (`bitpack.pack`), the layout `mx.dequantize(bits=5)` reads; encoder `affine_encode`."""
+
+    name = "int5"
+    bits = 5
+    formula = "5 * kv_dim/8 + kv_dim/8"
+
+    def decode(self, parts, params):
+        if mx.default_device() != mx.cpu:
+            return super().decode(parts, params)
+        d = parts["codes"].shape[-1] * 32 // self.bits
+        codes = bitpack.unpack(parts["codes"], self.bits, d)  # (..., D) uint32
+        return affine_values(codes, parts["scales"], parts["biases"], self.group_size)
+
+
+PROTOTYPES = {c.name: c for c in (Int5Codec(), RotatedCodec(Int5Codec()))}
+
 
 ANSWER_TOKENS = 50
 P3 = ("What is this document about? Answer in one sentence.", "Quote the first sentence of the document.",
@@ -183,6 +208,7 @@ def searches(args, sens, run, candidates):
 
 
 def presets_main(args):
+    TIERS.update(PROTOTYPES)  # this process only
     run = Presets(cartridge.load_model(args.model), args.doc, args.questions, args.out + ".answers.json")
     fp16_bpt = len(run.kv) * 2 * TIERS["fp16"].bytes_per_token(*run.shapes["k"])
     candidates, extra = fitting(run.shapes), tuple(filter(None, args.extra.split(",")))

@@ -111,3 +111,36 @@ def test_the_private_name_check_finds_what_it_looks_for():
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s.endswith(".py")])
 def test_scripts_use_only_public_cartridge_names(script):
     assert private_cartridge_names((BENCH / script).read_text()) == []
+
+
+def test_int5_prototype_codec():
+    """agreement.py's benchmark-only int5 (issue 33): 144 B per layer-side at kv_dim 192, the CPU decode equals
+    mx.dequantize(bits=5) of the same codes, |x_hat - x| <= scale / 2, int5+rot undoes its rotation, and importing
+    the script leaves the registry alone (only `presets` adds the prototypes)."""
+    import importlib.util
+
+    import cartridge  # noqa: F401  (OpenBLAS before mlx)
+    import mlx.core as mx
+    from cartridge.tiers import TIERS
+
+    spec = importlib.util.spec_from_file_location("agreement_script", BENCH / "agreement.py")
+    agreement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agreement)
+    assert "int5" not in TIERS and "int5+rot" not in TIERS
+    plain, rot = agreement.PROTOTYPES["int5"], agreement.PROTOTYPES["int5+rot"]
+    assert plain.bytes_per_token(3, 64) == rot.bytes_per_token(3, 64) == 144
+    x = mx.random.normal((3, 40, 64), key=mx.random.key(5)) * 3  # (n_kv, T, D)
+    params = plain.make_params(x, 0, "k")
+    parts = plain.encode(x, params)
+    assert parts["codes"].shape == (3, 40, 10) and parts["scales"].shape == (3, 40, 2)
+    with mx.stream(mx.cpu):
+        got = plain.decode(parts, params)
+        ref = mx.dequantize(parts["codes"], parts["scales"].astype(mx.float32), parts["biases"].astype(mx.float32),
+                            group_size=32, bits=5, dtype=mx.float32)
+        assert mx.array_equal(got, ref).item()
+        half = mx.repeat(parts["scales"].astype(mx.float32), 32, axis=-1) / 2
+        assert mx.all(mx.abs(got - x) <= half * (1 + 1e-5)).item()
+        rparams = rot.make_params(x, 3, "v")
+        back = rot.decode(rot.encode(x, rparams), rparams)
+        err = float(mx.sqrt(mx.mean((back - x) ** 2)))
+        assert 0 < err < 0.5 * float(mx.sqrt(mx.mean(x ** 2))) / 8  # 5 bits: well under 1/16 of the RMS
