@@ -376,6 +376,7 @@ def _prefill_table(rows):
 
 
 QUESTION_TOKENS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+QUESTION_CONTEXTS = (131072, 32768)
 
 
 def questions():
@@ -384,7 +385,7 @@ def questions():
     prefill kernel over the pages at every L (`kernel`: DENSE_ROWS widened); what the backend does now (`routed`).
     Each output's max abs difference from `contiguous`."""
     rows, saved = [], dict(cuda_prefill.DENSE_ROWS)
-    for n in (131072, 32768):
+    for n in QUESTION_CONTEXTS:
         k, v = bench.random_kv(N_KV, n, D, seed=n)
         for tier in ("fp16", "bf16"):
             dtype = mx.bfloat16 if tier == "bf16" else mx.float16
