@@ -123,6 +123,11 @@ def test_questions_in_the_kernels_rows_go_to_the_pages_and_later_steps_see_their
     assert on.on_pages(fast, q16) is not None
     assert on.on_pages(fast, q16.astype(mx.float32)) is None  # float32 queries: the buffer (exact)
     assert on.on_pages(fast, q16[:, :, :1]) is None  # decode: the buffer
+    zeros = mx.zeros((N_KV, 300, D), dtype=mx.bfloat16)
+    bf16 = make_prefix(TIERS["bf16"], zeros, TIERS["bf16"], zeros, 64)
+    slow = CartridgeCache(replace(bf16, kernel=contiguous.ContiguousAttention(bf16)))
+    slow.update_and_fetch(*(mx.zeros((1, N_KV, inside, D), dtype=mx.bfloat16) for _ in range(2)))
+    assert slow.prefix.kernel.on_pages(slow, q16.astype(mx.bfloat16)) is None  # bf16 pages: not measured, the buffer
     monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", False)
     assert on.on_pages(fast, q16) is None
 

@@ -16,7 +16,7 @@ The buffer is a second copy of the prefix beside the pages (made on the first ca
 again when a call comes from another thread than the last).
 
 A question (more than one query token) whose rows per KV head `cuda_prefill`'s tensor-core kernel answers over
-dense pages (`cuda_prefill.DENSE_ROWS`, measured faster than MLX's SDPA there) is answered by that kernel over the
+fp16 pages (`cuda_prefill.DENSE_ROWS`, measured faster than MLX's SDPA there on an H200) is answered by that kernel over the
 pages themselves (`cuda.FusedAttention`, built on the first such call), not from the buffer: its tokens stay in the
 cache's tail, and the next call that reads the buffer copies them in (`written_from` is left where it was). Decode
 steps always read the buffer.
@@ -65,13 +65,17 @@ class ContiguousAttention:
 
     def on_pages(self, cache, queries, sinks=None):
         """The kernel over the pages that answers this call instead of the buffer, or None: a question (L > 1)
-        whose rows `cuda_prefill`'s kernel takes for these pages (`cuda.FusedAttention.prefill_kernel_takes`: rows
-        within `cuda_prefill.DENSE_ROWS`, fp16/bf16 queries, a GPU with tensor cores), while QUESTIONS_ON_PAGES."""
+        whose rows `cuda_prefill`'s kernel takes for these pages (K a tier of `cuda_prefill.DENSE_ROWS`, rows within
+        it, fp16/bf16 queries, a GPU with tensor cores: `cuda.FusedAttention.prefill_kernel_takes`), while
+        QUESTIONS_ON_PAGES; bf16 pages keep the buffer (not measured)."""
         if not QUESTIONS_ON_PAGES or queries.shape[2] < 2:
             return None
         if self.fused is None:
             self.fused = self.without_copy()
-        return self.fused if self.fused.prefill_kernel_takes(cache, queries, sinks) else None
+        from . import cuda_prefill
+
+        takes = self.fused.k_spec[0] in cuda_prefill.DENSE_ROWS and self.fused.prefill_kernel_takes(cache, queries, sinks)
+        return self.fused if takes else None
 
     def _layout(self, parts, dtype, capacity):
         """A side's pages (n_pages, n_kv, P, D) as (1, n_kv, capacity, D) of `dtype`: the prefix, then zeros."""

@@ -45,11 +45,12 @@ MIN_ROWS = 128  # query rows per KV head from which `cuda.FusedAttention` takes 
 MAX_ROWS = 255
 MAX_ROWS_WIDE = 256
 WIDE = frozenset(((AFF4, 0), (TURBO, 3)))
-# dense K pages (an fp16/bf16 cartridge, no decode in the kernel): the rows from and up to which the kernel answers,
-# also for `contiguous.ContiguousAttention`'s questions (MLX's SDPA over the buffer otherwise). On an H200 the kernel
-# over fp16 pages took 0.21x / 0.56x / 1.90x MLX's SDPA at 128 / 256 / 1,024 rows (131,072 tokens, h200-s5-prefill);
-# the range here is the measured one of docs/performance.md "2026-12-05" (benchmarks/gpu_floor.py --part questions)
-DENSE_ROWS = {FP16: (64, 511), BF16: (64, 511)}
+# fp16 K pages (no decode in the kernel): the rows from and up to which the kernel answers, also for the questions of
+# `contiguous.ContiguousAttention` (MLX's SDPA over its buffer otherwise, 1.00x). The two rows measured on an H200
+# (benchmarks/results/h200-s5-prefill.json, 131,072 tokens, 8 warps): 0.21x MLX's SDPA at 128 rows, 0.56x at 256
+# (1.90x at 1,024). Rows outside them, bf16 pages and 32,768 tokens were not measured (the sweep of
+# `benchmarks/gpu_floor.py --part questions` did not get a GPU on 2026-12-05).
+DENSE_ROWS = {FP16: (128, 256)}
 TIERS = (FP16, BF16, AFF8, AFF6, AFF4, KIVI4, MXFP8, MXFP4, NVFP4, TURBO)  # the tiers flash_pass1_tc reads
 HEAD_DIMS = (64, 128)
 CALL = ("cart::prefill_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS>(q, SCALE, (const void*)k0, (const void*)k1, "
@@ -96,7 +97,7 @@ def _kernel(header, digest, consts, shared_memory):
 
 def row_range(k_spec, rotated=False):
     """(fewest, most) query rows per KV head `prefill_tc` answers for K pages of kernel tier `k_spec`: DENSE_ROWS for
-    unrotated fp16/bf16 pages, (MIN_ROWS, MAX_ROWS_WIDE) for the unrotated (tier, bits) in WIDE, else
+    unrotated fp16 pages, (MIN_ROWS, MAX_ROWS_WIDE) for the unrotated (tier, bits) in WIDE, else
     (MIN_ROWS, MAX_ROWS)."""
     if not rotated and k_spec[0] in DENSE_ROWS:
         return DENSE_ROWS[k_spec[0]]
