@@ -375,22 +375,80 @@ def _prefill_table(rows):
         print(f"{key[0]:>7} {key[1]:>4} {key[2]:12} sdpa {base[key[:2]]:.0f} us | " + ", ".join(cells), flush=True)
 
 
-PARTS = {"floors": floors, "e2e": e2e, "sweep": sweep, "profile": profile, "prefill": prefill}
+QUESTION_TOKENS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+QUESTION_CONTEXTS = (131072, 32768)
 
 
-def part_main(part, out):
-    """One part of issue 34 (`--part`): writes out/h200-{part}.json and, for `dense`, prints a table."""
+def questions():
+    """A question (L tokens, causal) over an fp16 / bf16 cartridge's pages at 32K and 128K tokens: MLX's SDPA over
+    one (1, n_kv, N + L, D) cache (`sdpa`); the contiguous buffer (`contiguous`: QUESTIONS_ON_PAGES off); the
+    prefill kernel over the pages at every L (`kernel`: DENSE_ROWS widened); what the backend does now (`routed`).
+    Each output's max abs difference from `contiguous`."""
+    rows, saved = [], dict(cuda_prefill.DENSE_ROWS)
+    for n in QUESTION_CONTEXTS:
+        k, v = bench.random_kv(N_KV, n, D, seed=n)
+        for tier in ("fp16", "bf16"):
+            dtype = mx.bfloat16 if tier == "bf16" else mx.float16
+            prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE)
+            mx.eval(prefix.k_parts, prefix.v_parts)
+            kernel = contiguous.ContiguousAttention(prefix)
+            for L in QUESTION_TOKENS:
+                q = mx.random.normal((1, N_Q, L, D)).astype(dtype)
+                new = mx.random.normal((1, N_KV, L, D)).astype(dtype)
+                dk = mx.concatenate([k[None].astype(dtype), new], axis=2)
+                dv = mx.concatenate([v[None].astype(dtype), new], axis=2)
+                mx.eval(q, new, dk, dv)
+                info = {"tier": tier, "context": n, "query_tokens": L, "rows": N_Q // N_KV * L}
+                us = bench.timeit(lambda x: mx.fast.scaled_dot_product_attention(x, dk, dv, scale=SCALE,
+                                                                                  mask="causal"), 5, inner=10, chain=q)
+                rows.append({**info, "variant": "sdpa", "us": us * 1e6})
+                del dk, dv
+                c = CartridgeCache(replace(prefix, kernel=kernel))
+                c.update_and_fetch(new, new)
+                ref = None
+                for name, on_pages, widen in (("contiguous", False, False), ("kernel", True, True),
+                                              ("routed", True, False)):
+                    contiguous.QUESTIONS_ON_PAGES = on_pages
+                    cuda_prefill.DENSE_ROWS = {t: (1, 1 << 30) for t in saved} if widen else dict(saved)
+                    row = {**info, "variant": name, "error": None,
+                           "on_pages": kernel.on_pages(c, q) is not None}
+                    try:
+                        got = c.attention(q, SCALE, "causal")
+                        mx.eval(got)
+                        ref = got if ref is None else ref
+                        row["us"] = bench.timeit(lambda x: c.attention(x, SCALE, "causal"), 5, inner=10, chain=q) * 1e6
+                        row["max_abs_vs_contiguous"] = float(mx.max(mx.abs(got.astype(mx.float32) -
+                                                                           ref.astype(mx.float32))))
+                    except Exception as e:  # recorded: a path that does not run here
+                        row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
+                    rows.append(row)
+                contiguous.QUESTIONS_ON_PAGES, cuda_prefill.DENSE_ROWS = True, dict(saved)
+                base = rows[-4]["us"]
+                print(" ".join(f"{r['variant']} {r['us'] / base:.3f}x" if r["us"] else f"{r['variant']} -"
+                               for r in rows[-3:]), f"| {tier} {n} L={L} sdpa {base:.0f} us", flush=True)
+                del c
+                mx.clear_cache()
+            del prefix, kernel
+            mx.clear_cache()
+    return rows
+
+
+PARTS = {"floors": floors, "e2e": e2e, "sweep": sweep, "profile": profile, "prefill": prefill, "questions": questions}
+
+
+def part_main(part, out, label="h200"):
+    """One part of issue 34 (`--part`): writes out/{label}-{part}.json and, for `dense`, prints a table."""
     result = {"device": mx.device_info(), "mlx": mx.__version__, "dense": [], "floors": []}
     result["copy_bytes_per_s"] = bench.copy_bandwidth(1 << 30)
     if part != "dense":
         result[part] = PARTS[part]()
-        json.dump(result, open(f"{out}/h200-{part}.json", "w"), indent=1, default=str)
+        json.dump(result, open(f"{out}/{label}-{part}.json", "w"), indent=1, default=str)
         return
     for n in (32768, 131072):
         for tier in ("fp16", "bf16"):
             result["dense"] += dense_rows(n, tier)
             mx.clear_cache()
-        json.dump(result, open(f"{out}/h200-dense.json", "w"), indent=1, default=str)
+        json.dump(result, open(f"{out}/{label}-dense.json", "w"), indent=1, default=str)
     base = {(r["tier"], r["context"], r["query_tokens"]): r["us"] for r in result["dense"] if r["variant"] == "sdpa"}
     print(f"copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     print(f"{'tier':5} {'context':>7} {'L':>4} {'variant':16} {'us':>8} {'vs sdpa':>8} {'err':>9}")
@@ -408,12 +466,13 @@ def part_main(part, out):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="The floor under the 128K decode-step target on a CUDA GPU: dense "
                                      "SDPA, the fused mlx4g32 step and plain streaming reads of the same bytes.")
-    parser.add_argument("out", help="folder for h200-floor.json (or h200-PART.json)")
+    parser.add_argument("out", help="folder for h200-floor.json (or LABEL-PART.json)")
+    parser.add_argument("--label", default="h200", help="the files' prefix (the card and session: h100-s7)")
     parser.add_argument("--part", choices=("dense", *PARTS), default=None, help="instead: one part of issue 34 (dense "
                         "pages against MLX's SDPA; decode tokens/s end to end; each tier's bare read; launch shapes of "
                         "the fused decode; two steps each of mlx4g32 and turbo3 for ncu; a question's prefill paths)")
     args = parser.parse_args()
     if args.part:
-        part_main(args.part, args.out)
+        part_main(args.part, args.out, args.label)
     else:
         main(args.out)

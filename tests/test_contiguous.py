@@ -98,3 +98,48 @@ def test_place_counts_the_copy_and_keeps_a_memory_budget(prefix, monkeypatch):
     out, report = policy.place([prefix], "fused", mx.float16, [(D, D)], max_memory=prefix.nbytes + need - 1)
     assert out[0].kernel == "flash kernel"  # the copy would not fit: the flash kernel reads the pages as they are
     assert report["memory"]["resident_bytes"] == prefix.nbytes
+
+
+def test_questions_in_the_kernels_rows_go_to_the_pages_and_later_steps_see_their_tokens(prefix, monkeypatch):
+    """The route of item 1 (issue 34) on the CPU: with the prefill kernel's conditions met (tensor cores patched
+    in), a question within `cuda_prefill.DENSE_ROWS` goes to `cuda.FusedAttention` over the pages, here answered
+    by the portable path (the kernel returns None), and leaves the buffer alone; decode steps, and questions
+    outside the rows, read the buffer, which then holds the routed question's tokens."""
+    from cartridge.attention.kernels import cuda, cuda_prefill
+
+    monkeypatch.setattr(cuda, "has_tensor_cores", lambda: True)
+    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # off by default until run on a GPU
+    routed = []
+    monkeypatch.setattr(cuda.FusedAttention, "__call__", lambda self, c, q, *a: routed.append(q.shape[2]))
+    lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]
+    group = N_Q // N_KV
+    inside, outside = -(-lo // group), hi // group + 1  # question tokens within / past the rows
+    fast, ref = _pair(prefix)
+    for i, L in enumerate([inside, 1, 1, outside, 1, inside, inside, 1]):
+        got, want = _step16([fast, ref], L, 300 + i)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"step {i}, {L} tokens")
+    assert routed == [inside] * 3
+    on = fast.prefix.kernel
+    q16 = mx.zeros((1, N_Q, inside, D), dtype=mx.float16)
+    assert on.on_pages(fast, q16) is not None
+    assert on.on_pages(fast, q16.astype(mx.float32)) is None  # float32 queries: the buffer (exact)
+    assert on.on_pages(fast, q16[:, :, :1]) is None  # decode: the buffer
+    zeros = mx.zeros((N_KV, 300, D), dtype=mx.bfloat16)
+    bf16 = make_prefix(TIERS["bf16"], zeros, TIERS["bf16"], zeros, 64)
+    slow = CartridgeCache(replace(bf16, kernel=contiguous.ContiguousAttention(bf16)))
+    slow.update_and_fetch(*(mx.zeros((1, N_KV, inside, D), dtype=mx.bfloat16) for _ in range(2)))
+    assert slow.prefix.kernel.on_pages(slow, q16.astype(mx.bfloat16)) is None  # bf16 pages: not measured, the buffer
+    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", False)
+    assert on.on_pages(fast, q16) is None
+
+
+def _step16(caches, L, seed):
+    """`_step` with float16 queries, keys and values (the prefill kernel takes fp16/bf16 queries only)."""
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((1, N_Q, L, D), key=kq).astype(mx.float16)
+    k, v = (mx.random.normal((1, N_KV, L, D), key=x).astype(mx.float16) for x in (kk, kv))
+    outs = []
+    for c in caches:
+        c.update_and_fetch(k, v)
+        outs.append(np.array(c.attention(q, D ** -0.5, mask="causal" if L > 1 else None).astype(mx.float32)))
+    return outs

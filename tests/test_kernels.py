@@ -387,6 +387,7 @@ def test_question_prefill_kernel_matches_float64(tier, shape, dtype, monkeypatch
 
     monkeypatch.setattr(cuda, "POISON", float("nan"))
     monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
+    monkeypatch.setattr(cuda_prefill, "DENSE_ROWS", {})  # fp16/bf16 pages too from one row
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 6))
     kernel = cuda.FusedAttention(prefix)
     n_q, n_kv, D, _, _, _, L = shape
@@ -412,6 +413,7 @@ def test_question_prefill_kernel_protected_tokens_match_float64(tier, shape, fir
 
     monkeypatch.setattr(cuda, "POISON", float("nan"))
     monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
+    monkeypatch.setattr(cuda_prefill, "DENSE_ROWS", {})  # fp16/bf16 pages too from one row
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 7))
     prefix = with_protected(prefix, first, last, shape[2])
     got = _run(replace(prefix, kernel=cuda.FusedAttention(prefix)), q, tk, tv, mx.float16)
@@ -428,6 +430,7 @@ def test_question_prefill_kernel_sinks_match_float64(tier, monkeypatch):
 
     monkeypatch.setattr(cuda, "POISON", float("nan"))
     monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
+    monkeypatch.setattr(cuda_prefill, "DENSE_ROWS", {})  # fp16/bf16 pages too from one row
     shape = (32, 8, 128, 777, 128, 20, 5)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 8))
     sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3
@@ -476,6 +479,41 @@ def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
     assert errors == []
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
+@pytest.mark.parametrize("tier, dtype", [("fp16", mx.float16), ("fp16", mx.bfloat16)])
+def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype, monkeypatch):
+    """An fp16 cartridge's question within `cuda_prefill.DENSE_ROWS` is answered by the prefill kernel over
+    the pages (the contiguous buffer untouched), and the decode steps after it, from the buffer, see its tokens."""
+    from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
+
+    monkeypatch.setattr(cuda, "POISON", float("nan"))
+    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # off by default until run on a GPU
+    shape = (32, 8, 128, 5003, 256, 40, 40)  # 160 rows per KV head
+    lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]
+    assert lo <= 160 <= hi
+    prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 9))
+    kernel = contiguous.ContiguousAttention(prefix)
+    calls = []
+    monkeypatch.setattr(cuda_prefill, "pass1", lambda *a, _f=cuda_prefill.pass1: calls.append(1) or _f(*a))
+    cache = _cache(replace(prefix, kernel=kernel), tk, tv, dtype)
+    got = np.array(cache.attention(mx.array(q).astype(dtype), shape[2] ** -0.5,
+                                   "causal").astype(mx.float32))[0]
+    assert calls == [1] and kernel.keys is None
+    r16 = [np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, tk, tv)]
+    tol = TOL_FP16 if dtype == mx.float16 else TOL_BF16
+    _check(prefix, *r16, got, f"question on the pages {tier} {dtype}", tol=tol)
+    rng = np.random.default_rng(5)
+    for step in range(2):
+        q1, k1, v1 = (rng.standard_normal((1, n, 1, shape[2])).astype(np.float32) for n in (32, 8, 8))
+        cache.update_and_fetch(mx.array(k1).astype(dtype), mx.array(v1).astype(dtype))
+        r16[1], r16[2] = (np.concatenate([t, np.array(mx.array(a).astype(dtype).astype(mx.float32))], axis=2)
+                          for t, a in ((r16[1], k1), (r16[2], v1)))
+        q16 = np.array(mx.array(q1).astype(dtype).astype(mx.float32))
+        got = np.array(cache.attention(mx.array(q1).astype(dtype), shape[2] ** -0.5).astype(mx.float32))[0]
+        _check(prefix, q16, r16[1], r16[2], got, f"decode step {step} after the question", tol=tol)
+    assert calls == [1] and kernel.keys is not None
+
+
 def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():
     from cartridge.attention.kernels import cuda_prefill as cp
 
@@ -485,4 +523,7 @@ def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():
     assert [cp.reads(s, s, 256, 128, f16, 256) for s in (aff4, turbo3, turbo4)] == [True, True, False]
     assert not cp.reads(aff4, aff4, 256, 128, f16, 256, rotated=True) and cp.reads(aff4, aff4, 256, 128, f16, 255, True)
     assert not cp.reads(aff4, aff4, 256, 128, mx.float32, 128)  # float32 queries: the exact paths
+    fp16 = (cp.FP16, 0, ())
+    lo, hi = cp.DENSE_ROWS[cp.FP16]  # fp16 pages: their own range
+    assert [cp.reads(fp16, fp16, 256, 128, f16, r) for r in (lo - 1, lo, hi, hi + 1)] == [False, True, True, False]
     assert not cp.reads(aff4, aff4, 8, 128, f16, 128) and not cp.reads(aff4, aff4, 256, 256, f16, 128)

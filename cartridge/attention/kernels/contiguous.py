@@ -14,6 +14,12 @@ room mirrors the tail of the cache that called last: a call from another cache f
 whole tail in, a call from the same cache copies only what was written since (`CartridgeCache.written_from`).
 The buffer is a second copy of the prefix beside the pages (made on the first call, in the queries' dtype, and
 again when a call comes from another thread than the last).
+
+A question (more than one query token) whose rows per KV head `cuda_prefill`'s tensor-core kernel answers over
+fp16 pages (`cuda_prefill.DENSE_ROWS`, measured faster than MLX's SDPA there on an H200) is answered by that kernel over the
+pages themselves (`cuda.FusedAttention`, built on the first such call), not from the buffer: its tokens stay in the
+cache's tail, and the next call that reads the buffer copies them in (`written_from` is left where it was). Decode
+steps always read the buffer.
 """
 
 import threading
@@ -24,6 +30,9 @@ import mlx.core as mx
 from ...tiers.layout import BF16, F32, FP16, layout_of
 
 ROOM_STEP = 256  # tail tokens the buffer grows by (mlx-lm's KVCache.step)
+# Questions in the kernel's rows over the pages by `cuda_prefill`: off until the route has run on a GPU (written
+# 2026-12-05 on a session that got no GPU; tests/test_kernels.py and gpu_floor.py --part questions switch it on).
+QUESTIONS_ON_PAGES = False
 
 
 class ContiguousAttention:
@@ -40,6 +49,7 @@ class ContiguousAttention:
         self.owner = None  # weakref to the cache whose tail the room holds
         self.lock = threading.Lock()  # caches of one cartridge on several threads (serve) share the buffer
         self.thread = None  # the thread whose streams the buffer's pending writes run on
+        self.fused = None  # cuda.FusedAttention over the same pages, for questions (made on the first one)
 
     def held_bytes(self, dtype):
         """Bytes of the buffers the first call lays out: both sides' prefix + `ROOM_STEP` tokens in `dtype`
@@ -54,6 +64,20 @@ class ContiguousAttention:
         from . import cuda  # (it builds CUDA arrays at import)
 
         return cuda.FusedAttention(self.prefix)
+
+    def on_pages(self, cache, queries, sinks=None):
+        """The kernel over the pages that answers this call instead of the buffer, or None: a question (L > 1)
+        whose rows `cuda_prefill`'s kernel takes for these pages (K a tier of `cuda_prefill.DENSE_ROWS`, rows within
+        it, fp16/bf16 queries, a GPU with tensor cores: `cuda.FusedAttention.prefill_kernel_takes`), while
+        QUESTIONS_ON_PAGES; bf16 pages keep the buffer (not measured)."""
+        if not QUESTIONS_ON_PAGES or queries.shape[2] < 2:
+            return None
+        if self.fused is None:
+            self.fused = self.without_copy()
+        from . import cuda_prefill
+
+        takes = self.fused.k_spec[0] in cuda_prefill.DENSE_ROWS and self.fused.prefill_kernel_takes(cache, queries, sinks)
+        return self.fused if takes else None
 
     def _layout(self, parts, dtype, capacity):
         """A side's pages (n_pages, n_kv, P, D) as (1, n_kv, capacity, D) of `dtype`: the prefix, then zeros."""
@@ -113,6 +137,9 @@ class ContiguousAttention:
         Returns:
             mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
         """
+        kernel = self.on_pages(cache, queries, sinks)
+        if kernel is not None:  # the buffer is not touched: the next call that reads it copies this call's tokens
+            return kernel(cache, queries, scale, sinks)
         with self.lock:  # MLX arrays are values: the slices keep this call's tail even if another cache syncs next
             self._sync(cache, queries.dtype)
             n = self.prefix.n_tokens + cache.tail_len

@@ -460,6 +460,16 @@ class FusedAttention:
                 and self.table_ok
                 and has_tensor_cores())
 
+    def _fits(self, cache, D, sinks):
+        """True if the kernels read this call's tail (1 to MAX_CHUNKS chunks), head_dim and sinks."""
+        n_chunks = -(-cache.tail_len // cache.chunk_size)
+        return 1 <= n_chunks <= MAX_CHUNKS and D in HEAD_DIMS and (sinks is None or SINKS_FUSED)
+
+    def prefill_kernel_takes(self, cache, queries, sinks=None):
+        """True if a call with these (1, n_q_heads, L, head_dim) queries runs `cuda_prefill`'s kernel as pass 1."""
+        _, n_q, L, D = queries.shape
+        return self._fits(cache, D, sinks) and self._prefills(n_q // self.n_kv * L, queries.dtype, D)
+
     def __call__(self, cache, queries, scale, sinks=None):
         """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
 
@@ -481,7 +491,7 @@ class FusedAttention:
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
         k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
-        fits = 1 <= n_chunks <= MAX_CHUNKS and D in HEAD_DIMS and (sinks is None or SINKS_FUSED)
+        fits = self._fits(cache, D, sinks)
         if fits and self._prefills(R, queries.dtype, D):
             *partials, prm = cuda_prefill.pass1(self, queries, scale, tail_len, source_header())
             finish = self._finish_kernel(queries.dtype, D, n_chunks, chunk_size, scale, sinks is not None)

@@ -44,7 +44,13 @@ MIN_ROWS = 128  # query rows per KV head from which `cuda.FusedAttention` takes 
 # (unrotated): mlx4g32 0.77x, turbo3 0.95x, fp16 0.56x against 1.10-1.23x decoded (the others ran at 4 warps only)
 MAX_ROWS = 255
 MAX_ROWS_WIDE = 256
-WIDE = frozenset(((AFF4, 0), (TURBO, 3), (FP16, 0)))
+WIDE = frozenset(((AFF4, 0), (TURBO, 3)))
+# fp16 K pages (no decode in the kernel): the rows from and up to which the kernel answers, also for the questions of
+# `contiguous.ContiguousAttention` (MLX's SDPA over its buffer otherwise, 1.00x). The two rows measured on an H200
+# (benchmarks/results/h200-s5-prefill.json, 131,072 tokens, 8 warps): 0.21x MLX's SDPA at 128 rows, 0.56x at 256
+# (1.90x at 1,024). Rows outside them, bf16 pages and 32,768 tokens were not measured (the sweep of
+# `benchmarks/gpu_floor.py --part questions` did not get a GPU on 2026-12-05).
+DENSE_ROWS = {FP16: (128, 256)}
 TIERS = (FP16, BF16, AFF8, AFF6, AFF4, KIVI4, MXFP8, MXFP4, NVFP4, TURBO)  # the tiers flash_pass1_tc reads
 HEAD_DIMS = (64, 128)
 CALL = ("cart::prefill_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS>(q, SCALE, (const void*)k0, (const void*)k1, "
@@ -89,17 +95,27 @@ def _kernel(header, digest, consts, shared_memory):
                                shared_memory=shared_memory)
 
 
+def row_range(k_spec, rotated=False):
+    """(fewest, most) query rows per KV head `prefill_tc` answers for K pages of kernel tier `k_spec`: DENSE_ROWS for
+    unrotated fp16 pages, (MIN_ROWS, MAX_ROWS_WIDE) for the unrotated (tier, bits) in WIDE, else
+    (MIN_ROWS, MAX_ROWS)."""
+    if not rotated and k_spec[0] in DENSE_ROWS:
+        return DENSE_ROWS[k_spec[0]]
+    wide = not rotated and (k_spec[0], k_spec[1]) in WIDE
+    return MIN_ROWS, MAX_ROWS_WIDE if wide else MAX_ROWS
+
+
 def reads(k_spec, v_spec, page, head_dim, dtype, rows, rotated=False):
     """True if `prefill_tc` answers `rows` query rows per KV head of `dtype` over sides of kernel tiers `k_spec`,
     `v_spec` ((tier id, bits, components), `cuda.tier_spec`) in pages of `page` tokens, `rotated` if either side is
-    a +rot tier: ENABLED, MIN_ROWS <= rows <= MAX_ROWS (MAX_ROWS_WIDE for the unrotated K tiers in WIDE), fp16/bf16
-    queries (the kernel rounds them and the values to fp16, as `flash_pass1_tc` does), the
-    tiers `flash_pass1_tc` reads, whole 16-token tiles in a page, head_dim 64 or 128. The caller checks the GPU
-    (tensor cores) and the TurboQuant codebooks (symmetric in fp16: looked up in registers)."""
+    a +rot tier: ENABLED, rows within `row_range`, fp16/bf16 queries (the kernel rounds them and the values to
+    fp16, as `flash_pass1_tc` does), the tiers `flash_pass1_tc` reads, whole 16-token tiles in a page, head_dim 64
+    or 128. The caller checks the GPU (tensor cores) and the TurboQuant codebooks (symmetric in fp16: looked up in
+    registers)."""
     if None in (k_spec, v_spec):
         return False
-    wide = not rotated and (k_spec[0], k_spec[1]) in WIDE
-    return (ENABLED and MIN_ROWS <= rows <= (MAX_ROWS_WIDE if wide else MAX_ROWS)
+    lo, hi = row_range(k_spec, rotated)
+    return (ENABLED and lo <= rows <= hi
             and dtype in (mx.float16, mx.bfloat16) and k_spec[0] in TIERS and v_spec[0] in TIERS
             and page % 16 == 0 and head_dim in HEAD_DIMS)
 
