@@ -143,9 +143,13 @@ def test_quantized_extend_keeps_stored_codes(tiny64, tmp_path, tier):
             np.testing.assert_array_equal(_tokens_major(de, new_e)[:, :n], _tokens_major(do, old_e)[:, :n])
             if tier != "nvfp4":  # nvfp4's global scale is the amax of what was built: the joined text's differs
                 # the one-shot build prefilled these tokens in other chunks: its float rounding may move a
-                # value across a code boundary (seen: 1 of 11,136 bf16 values), nothing more
-                same = _tokens_major(de, new_e)[:, :n] == _tokens_major(d1, one_e)[:, :n]
-                assert same.mean() >= 0.999, same.mean()
+                # value across a code boundary (seen: 1 of 11,136 bf16 values) or a scale/bias by an ulp
+                # (seen: 1 of 348 fp16 biases), nothing more
+                got, want = _tokens_major(de, new_e)[:, :n], _tokens_major(d1, one_e)[:, :n]
+                if got.dtype.kind == "f":
+                    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=1e-6)
+                else:
+                    assert (got != want).sum() <= max(1, got.size // 1000), (key, (got != want).sum(), got.size)
     assert cartridge.verify_cartridge(ext.path).ok
 
 
