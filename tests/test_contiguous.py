@@ -108,7 +108,7 @@ def test_questions_in_the_kernels_rows_go_to_the_pages_and_later_steps_see_their
     from cartridge.attention.kernels import cuda, cuda_prefill
 
     monkeypatch.setattr(cuda, "has_tensor_cores", lambda: True)
-    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # off by default until run on a GPU
+    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # the default; the test holds it on
     routed = []
     monkeypatch.setattr(cuda.FusedAttention, "__call__", lambda self, c, q, *a: routed.append(q.shape[2]))
     lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]

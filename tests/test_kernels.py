@@ -487,7 +487,7 @@ def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype,
     from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
 
     monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # off by default until run on a GPU
+    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # the default; the test holds it on
     shape = (32, 8, 128, 5003, 256, 40, 40)  # 160 rows per KV head
     lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]
     assert lo <= 160 <= hi

@@ -30,9 +30,9 @@ import mlx.core as mx
 from ...tiers.layout import BF16, F32, FP16, layout_of
 
 ROOM_STEP = 256  # tail tokens the buffer grows by (mlx-lm's KVCache.step)
-# Questions in the kernel's rows over the pages by `cuda_prefill`: off until the route has run on a GPU (written
-# 2026-12-05 on a session that got no GPU; tests/test_kernels.py and gpu_floor.py --part questions switch it on).
-QUESTIONS_ON_PAGES = False
+# Questions in the kernel's rows over the pages by `cuda_prefill` (H100, 2026-12-05, h100-s7-questions.json: 0.21x /
+# 0.57x MLX's SDPA at 128 / 256 rows, within 3.1e-5 of it; the float64 route test passed there). Benchmarks switch it.
+QUESTIONS_ON_PAGES = True
 
 
 class ContiguousAttention:
