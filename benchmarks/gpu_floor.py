@@ -382,7 +382,9 @@ QUESTION_CONTEXTS = (131072, 32768)
 def questions():
     """A question (L tokens, causal) over an fp16 / bf16 cartridge's pages at 32K and 128K tokens: MLX's SDPA over
     one (1, n_kv, N + L, D) cache (`sdpa`); the contiguous buffer (`contiguous`: QUESTIONS_ON_PAGES off); the
-    prefill kernel over the pages at every L (`kernel`: DENSE_ROWS widened); what the backend does now (`routed`).
+    prefill kernel over the pages at every L (`kernel`: DENSE_ROWS widened); what the backend does now (`routed`);
+    for fp16 up to 128 tokens, `cuda.FusedAttention` over the pages without the buffer (what a memory budget takes)
+    with DENSE_ROWS empty (`fused-no-dense-rows`: the row-block kernels below 128 rows) and as committed (`fused`).
     Each output's max abs difference from `contiguous`."""
     rows, saved = [], dict(cuda_prefill.DENSE_ROWS)
     for n in QUESTION_CONTEXTS:
@@ -423,9 +425,27 @@ def questions():
                         row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
                     rows.append(row)
                 contiguous.QUESTIONS_ON_PAGES, cuda_prefill.DENSE_ROWS = True, dict(saved)
-                base = rows[-4]["us"]
+                n_rows = len(rows)
+                if tier == "fp16" and L <= 128:  # the fused kernel over the pages without the buffer (a memory budget)
+                    f = CartridgeCache(replace(prefix, kernel=kernel.without_copy()))
+                    f.update_and_fetch(new, new)
+                    for name, dense_rows in (("fused-no-dense-rows", {}), ("fused", dict(saved))):
+                        cuda_prefill.DENSE_ROWS = dense_rows
+                        row = {**info, "variant": name, "error": None}
+                        try:
+                            got = f.attention(q, SCALE, "causal")
+                            row["us"] = bench.timeit(lambda x: f.attention(x, SCALE, "causal"), 5, inner=10,
+                                                     chain=q) * 1e6
+                            row["max_abs_vs_contiguous"] = float(mx.max(mx.abs(got.astype(mx.float32) -
+                                                                               ref.astype(mx.float32))))
+                        except Exception as e:  # recorded: a path that does not run here
+                            row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
+                        rows.append(row)
+                    cuda_prefill.DENSE_ROWS = dict(saved)
+                    del f
+                base = rows[n_rows - 4]["us"]
                 print(" ".join(f"{r['variant']} {r['us'] / base:.3f}x" if r["us"] else f"{r['variant']} -"
-                               for r in rows[-3:]), f"| {tier} {n} L={L} sdpa {base:.0f} us", flush=True)
+                               for r in rows[n_rows - 3:]), f"| {tier} {n} L={L} sdpa {base:.0f} us", flush=True)
                 del c
                 mx.clear_cache()
             del prefix, kernel

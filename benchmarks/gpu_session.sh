@@ -16,7 +16,8 @@
 #      and turbo3 at 128K (`gpu_floor.py --part profile`) -> $LABEL-ncu.ncu-rep, its details page $LABEL-ncu.txt;
 #      `sweep` / `prefill` / `questions`: `gpu_floor.py --part sweep|prefill|questions` -> $LABEL-sweep.*, ...;
 #      `real`: the default model's answers over an fp16 cartridge vs a fresh prefill (tests/test_real_model.py and
-#      tests/test_generate_loop.py, slow, DEVICE=gpu) -> $LABEL-$TAG-real-model.log.
+#      tests/test_generate_loop.py, slow, DEVICE=gpu) -> $LABEL-$TAG-real-model.log; `final`: `cartridge bench` of the
+#      tiers in TIERS, attention and end to end (llama3-8b) at 32K/128K, one group a call -> $LABEL-final-$TAG.*.
 # STEPS picks steps (default "dense bench tests"); TAG names the files (default seam); LABEL prefixes them (h200); IDS: a file of node ids to
 # run instead of all of FILES; SHARDS (default 8); LIMIT: seconds per shard (default 480).
 export PYTHONPATH=/root/site:$PWD CARTRIDGE_TEST_TOKENIZER=/root/gpu/tok PYTHONUNBUFFERED=1
@@ -40,6 +41,12 @@ case " $STEPS " in *" bench-e2e "*)  # E2E_TIERS decoded end to end (llama3-8b s
     --e2e-shape llama3-8b --e2e-contexts 32768,131072 --query-tokens none --repeats 10 \
     --json $OUT/$LABEL-e2e-$TAG.json > $OUT/$LABEL-e2e-$TAG.log 2>&1
   tail -30 $OUT/$LABEL-e2e-$TAG.log;; esac
+case " $STEPS " in *" final "*)  # one group of TIERS: attention (fused, dequantize-once; decode and QUERY-token questions)
+  # and end to end (llama3-8b shape) at 32K and 128K, each call with its own dense baselines
+  python3 -m cartridge.cli.main bench --contexts 32768,131072 --policies fused,dequantize-once --tiers $TIERS \
+    --e2e-shape llama3-8b --e2e-contexts 32768,131072 --query-tokens ${QUERY:-32,256} --repeats ${REPEATS:-10} \
+    --json $OUT/$LABEL-final-$TAG.json > $OUT/$LABEL-final-$TAG.log 2>&1
+  grep -v '^bench:' $OUT/$LABEL-final-$TAG.log | tail -90;; esac
 K4=${K4:-(fused_cuda and (rot or turbo or kivi4 or sinks or protected)) or question_prefill_cuda or single_launch}
 case " $STEPS " in *" k4 "*)
   DEVICE=gpu timeout ${LIMIT_K4:-170} python3 -m pytest -q -rA -p no:cacheprovider -n 16 -m "not slow" \

@@ -16,7 +16,7 @@ The buffer is a second copy of the prefix beside the pages (made on the first ca
 again when a call comes from another thread than the last).
 
 A question (more than one query token) whose rows per KV head `cuda_prefill`'s tensor-core kernel answers over
-fp16 pages (`cuda_prefill.DENSE_ROWS`, measured faster than MLX's SDPA there on an H200) is answered by that kernel over the
+fp16 pages (`cuda_prefill.DENSE_ROWS`, measured faster than MLX's SDPA there on an H100 and an H200) is answered by that kernel over the
 pages themselves (`cuda.FusedAttention`, built on the first such call), not from the buffer: its tokens stay in the
 cache's tail, and the next call that reads the buffer copies them in (`written_from` is left where it was). Decode
 steps always read the buffer.
@@ -30,8 +30,9 @@ import mlx.core as mx
 from ...tiers.layout import BF16, F32, FP16, layout_of
 
 ROOM_STEP = 256  # tail tokens the buffer grows by (mlx-lm's KVCache.step)
-# Questions in the kernel's rows over the pages by `cuda_prefill` (H100, 2026-12-05, h100-s7-questions.json: 0.21x /
-# 0.57x MLX's SDPA at 128 / 256 rows, within 3.1e-5 of it; the float64 route test passed there). Benchmarks switch it.
+# Questions in the kernel's rows over the pages by `cuda_prefill` (H100, 2026-12-05, h100-s7-questions.json: 0.20-0.27x
+# MLX's SDPA at 8-128 rows, 0.54-0.68x at 192-384, within 3.1e-5 of it; the float64 route test passed there).
+# Benchmarks switch it.
 QUESTIONS_ON_PAGES = True
 
 

@@ -46,11 +46,13 @@ MAX_ROWS = 255
 MAX_ROWS_WIDE = 256
 WIDE = frozenset(((AFF4, 0), (TURBO, 3)))
 # fp16 K pages (no decode in the kernel): the rows from and up to which the kernel answers, also for the questions of
-# `contiguous.ContiguousAttention` (MLX's SDPA over its buffer otherwise, 1.00x). The two rows measured on an H200
-# (benchmarks/results/h200-s5-prefill.json, 131,072 tokens, 8 warps): 0.21x MLX's SDPA at 128 rows, 0.56x at 256
-# (1.90x at 1,024). Rows outside them, bf16 pages and 32,768 tokens were not measured (the sweep of
-# `benchmarks/gpu_floor.py --part questions` did not get a GPU on 2026-12-05).
-DENSE_ROWS = {FP16: (128, 256)}
+# `contiguous.ContiguousAttention` (MLX's SDPA over its buffer otherwise, 1.00x). Measured on an H100
+# (benchmarks/results/h100-s7-questions.json, 32 q / 8 kv heads, head_dim 128, 8 warps, the kernel against MLX's SDPA
+# over a contiguous cache): 8-128 rows (2-32 question tokens) 0.20-0.21x at 131,072 tokens and 0.23-0.27x at
+# 32,768; 192-384 rows 0.56-0.61x and 0.54-0.68x; 512 rows 1.07x and 1.17x (each 128-row block reads the prefix
+# again). The H200 agreed at 128 / 256 rows (h200-s5-prefill.json: 0.21x / 0.56x). bf16 pages: not taken (the
+# kernel rounds to fp16). head_dim 64: not measured (the same rows are taken).
+DENSE_ROWS = {FP16: (8, 384)}
 TIERS = (FP16, BF16, AFF8, AFF6, AFF4, KIVI4, MXFP8, MXFP4, NVFP4, TURBO)  # the tiers flash_pass1_tc reads
 HEAD_DIMS = (64, 128)
 CALL = ("cart::prefill_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS>(q, SCALE, (const void*)k0, (const void*)k1, "
