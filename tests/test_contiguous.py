@@ -104,16 +104,18 @@ def test_questions_in_the_kernels_rows_go_to_the_pages_and_later_steps_see_their
     """The route of item 1 (issue 34) on the CPU: with the prefill kernel's conditions met (tensor cores patched
     in), a question within `cuda_prefill.DENSE_ROWS` goes to `cuda.FusedAttention` over the pages, here answered
     by the portable path (the kernel returns None), and leaves the buffer alone; decode steps, and questions
-    outside the rows, read the buffer, which then holds the routed question's tokens."""
+    outside the rows, read the buffer, which then holds the routed question's tokens. `contiguous.QUESTION_ROWS`'
+    lower end lies below the prefill kernel's rows: there the row-block kernel takes it."""
     from cartridge.attention.kernels import cuda, cuda_prefill
 
     monkeypatch.setattr(cuda, "has_tensor_cores", lambda: True)
     monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # the default; the test holds it on
     routed = []
     monkeypatch.setattr(cuda.FusedAttention, "__call__", lambda self, c, q, *a: routed.append(q.shape[2]))
-    lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]
+    lo, hi = contiguous.QUESTION_ROWS
     group = N_Q // N_KV
     inside, outside = -(-lo // group), hi // group + 1  # question tokens within / past the rows
+    assert inside * group < cuda_prefill.DENSE_ROWS[cuda_prefill.FP16][0]  # the row blocks, not the prefill kernel
     fast, ref = _pair(prefix)
     for i, L in enumerate([inside, 1, 1, outside, 1, inside, inside, 1]):
         got, want = _step16([fast, ref], L, 300 + i)

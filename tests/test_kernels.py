@@ -480,17 +480,21 @@ def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
-@pytest.mark.parametrize("tier, dtype", [("fp16", mx.float16), ("fp16", mx.bfloat16)])
-def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype, monkeypatch):
-    """An fp16 cartridge's question within `cuda_prefill.DENSE_ROWS` is answered by the prefill kernel over
-    the pages (the contiguous buffer untouched), and the decode steps after it, from the buffer, see its tokens."""
+@pytest.mark.parametrize("tier, dtype, L", [("fp16", mx.float16, 40), ("fp16", mx.bfloat16, 40),
+                                            ("fp16", mx.float16, 2)])
+def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype, L, monkeypatch):
+    """An fp16 cartridge's question within `contiguous.QUESTION_ROWS` is answered over the pages (the contiguous
+    buffer untouched): by the prefill kernel within `cuda_prefill.DENSE_ROWS` (40 tokens, 160 rows per KV head),
+    by the row-block kernel below them (2 tokens, 8 rows); the decode steps after it, from the buffer, see its
+    tokens."""
     from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
 
     monkeypatch.setattr(cuda, "POISON", float("nan"))
     monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # the default; the test holds it on
-    shape = (32, 8, 128, 5003, 256, 40, 40)  # 160 rows per KV head
+    shape = (32, 8, 128, 5003, 256, 40, L)
     lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]
-    assert lo <= 160 <= hi
+    prefill = lo <= 4 * L <= hi
+    assert contiguous.QUESTION_ROWS[0] <= 4 * L <= contiguous.QUESTION_ROWS[1] and prefill == (L == 40)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 9))
     kernel = contiguous.ContiguousAttention(prefix)
     calls = []
@@ -498,7 +502,7 @@ def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype,
     cache = _cache(replace(prefix, kernel=kernel), tk, tv, dtype)
     got = np.array(cache.attention(mx.array(q).astype(dtype), shape[2] ** -0.5,
                                    "causal").astype(mx.float32))[0]
-    assert calls == [1] and kernel.keys is None
+    assert calls == [1] * prefill and kernel.keys is None
     r16 = [np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, tk, tv)]
     tol = TOL_FP16 if dtype == mx.float16 else TOL_BF16
     _check(prefix, *r16, got, f"question on the pages {tier} {dtype}", tol=tol)
@@ -511,7 +515,7 @@ def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype,
         q16 = np.array(mx.array(q1).astype(dtype).astype(mx.float32))
         got = np.array(cache.attention(mx.array(q1).astype(dtype), shape[2] ** -0.5).astype(mx.float32))[0]
         _check(prefix, q16, r16[1], r16[2], got, f"decode step {step} after the question", tol=tol)
-    assert calls == [1] and kernel.keys is not None
+    assert calls == [1] * prefill and kernel.keys is not None
 
 
 def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():

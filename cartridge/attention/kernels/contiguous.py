@@ -15,9 +15,9 @@ whole tail in, a call from the same cache copies only what was written since (`C
 The buffer is a second copy of the prefix beside the pages (made on the first call, in the queries' dtype, and
 again when a call comes from another thread than the last).
 
-A question (more than one query token) whose rows per KV head `cuda_prefill`'s tensor-core kernel answers over
-fp16 pages (`cuda_prefill.DENSE_ROWS`, measured faster than MLX's SDPA there on an H100 and an H200) is answered by that kernel over the
-pages themselves (`cuda.FusedAttention`, built on the first such call), not from the buffer: its tokens stay in the
+A question (more than one query token) of fp16 pages whose rows per KV head lie in `QUESTION_ROWS` (where the
+tensor-core kernels were measured faster than MLX's SDPA, on an H100 and an H200) is answered by those kernels over
+the pages themselves (`cuda.FusedAttention`, built on the first such call), not from the buffer: its tokens stay in the
 cache's tail, and the next call that reads the buffer copies them in (`written_from` is left where it was). Decode
 steps always read the buffer.
 """
@@ -30,9 +30,13 @@ import mlx.core as mx
 from ...tiers.layout import BF16, F32, FP16, layout_of
 
 ROOM_STEP = 256  # tail tokens the buffer grows by (mlx-lm's KVCache.step)
-# Questions in the kernel's rows over the pages by `cuda_prefill` (H100, 2026-12-05, h100-s7-questions.json: 0.20-0.27x
-# MLX's SDPA at 8-128 rows, 0.54-0.68x at 192-384, within 3.1e-5 of it; the float64 route test passed there).
-# Benchmarks switch it.
+# Questions of fp16 pages answered by `cuda.FusedAttention` over the pages: the rows per KV head (GQA group x question
+# tokens) where its tensor-core kernels beat MLX's SDPA over the buffer, measured on an H100 (2026-12-05,
+# benchmarks/results/h100-s8-questions.json, 32 q / 8 kv heads, head_dim 128): 8 rows (flash_pass1_tc's row blocks)
+# 0.14x / 0.17x at 131,072 / 32,768 tokens; 16-128 rows (`cuda_prefill`) 0.20-0.21x / 0.24-0.25x; 192-384 rows
+# 0.56-0.64x; within 1.6e-5 of it (the float64 route test passed there). Fewer than 8 rows: not measured; 512 rows
+# and more: the kernel is slower (1.06x), the buffer answers. Benchmarks switch QUESTIONS_ON_PAGES.
+QUESTION_ROWS = (8, 384)
 QUESTIONS_ON_PAGES = True
 
 
@@ -67,17 +71,19 @@ class ContiguousAttention:
         return cuda.FusedAttention(self.prefix)
 
     def on_pages(self, cache, queries, sinks=None):
-        """The kernel over the pages that answers this call instead of the buffer, or None: a question (L > 1)
-        whose rows `cuda_prefill`'s kernel takes for these pages (K a tier of `cuda_prefill.DENSE_ROWS`, rows within
-        it, fp16/bf16 queries, a GPU with tensor cores: `cuda.FusedAttention.prefill_kernel_takes`), while
-        QUESTIONS_ON_PAGES; bf16 pages keep the buffer (not measured)."""
-        if not QUESTIONS_ON_PAGES or queries.shape[2] < 2:
+        """The kernel over the pages that answers this call instead of the buffer, or None: while QUESTIONS_ON_PAGES,
+        a question (L > 1) of fp16 pages whose rows per KV head lie in QUESTION_ROWS and that
+        `cuda.FusedAttention.question_kernel_takes` (fp16/bf16 queries, a GPU with tensor cores, the tail and sinks
+        its kernels read); bf16 pages keep the buffer (the kernels round to fp16)."""
+        _, n_q, L, _ = queries.shape
+        rows = n_q // self.prefix.k_parts["values"].shape[1] * L
+        if not QUESTIONS_ON_PAGES or L < 2 or not QUESTION_ROWS[0] <= rows <= QUESTION_ROWS[1]:
             return None
         if self.fused is None:
             self.fused = self.without_copy()
         from . import cuda_prefill
 
-        takes = self.fused.k_spec[0] in cuda_prefill.DENSE_ROWS and self.fused.prefill_kernel_takes(cache, queries, sinks)
+        takes = self.fused.k_spec[0] == cuda_prefill.FP16 and self.fused.question_kernel_takes(cache, queries, sinks)
         return self.fused if takes else None
 
     def _layout(self, parts, dtype, capacity):

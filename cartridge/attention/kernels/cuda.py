@@ -470,6 +470,17 @@ class FusedAttention:
         _, n_q, L, D = queries.shape
         return self._fits(cache, D, sinks) and self._prefills(n_q // self.n_kv * L, queries.dtype, D)
 
+    def question_kernel_takes(self, cache, queries, sinks=None):
+        """True if a call with these (1, n_q_heads, L, head_dim) queries of fp16/bf16 runs a tensor-core kernel:
+        `cuda_prefill`'s, or pass 1 on tensor cores (`uses_tensor_cores`) below the rows of `dense.prefill_attention`
+        (`contiguous.ContiguousAttention.on_pages` routes fp16 questions by it)."""
+        _, n_q, L, D = queries.shape
+        R = n_q // self.n_kv * L
+        if self.prefill_kernel_takes(cache, queries, sinks):
+            return True
+        return (queries.dtype in (mx.float16, mx.bfloat16) and self._fits(cache, D, sinks)
+                and R < self._dense_min_rows(queries.dtype, D) and self.uses_tensor_cores(R, D))
+
     def __call__(self, cache, queries, scale, sinks=None):
         """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None if unsupported.
 

@@ -45,14 +45,15 @@ MIN_ROWS = 128  # query rows per KV head from which `cuda.FusedAttention` takes 
 MAX_ROWS = 255
 MAX_ROWS_WIDE = 256
 WIDE = frozenset(((AFF4, 0), (TURBO, 3)))
-# fp16 K pages (no decode in the kernel): the rows from and up to which the kernel answers, also for the questions of
-# `contiguous.ContiguousAttention` (MLX's SDPA over its buffer otherwise, 1.00x). Measured on an H100
-# (benchmarks/results/h100-s7-questions.json, 32 q / 8 kv heads, head_dim 128, 8 warps, the kernel against MLX's SDPA
-# over a contiguous cache): 8-128 rows (2-32 question tokens) 0.20-0.21x at 131,072 tokens and 0.23-0.27x at
-# 32,768; 192-384 rows 0.56-0.61x and 0.54-0.68x; 512 rows 1.07x and 1.17x (each 128-row block reads the prefix
-# again). The H200 agreed at 128 / 256 rows (h200-s5-prefill.json: 0.21x / 0.56x). bf16 pages: not taken (the
-# kernel rounds to fp16). head_dim 64: not measured (the same rows are taken).
-DENSE_ROWS = {FP16: (8, 384)}
+# fp16 K pages (no decode in the kernel): the rows from and up to which the kernel answers (also the questions
+# `contiguous.ContiguousAttention` sends to the pages). Measured on an H100 (benchmarks/results/h100-s8-questions.json,
+# 32 q / 8 kv heads, head_dim 128, 8 warps; times over MLX's SDPA over a contiguous cache at 131,072 / 32,768
+# tokens): 32-128 rows 0.20-0.21x / 0.24-0.27x against flash_pass1_tc's row blocks' 0.22-1.05x / 0.26-1.01x;
+# 192-384 rows 0.56-0.60x / 0.54-0.68x against 0.56-1.25x; 16 rows a tie (0.202x / 0.240x against 0.210x /
+# 0.255x); 8 rows the row blocks win (0.135x / 0.174x against 0.200x / 0.237x), so they keep them; 512 rows 1.06x
+# (each 128-row block reads the prefix again). The H200 agreed at 128 / 256 rows (h200-s5-prefill.json: 0.21x /
+# 0.56x). bf16 pages: not taken (the kernel rounds to fp16). head_dim 64: not measured (the same rows are taken).
+DENSE_ROWS = {FP16: (16, 384)}
 TIERS = (FP16, BF16, AFF8, AFF6, AFF4, KIVI4, MXFP8, MXFP4, NVFP4, TURBO)  # the tiers flash_pass1_tc reads
 HEAD_DIMS = (64, 128)
 CALL = ("cart::prefill_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS>(q, SCALE, (const void*)k0, (const void*)k1, "
