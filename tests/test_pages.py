@@ -71,3 +71,21 @@ def test_statistics_in_blocks_of_tokens_are_the_whole_sides(tier, monkeypatch):
     if tier.endswith("+rot"):
         whole = rotation.rotate(x, rotation.rotation_params(D, 3, "v"))
     assert codec.make_params(x, 3, "v")["global_scale"] == float(mx.abs(whole).max())
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the measured peak is the CPU's")
+@pytest.mark.parametrize("tier", ["turbo4", "nvfp4+rot"])
+def test_a_long_side_encodes_within_three_times_its_fp16_bytes(tier, monkeypatch):
+    """MLX's peak over make_params + encode_pages of a 64-page side, blocks of one page: the input, the output and
+    one block's temporaries, under 3x the side's fp16 bytes + the output (one encode of the whole side: 48.5x for
+    turbo4 at 131,072 tokens, docs/performance.md "Encode memory")."""
+    n_kv, d, page = 8, 128, 64
+    monkeypatch.setattr(pages, "ENCODE_CHUNK", n_kv * page * d)
+    x = mx.random.normal((n_kv, 64 * page, d), key=mx.random.key(3)).astype(mx.float16)
+    mx.eval(x)
+    mx.clear_cache()
+    codec = TIERS[tier]
+    mx.reset_peak_memory()
+    parts = pages.encode_pages(codec, x, codec.make_params(x, 0, "k"), page)
+    mx.eval(parts)
+    assert mx.get_peak_memory() <= 3 * x.nbytes + sum(a.nbytes for a in parts.values())
