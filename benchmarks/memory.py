@@ -24,7 +24,7 @@ change); both sets go into one JSON (default benchmarks/results/cpu-encode-memor
     python benchmarks/memory.py [--tiers fp16,mlx4g32,...] [--policies auto,dequantize-once,portable]
                                 [--work /tmp/cart-mem] [--json benchmarks/results/cpu-memory.json]
                                 [--compare DIR --compare-json FILE] [--one-thread]
-    python benchmarks/memory.py --encode [--tokens 131072] [--tiers ...] [--compare DIR] [--json FILE]
+    python benchmarks/memory.py --encode [--tokens 131072,32768] [--tiers ...] [--compare DIR] [--json FILE]
 """
 
 import argparse
@@ -159,15 +159,15 @@ def measure_encode(tier, tokens):
             "peak_x_side": max(params_peak, mx.get_peak_memory()) / side}
 
 
-def encode_rows(tiers, tokens, compare, path):
-    """--encode: every tier in its own process, with this checkout's package and `compare`'s; one JSON."""
+def encode_rows(tiers, token_counts, compare, path):
+    """--encode: every (tokens, tier) in its own process, with this checkout's package and `compare`'s; one JSON."""
     import platform
 
     import mlx.core as mx
 
     runs = {"after": ROOT, **({"before": Path(compare).resolve()} if compare else {})}
     rows = []
-    for tier in tiers:
+    for tokens, tier in ((t, tier) for t in token_counts for tier in tiers):
         for label, root in runs.items():
             load = os.getloadavg()[0]
             out = subprocess.run([sys.executable, __file__, "--encode-child", tier, str(tokens)], capture_output=True,
@@ -178,11 +178,12 @@ def encode_rows(tiers, tokens, compare, path):
             row = {"tier": tier, "run": label, "package": str(root), **json.loads(out.stdout.strip().splitlines()[-1]),
                    "load_average": [load, os.getloadavg()[0]]}
             rows.append(row)
-            print(f"{tier:<12} {label:<6} peak {row['encode_peak_bytes'] / 1e6:8.1f} MB encode, "
+            print(f"{tokens:>7} {tier:<12} {label:<6} peak {row['encode_peak_bytes'] / 1e6:8.1f} MB encode, "
                   f"{row['make_params_peak_bytes'] / 1e6:8.1f} MB make_params = {row['peak_x_side']:5.2f}x the fp16 side "
                   f"({row['side_fp16_bytes'] / 1e6:.1f} MB; output {row['output_bytes'] / 1e6:.1f} MB)  "
                   f"{row['make_params_s'] + row['encode_s']:6.2f} s  (load average {load:.1f})", flush=True)
-    result = {"n_kv_heads": ENCODE_SHAPE[0], "head_dim": ENCODE_SHAPE[1], "page_size": ENCODE_PAGE, "tokens": tokens,
+    result = {"n_kv_heads": ENCODE_SHAPE[0], "head_dim": ENCODE_SHAPE[1], "page_size": ENCODE_PAGE,
+              "tokens": token_counts,
               "input": "mx.random.normal, seed 0, as float16", "runs": {k: str(v) for k, v in runs.items()},
               "machine": f"{platform.machine()} {platform.processor()} ({os.cpu_count()} cores, shared)",
               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
@@ -200,7 +201,7 @@ def main():
     ap.add_argument("--compare-json", help="where the --compare rows go")
     ap.add_argument("--one-thread", action="store_true", help="OPENBLAS_NUM_THREADS=1, no CPU stream split")
     ap.add_argument("--encode", action="store_true", help="peak memory of encoding one side per tier instead")
-    ap.add_argument("--tokens", type=int, default=131072, help="--encode: tokens of the side")
+    ap.add_argument("--tokens", default="131072", help="--encode: tokens of the side, comma-separated")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # cart, model dir, policy, max_memory
     ap.add_argument("--encode-child", nargs=2, help=argparse.SUPPRESS)  # tier, tokens
     args = ap.parse_args()
@@ -212,7 +213,7 @@ def main():
         from cartridge.tiers import TIERS
 
         tiers = list(TIERS) if args.tiers == TIER_DEFAULT else args.tiers.split(",")
-        encode_rows(tiers, args.tokens, args.compare, args.json if args.json != str(MEMORY_JSON) else ENCODE_JSON)
+        encode_rows(tiers, [int(t) for t in args.tokens.split(",")], args.compare, args.json if args.json != str(MEMORY_JSON) else ENCODE_JSON)
         return
     if args.child:
         cart, model_dir, policy, mm = args.child
