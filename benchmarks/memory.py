@@ -14,9 +14,17 @@ package of another checkout (e.g. the code before a change), into `--compare-jso
 runs each child on one thread (OPENBLAS_NUM_THREADS=1, no split of the portable path over CPU
 streams): its CPU time per token is the work of a step, which a shared machine disturbs least.
 
+`--encode`: the transient memory of encoding one long side instead. For every tier (default: all of
+`cartridge.tiers.TIERS`), a fresh process makes random normal fp16 K (8 KV heads x `--tokens` x head_dim
+128), then runs `make_params` + `encode_pages` as a build does and reads MLX's peak memory over it (the
+input side and the output pages included), as bytes and as a multiple of the side's fp16 bytes, with the
+wall seconds. With `--compare DIR` each tier runs again with DIR's `cartridge` package (the code before a
+change); both sets go into one JSON (default benchmarks/results/cpu-encode-memory.json).
+
     python benchmarks/memory.py [--tiers fp16,mlx4g32,...] [--policies auto,dequantize-once,portable]
                                 [--work /tmp/cart-mem] [--json benchmarks/results/cpu-memory.json]
                                 [--compare DIR --compare-json FILE] [--one-thread]
+    python benchmarks/memory.py --encode [--tokens 131072,32768] [--tiers ...] [--compare DIR] [--json FILE]
 """
 
 import argparse
@@ -35,6 +43,11 @@ CONFIG = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 8, "in
 REPEAT = 4  # copies of the sample text: about 7,000 prefix tokens
 QUESTION = "Who may copy the library, and under which conditions?"
 DECODE_TOKENS = 24
+TIER_DEFAULT = "fp16,int8,mlx4g32,mxfp4,turbo4"
+MEMORY_JSON = ROOT / "benchmarks" / "results" / "cpu-memory.json"
+ENCODE_SHAPE = (8, 128)  # (n_kv_heads, head_dim) of the --encode side: llama3-8b's
+ENCODE_PAGE = 256
+ENCODE_JSON = ROOT / "benchmarks" / "results" / "cpu-encode-memory.json"
 
 
 def setup(work, tiers):
@@ -117,18 +130,91 @@ def measure(cart_path, model_dir, policy, max_memory):
     return row
 
 
+def measure_encode(tier, tokens):
+    """One side through `make_params` + `encode_pages` in this process: MLX's peak over each, wall seconds."""
+    import cartridge  # noqa: F401  (before mlx)
+    import mlx.core as mx
+
+    from cartridge.attention.pages import encode_pages
+    from cartridge.tiers import get_tier
+
+    n_kv, head_dim = ENCODE_SHAPE
+    mx.random.seed(0)
+    x = mx.random.normal((n_kv, tokens, head_dim)).astype(mx.float16)  # (n_kv, T, D)
+    mx.eval(x)
+    codec = get_tier(tier)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    params = codec.make_params(x, 0, "k")
+    params_s, params_peak = time.perf_counter() - t, max(base, mx.get_peak_memory())  # 0: nothing allocated
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    parts = encode_pages(codec, x, params, ENCODE_PAGE)
+    mx.eval(parts)
+    side = x.nbytes
+    return {"tokens": tokens, "side_fp16_bytes": side, "base_bytes": base, "output_bytes": sum(a.nbytes for a in parts.values()),
+            "make_params_peak_bytes": params_peak, "make_params_s": params_s,
+            "encode_peak_bytes": mx.get_peak_memory(), "encode_s": time.perf_counter() - t,
+            "peak_x_side": max(params_peak, mx.get_peak_memory()) / side}
+
+
+def encode_rows(tiers, token_counts, compare, path):
+    """--encode: every (tokens, tier) in its own process, with this checkout's package and `compare`'s; one JSON."""
+    import platform
+
+    import mlx.core as mx
+
+    runs = {"after": ROOT, **({"before": Path(compare).resolve()} if compare else {})}
+    rows = []
+    for tokens, tier in ((t, tier) for t in token_counts for tier in tiers):
+        for label, root in runs.items():
+            load = os.getloadavg()[0]
+            out = subprocess.run([sys.executable, __file__, "--encode-child", tier, str(tokens)], capture_output=True,
+                                 text=True, env={**os.environ, "PYTHONPATH": str(root)})
+            if out.returncode:
+                print(f"{tier} {label}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+                continue
+            row = {"tier": tier, "run": label, "package": str(root), **json.loads(out.stdout.strip().splitlines()[-1]),
+                   "load_average": [load, os.getloadavg()[0]]}
+            rows.append(row)
+            print(f"{tokens:>7} {tier:<12} {label:<6} peak {row['encode_peak_bytes'] / 1e6:8.1f} MB encode, "
+                  f"{row['make_params_peak_bytes'] / 1e6:8.1f} MB make_params = {row['peak_x_side']:5.2f}x the fp16 side "
+                  f"({row['side_fp16_bytes'] / 1e6:.1f} MB; output {row['output_bytes'] / 1e6:.1f} MB)  "
+                  f"{row['make_params_s'] + row['encode_s']:6.2f} s  (load average {load:.1f})", flush=True)
+    result = {"n_kv_heads": ENCODE_SHAPE[0], "head_dim": ENCODE_SHAPE[1], "page_size": ENCODE_PAGE,
+              "tokens": token_counts,
+              "input": "mx.random.normal, seed 0, as float16", "runs": {k: str(v) for k, v in runs.items()},
+              "machine": f"{platform.machine()} {platform.processor()} ({os.cpu_count()} cores, shared)",
+              "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiers", default="fp16,int8,mlx4g32,mxfp4,turbo4")
+    ap.add_argument("--tiers", default=TIER_DEFAULT)
     ap.add_argument("--policies", default="auto,dequantize-once,portable")
     ap.add_argument("--work", default="/tmp/cart-mem")
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu-memory.json"))
+    ap.add_argument("--json", default=str(MEMORY_JSON))
     ap.add_argument("--label", default="", help="recorded with the results (e.g. before/after)")
     ap.add_argument("--compare", help="another checkout whose cartridge package runs every row again")
     ap.add_argument("--compare-json", help="where the --compare rows go")
     ap.add_argument("--one-thread", action="store_true", help="OPENBLAS_NUM_THREADS=1, no CPU stream split")
+    ap.add_argument("--encode", action="store_true", help="peak memory of encoding one side per tier instead")
+    ap.add_argument("--tokens", default="131072", help="--encode: tokens of the side, comma-separated")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # cart, model dir, policy, max_memory
+    ap.add_argument("--encode-child", nargs=2, help=argparse.SUPPRESS)  # tier, tokens
     args = ap.parse_args()
+    if args.encode_child:
+        print(json.dumps(measure_encode(args.encode_child[0], int(args.encode_child[1]))))
+        return
+    if args.encode:
+        import cartridge  # noqa: F401  (before mlx)
+        from cartridge.tiers import TIERS
+
+        tiers = list(TIERS) if args.tiers == TIER_DEFAULT else args.tiers.split(",")
+        encode_rows(tiers, [int(t) for t in args.tokens.split(",")], args.compare, args.json if args.json != str(MEMORY_JSON) else ENCODE_JSON)
+        return
     if args.child:
         cart, model_dir, policy, mm = args.child
         print(json.dumps(measure(cart, model_dir, policy, None if mm == "-" else int(mm))))

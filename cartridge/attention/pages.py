@@ -11,10 +11,18 @@ from .prefix import LayerPrefix
 # element); decoded 4 pages at a time into the 27 MB buffer, at 36.8 MB (mx.get_peak_memory, 2026-12-02)
 DECODE_CHUNK = 1 << 20
 DECODE_BYTES = 10
+# K/V elements encoded at a time (whole pages: 2 pages of 8 KV heads x 256 x 128). One encode of a whole side
+# holds every temporary of its graph at once: turbo4 of 131,072 tokens x 8 KV heads x 128 peaked at 13.0 GB,
+# 48.5x the side's 268 MB of fp16 (mx.get_peak_memory, CPU, 2026-12-05; docs/performance.md "Encode memory")
+ENCODE_CHUNK = 1 << 19
 
 
 def encode_pages(codec, x, params, page_size):
-    """Encode (n_kv_heads, T, head_dim) and lay it out in pages.
+    """Encode (n_kv_heads, T, head_dim) and lay it out in pages, a block of whole pages at a time: each block is
+    encoded, evaluated and written into the output before the next, so the encode holds the input, the output
+    and one block's temporaries (ENCODE_CHUNK) whatever T. Every codec encodes each token (or kivi4's group of
+    32 tokens, which pages hold whole) on its own, so the blocks give the parts one encode of the whole side
+    gives, bit for bit (tests/test_pages.py). A side of one block is returned unevaluated, as one encode.
 
     Args:
         codec (TierCodec): the tier. x (mx.array): K or V, any float dtype.
@@ -24,6 +32,25 @@ def encode_pages(codec, x, params, page_size):
     Returns:
         dict[str, mx.array]: component -> (n_pages, n_kv_heads, page_size, width), row-contiguous.
     """
+    n_kv, T, d = x.shape
+    n_pages = -(-T // page_size)
+    step = max(1, ENCODE_CHUNK // (n_kv * page_size * d))  # pages per block
+    if n_pages <= step:
+        return _encode_block(codec, x, params, page_size)
+    out = {}
+    for a in range(0, n_pages, step):
+        b = min(a + step, n_pages)
+        parts = _encode_block(codec, x[:, a * page_size:b * page_size], params, page_size)
+        for name, part in parts.items():
+            if name not in out:  # the first block tells each component's width and dtype
+                out[name] = mx.zeros((n_pages, *part.shape[1:]), dtype=part.dtype)
+            out[name][a:b] = part
+        mx.eval(list(out.values()))
+    return out
+
+
+def _encode_block(codec, x, params, page_size):
+    """x (n_kv, T, D) zero-padded to whole pages and encoded: component -> (n_pages, n_kv, P, W), lazy."""
     n_kv, T, _ = x.shape
     pad = -T % page_size
     if pad:

@@ -173,7 +173,7 @@ def _protected(x2, x, first):
 def round_trip(name, x, layer, side):
     """x (1, n_kv, T, D) -> its tier's decoded pages (1, n_kv, T, D) in x's dtype (encode, reference decode)."""
     codec, y = TIERS[name], x[0]
-    params = codec.make_params(y.astype(mx.float32), layer, side)
+    params = codec.make_params(y, layer, side)  # the codecs take statistics in float32 themselves, in blocks
     pages = codec.decode(encode_pages(codec, y, params, PAGE), params)  # (n_pages, n_kv, P, D)
     n_pages, n_kv, p, d = pages.shape
     # (n_pages, n_kv, P, D) -> (n_kv, n_pages * P, D) -> (1, n_kv, T, D)

@@ -47,6 +47,23 @@ DTYPES = {
 }
 
 
+STATS_BLOCK = 1 << 19  # K/V elements a block of tokens holds where make_params reads the whole side
+
+
+def token_blocks(x, elements=None):
+    """x (n_kv_heads, T, head_dim) as consecutive token slices of at most `elements` elements (at least one token).
+
+    Args:
+        x (mx.array): any dtype. elements (int | None): default STATS_BLOCK (read when called).
+
+    Returns:
+        list[mx.array]: views (n_kv_heads, t_i, head_dim), sum of t_i = T; [] for T = 0.
+    """
+    n_kv, t, d = x.shape
+    step = max(1, (elements or STATS_BLOCK) // max(1, n_kv * d))
+    return [x[:, a:a + step] for a in range(0, t, step)]
+
+
 class TierCodec:
     """Base class: one subclass per tier, registered by name in `cartridge.tiers.TIERS`."""
 
@@ -67,12 +84,15 @@ class TierCodec:
     def check(self, n_kv_heads, head_dim):
         """Raise `InputError` if the tier cannot store this shape (e.g. head_dim % group size)."""
 
-    def make_params(self, x, layer, side):
+    def make_params(self, x, layer, side, transform=None):
         """Per-(layer, side) parameters chosen at build time from the data (seed, global scale ...).
 
         Args:
             x (mx.array): (n_kv_heads, T, head_dim), the K or V about to be encoded.
             layer (int), side (str): where it goes.
+            transform (callable | None): a per-token map (n_kv_heads, t, head_dim) -> same shape float32 that the
+                statistics are taken after (a rotated tier's rotation), applied to blocks of tokens (`token_blocks`)
+                so that the transformed side is never whole in memory. Default: None.
 
         Returns:
             dict: JSON-serializable; stored under `layer.{i}.{side}.params` and passed back to
@@ -158,7 +178,7 @@ class FixedParamsCodec(TierCodec):
         """The params every (layer, side) of this tier records (dict, JSON-serializable)."""
         raise NotImplementedError
 
-    def make_params(self, x, layer, side):
+    def make_params(self, x, layer, side, transform=None):
         return self.fixed_params()
 
     def check_params(self, params, n_kv_heads, head_dim):

@@ -11,9 +11,26 @@ import mlx.core as mx
 
 from ..errors import CorruptCartridgeError
 from . import layout
+from .base import token_blocks
 from .quantized import GroupQuantCodec
 
 NVFP4_RANGE = 448.0 * 6.0  # E4M3 max * E2M1 max: MLX's nvfp4 global scale divisor
+
+
+def abs_max(x, transform=None):
+    """max |transform(x)| over every element of (n_kv_heads, T, head_dim), as a Python float, taken a block of
+    tokens at a time (`token_blocks`) so that only one block's float32 copy is in memory: the maximum of the
+    blocks' maxima is the whole side's, exactly (a NaN propagates as in one `mx.max`).
+
+    Args:
+        x (mx.array): any float dtype. transform (callable | None): per-token map applied to each block first.
+    """
+    maxima = []
+    for block in token_blocks(x):
+        y = block if transform is None else transform(block)
+        maxima.append(mx.abs(y.astype(mx.float32)).max())
+        mx.eval(maxima[-1])
+    return float(mx.stack(maxima).max())
 
 
 class MxCodec(GroupQuantCodec):
@@ -64,8 +81,8 @@ class Nvfp4Codec(MxCodec):
     group_size = 16
     scale_rule = "e4m3_nearest_global_amax"
 
-    def make_params(self, x, layer, side):
-        amax = float(mx.abs(x.astype(mx.float32)).max())
+    def make_params(self, x, layer, side, transform=None):
+        amax = abs_max(x, transform)
         # an all-zero tensor has no scale to find; 1.0 keeps every block scale finite (zero codes)
         return {**super().make_params(x, layer, side), "global_scale": amax if amax > 0 else 1.0}
 

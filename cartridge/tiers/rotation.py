@@ -129,9 +129,10 @@ class RotatedCodec(TierCodec):
         if default_block(head_dim) < 2:
             raise InputError(f"tier {self.name}: head_dim {head_dim} has no power-of-two block to rotate")
 
-    def make_params(self, x, layer, side):
+    def make_params(self, x, layer, side, transform=None):
         rot = rotation_params(x.shape[-1], layer, side)
-        return {**self.base.make_params(rotate(x, rot), layer, side), "rotation": rot}
+        # the base's statistics (nvfp4's amax) over R x, a block of tokens at a time: R acts on each token alone
+        return {**self.base.make_params(x, layer, side, lambda b: rotate(b, rot)), "rotation": rot}
 
     def check_params(self, params, n_kv_heads, head_dim):
         check_rotation(params.get("rotation"), head_dim, self.name)

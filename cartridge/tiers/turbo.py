@@ -86,7 +86,7 @@ class TurboCodec(TierCodec):
                 f"rotation and the 32-coordinate packing need one"
             )
 
-    def make_params(self, x, layer, side):
+    def make_params(self, x, layer, side, transform=None):
         n_kv, _, head_dim = x.shape
         seed = sign_seed(layer, side)
         return {
