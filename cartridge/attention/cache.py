@@ -56,6 +56,10 @@ class CartridgeCache(_BaseCache):
 
     def _write(self, chunks, x, start):
         B, n_kv, L, D = x.shape
+        index, at = divmod(start, self.chunk_size)
+        if at + L <= self.chunk_size and index < len(chunks):  # every decode step: one op, no loop
+            chunks[index][:, :, at:at + L] = x  # (4-D slices: cheaper to build than with an Ellipsis)
+            return
         done = 0
         while done < L:
             index, at = divmod(start + done, self.chunk_size)

@@ -125,11 +125,13 @@ class ContiguousAttention:
         owner = self.owner() if self.owner is not None else None
         start = 0 if fresh or owner is not cache else min(cache.written_from, cache.tail_len)
         size = cache.chunk_size
-        for i, (k, v) in enumerate(zip(*cache.tail_chunks)):
-            a, b = max(start, i * size), min(cache.tail_len, (i + 1) * size)
-            if a < b:  # tail tokens [a, b) of chunk i, at buffer positions n + a ..
-                self.keys[..., n + a:n + b, :] = k[..., a - i * size:b - i * size, :].astype(dtype)
-                self.values[..., n + a:n + b, :] = v[..., a - i * size:b - i * size, :].astype(dtype)
+        for i in range(start // size, -(-cache.tail_len // size)):
+            a, b = max(start, i * size), min(cache.tail_len, (i + 1) * size)  # tail tokens [a, b) of chunk i
+            # sliced from the chunks, so that evaluating the attention evaluates the chunks' writes too (generate_step
+            # evaluates only its outputs); 4-D slices, no astype to the same dtype: host time per decode step
+            for buf, chunk in ((self.keys, cache.tail_chunks[0][i]), (self.values, cache.tail_chunks[1][i])):
+                x = chunk[:, :, a - i * size:b - i * size]
+                buf[:, :, n + a:n + b] = x if x.dtype == dtype else x.astype(dtype)
         self.owner = weakref.ref(cache)
         cache.written_from = cache.tail_len
 
@@ -150,7 +152,7 @@ class ContiguousAttention:
         with self.lock:  # MLX arrays are values: the slices keep this call's tail even if another cache syncs next
             self._sync(cache, queries.dtype)
             n = self.prefix.n_tokens + cache.tail_len
-            k, v = self.keys[..., :n, :], self.values[..., :n, :]
+            k, v = self.keys[:, :, :n], self.values[:, :, :n]
         # "causal" with fewer queries than keys lines the queries up with the last keys: every prefix token visible
         mask = "causal" if queries.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)

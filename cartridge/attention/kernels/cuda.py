@@ -100,6 +100,7 @@ REGISTER_LOOKUP = frozenset((MXFP4, NVFP4))
 CUDA_DECODE = True
 MMA_DIAG = 0  # benchmarks only: 1 = pass 1's copies without its math, 2 = its math without the copies,
 # 3 = no finish in the single launch (outputs are then garbage)
+PREFILL, DECODED = "prefill", "decoded"  # `FusedAttention._route`'s answers besides a plan
 POISON = None  # tests set NaN: outputs are filled with it before each kernel runs
 DECODE_EPL = 8  # elements of head_dim per lane when a block holds <= 4 query rows
 SOURCE = Path(__file__).with_name("flash_decode.cuh")
@@ -460,15 +461,16 @@ class FusedAttention:
                 and self.table_ok
                 and has_tensor_cores())
 
-    def _fits(self, cache, D, sinks):
-        """True if the kernels read this call's tail (1 to MAX_CHUNKS chunks), head_dim and sinks."""
-        n_chunks = -(-cache.tail_len // cache.chunk_size)
+    @staticmethod
+    def _fits(n_chunks, D, sinks):
+        """True if the kernels read a tail of `n_chunks` chunks (1 to MAX_CHUNKS), this head_dim and sinks."""
         return 1 <= n_chunks <= MAX_CHUNKS and D in HEAD_DIMS and (sinks is None or SINKS_FUSED)
 
     def prefill_kernel_takes(self, cache, queries, sinks=None):
         """True if a call with these (1, n_q_heads, L, head_dim) queries runs `cuda_prefill`'s kernel as pass 1."""
         _, n_q, L, D = queries.shape
-        return self._fits(cache, D, sinks) and self._prefills(n_q // self.n_kv * L, queries.dtype, D)
+        n_chunks = -(-cache.tail_len // cache.chunk_size)
+        return self._fits(n_chunks, D, sinks) and self._prefills(n_q // self.n_kv * L, queries.dtype, D)
 
     def question_kernel_takes(self, cache, queries, sinks=None):
         """True if a call with these (1, n_q_heads, L, head_dim) queries of fp16/bf16 runs a tensor-core kernel:
@@ -478,7 +480,8 @@ class FusedAttention:
         R = n_q // self.n_kv * L
         if self.prefill_kernel_takes(cache, queries, sinks):
             return True
-        return (queries.dtype in (mx.float16, mx.bfloat16) and self._fits(cache, D, sinks)
+        n_chunks = -(-cache.tail_len // cache.chunk_size)
+        return (queries.dtype in (mx.float16, mx.bfloat16) and self._fits(n_chunks, D, sinks)
                 and R < self._dense_min_rows(queries.dtype, D) and self.uses_tensor_cores(R, D))
 
     def __call__(self, cache, queries, scale, sinks=None):
@@ -498,29 +501,24 @@ class FusedAttention:
                 as one more logit per head. Default: None.
         """
         _, n_q, L, D = queries.shape
-        R = n_q // self.n_kv * L
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
-        k_chunks, v_chunks = cache.tail_chunks
         n_chunks = -(-tail_len // chunk_size)
-        fits = self._fits(cache, D, sinks)
-        if fits and self._prefills(R, queries.dtype, D):
-            *partials, prm = cuda_prefill.pass1(self, queries, scale, tail_len, source_header())
-            finish = self._finish_kernel(queries.dtype, D, n_chunks, chunk_size, scale, sinks is not None)
-            return self._finish(finish, partials, R, queries, prm, sinks, cache, n_chunks)
-        if R >= self._dense_min_rows(queries.dtype, D):
-            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
-        if not fits:
-            return None
-        single = (SINGLE_LAUNCH and n_q // self.n_kv * L <= SINGLE_MAX_ROWS and tail_len <= SINGLE_MAX_TAIL
-                  and tail_len <= chunk_size and not self.v_back and sinks is None and self.kept is None)
-        key = (n_q, L, D, queries.dtype, scale, single, n_chunks if not single else 1, chunk_size, TENSOR_CORES,
-               MMA_TARGET_BLOCKS, MMA_TARGET_BLOCKS_D64, MMA_STAGES, MMA_WARPS, MMA_DIAG, TC_STAGES, sinks is None,
-               REGISTER_LOOKUP, TC_TARGET_BLOCKS, TC_TARGET_BLOCKS_D64, TC_WARPS, TC_WARPS_TURBO)
+        # what a call does depends only on these; the module's switches are read at a shape's first call
+        key = (n_q, L, D, queries.dtype, scale, sinks is None, n_chunks, chunk_size, tail_len <= SINGLE_MAX_TAIL)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, n_chunks, chunk_size, scale, single,
-                                                 sinks is not None)
+            plan = self._plans[key] = self._route(n_q, L, D, queries.dtype, scale, sinks, n_chunks, chunk_size,
+                                                  tail_len <= SINGLE_MAX_TAIL)
+        if plan is None:
+            return None
+        if plan is PREFILL:
+            *partials, prm = cuda_prefill.pass1(self, queries, scale, tail_len, source_header())
+            finish = self._finish_kernel(queries.dtype, D, n_chunks, chunk_size, scale, sinks is not None)
+            return self._finish(finish, partials, n_q // self.n_kv * L, queries, prm, sinks, cache, n_chunks)
+        if plan is DECODED:
+            return dense.prefill_attention(self.prefix, cache, queries, scale, sinks, decode=self.decoded)
         prm = self._params(plan, L, tail_len, chunk_size)
+        k_chunks, v_chunks = cache.tail_chunks
         if plan.single:
             work = cache.scratch.get(plan)
             if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
@@ -535,3 +533,18 @@ class FusedAttention:
             output_shapes=[(plan.n_splits, self.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3,
             init_value=POISON)
         return self._finish(plan.finish, partials, plan.R, queries, prm, sinks, cache, n_chunks)
+
+    def _route(self, n_q, L, D, dtype, scale, sinks, n_chunks, chunk_size, short_tail):
+        """How calls of one shape run: PREFILL (`cuda_prefill`'s kernel as pass 1), DECODED (the pages decoded for
+        MLX's SDPA), a `_Plan` (pass 1 and the finish, in one launch or two), or None (the portable path)."""
+        R = n_q // self.n_kv * L
+        fits = self._fits(n_chunks, D, sinks)
+        if fits and self._prefills(R, dtype, D):
+            return PREFILL
+        if R >= self._dense_min_rows(dtype, D):
+            return DECODED
+        if not fits:
+            return None
+        single = (SINGLE_LAUNCH and R <= SINGLE_MAX_ROWS and short_tail and n_chunks == 1 and not self.v_back
+                  and sinks is None and self.kept is None)
+        return self._plan(n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks is not None)
