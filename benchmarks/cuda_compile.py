@@ -6,7 +6,7 @@ a `__global__` wrapper shaped like MLX's (one pointer per input and output), com
 prints per kernel the registers, spills and the size of its main loop in SASS instructions (cuobjdump; the
 loop with the most tensor-core instructions): a cheap, repeatable proxy for the work per 16-token tile.
 
-    python benchmarks/cuda_compile.py [--arch sm_90a] [--keep DIR]
+    python benchmarks/cuda_compile.py [--arch sm_90a] [--keep DIR] [--only LABEL_TEXT]
 
 Needs nvcc (CUDA 12.4+); cuobjdump is optional (without it no loop sizes).
 """
@@ -46,18 +46,20 @@ def variants():
                           ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.TC_WARPS), ("STAGES", cuda.TC_STAGES),
                           ("DIAG", 0), ("RK", rk), ("LREG", lreg), ("SCALE", D ** -0.5))
                 yield f"tc {name} d{D}{' rot' if rk else ''}{' regs' if lreg else ''}", "tc", consts
+                if rk and not lreg:  # a +rot tier's single launch: the finish rotates V's prefix output back
+                    yield f"tc+finish {name} d{D} rot", "tc+finish", consts + (("CH", 256), ("VROT", True))
         for rk in (False, True):
             consts = (("T", mx.float16), ("HD", D), ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.MMA_WARPS),
                       ("STAGES", cuda.MMA_STAGES), ("DIAG", 0), ("RK", rk), ("SCALE", D ** -0.5))
             yield f"mma mlx4g32 d{D}{' rot' if rk else ''}", "mma", consts
-            yield f"mma+finish mlx4g32 d{D}{' rot' if rk else ''}", "mma+finish", consts + (("CH", 256),)
+            yield f"mma+finish mlx4g32 d{D}{' rot' if rk else ''}", "mma+finish", consts + (("CH", 256), ("VROT", rk))
         for name, tid, bits in (("fp16", cuda.FP16, 0), ("float32 pages", cuda.F32, 0), ("int8", cuda.AFF8, 0),
                                 ("mlx4g32", cuda.AFF4, 0), ("fp8", cuda.MXFP8, 0), ("turbo4", cuda.TURBO, 4)):
             consts = (("T", mx.float16), ("TK", tid), ("TV", tid), ("BK", bits), ("BV", bits), ("HD", D), ("EPL", 8),
                       ("ROWS", 4), ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.WARPS), ("UNR", cuda.UNROLL), ("DIAG", 0),
                       ("SCALE", D ** -0.5))
             yield f"pass1 {name} d{D}", "pass1", consts
-            yield f"pass1+finish {name} d{D}", "pass1+finish", consts + (("CH", 256),)
+            yield f"pass1+finish {name} d{D}", "pass1+finish", consts + (("CH", 256), ("VROT", False))
         finish = (("T", mx.float16), ("HD", D), ("NKV", 8), ("NCH", 2), ("CH", 256), ("VROT", True), ("SINKS", True),
                   ("NP", 32), ("SCALE", D ** -0.5))
         yield f"finish d{D}", "finish", finish
@@ -117,6 +119,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--keep", type=Path, help="keep the .cu, the ptxas report and the SASS in this folder")
+    ap.add_argument("--only", default="", help="build only the variants whose label contains this text")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         sys.exit("cuda_compile: nvcc not found")
@@ -125,6 +128,8 @@ def main():
     labels, parts = {}, ["#include <cuda_fp16.h>", "#include <cuda_bf16.h>", "#include <cstdint>",
                          "#define inf (__int_as_float(0x7f800000))"]
     for label, kind, consts in variants():
+        if args.only not in label:
+            continue
         name, text = wrapper(kind, consts)
         labels[name] = label
         parts.append(cuda.source_header()[0] + text)

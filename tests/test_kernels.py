@@ -240,10 +240,11 @@ def test_fused_cuda_protected_tokens_match_float64(tier, shape, first, last, ten
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
-@pytest.mark.parametrize("tier", ["mlx4g32", "int8"])
+@pytest.mark.parametrize("tier", ["mlx4g32", "int8", "mlx4g32+rot", "int8+rot"])
 def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
     """The single launch keeps per-KV-head block counters in the cache and resets them itself: repeated
-    decode steps on one cache give identical outputs, equal to the two-kernel finish up to rounding."""
+    decode steps on one cache give identical outputs, equal to the two-kernel finish up to rounding (a rotated V
+    too: the last block rotates the prefix's merged output back, `rotate_back_lanes`)."""
     from cartridge.attention.kernels import cuda
 
     prefix, q, tk, tv = _case(tier, (32, 8, 128, 5003, 256, 1, 1), seed=11)

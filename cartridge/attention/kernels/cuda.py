@@ -3,9 +3,10 @@
 The CUDA source is `flash_decode.cuh` (next to this file). Pass 1 reads the stored pages of every tier
 with a `kernel_layout` (`cartridge.tiers.layout`) directly and dequantizes in registers, split over
 tokens; the finish merges the splits, attends over the dense tail and writes the output in the queries' dtype. For decode (at most 8 query
-rows per KV head, a tail of at most 64 tokens, V not TurboQuant) both run in one launch (`SINGLE_LAUNCH`):
+rows per KV head, a tail of at most 64 tokens, a pass 1 of 4 warps) both run in one launch (`SINGLE_LAUNCH`):
 the block of the last split also attends over the tail, as one more partial, and the last block of each
-KV head to finish merges them; otherwise the finish is a second kernel. When both sides are mlx4g32, a
+KV head to finish merges them (rotating a rotated V's prefix output back first); otherwise the finish is a
+second kernel. When both sides are mlx4g32, a
 block holds at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the
 tensor-core variant `flash_pass1_mma`. A question of many query rows per KV head takes `cuda_prefill`'s kernel
 as pass 1 (the rows in `cuda_prefill.reads`) or, from `DECODED_MIN_ROWS` rows, the pages decoded for MLX's SDPA.
@@ -132,7 +133,7 @@ const int32_t* counter = reinterpret_cast<const int32_t*>(L + n_part);
 SINGLE_FINISH = """if (blockIdx.x == gridDim.x - 1 && blockIdx.z == 0)
   cart::tail_rows<T, HD, NKV, CH>(q, SCALE, prm, tk0, tv0, O, M, L, blockIdx.y);
 if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
-  cart::finish_rows<T, HD, NKV>(O, M, L, prm, out, blockIdx.y);
+  cart::finish_rows<T, HD, NKV, VROT>(O, M, L, prm, sgv, out, blockIdx.y);
 """
 
 
@@ -170,7 +171,7 @@ def kernel_spec(kind, n_chunks=0, consts=()):
         body = {"pass1": PASS1_CALL, "mma": MMA_CALL, "tc": TC_CALL}[base]
         outputs = ["O", "M", "L"]
         if kind.endswith("+finish"):
-            inputs += ["work", "tk0", "tv0"]
+            inputs += ["work", "tk0", "tv0", "sgv"]
             outputs = ["out"]
             body = SINGLE_SCRATCH + body + SINGLE_FINISH
     tag = hashlib.sha256(repr(consts).encode()).hexdigest()[:10]
@@ -430,7 +431,7 @@ class FusedAttention:
             grid = (n_splits * threads, self.n_kv, row_blocks)
         consts.append(("SCALE", float(scale)))
         if single and threads == 128:
-            consts = (*consts, ("CH", chunk_size))
+            consts = (*consts, ("CH", chunk_size), ("VROT", self.v_back))
             work = (n_splits + 1) * self.n_kv * R * (D + 2) + self.n_kv
             return _Plan(_kernel(kind + "+finish", 1, consts, smem), consts, inputs, grid, threads, True, None, R, per,
                          n_splits, work)
@@ -524,7 +525,7 @@ class FusedAttention:
             if work is None:  # a real buffer (not a broadcast zero): the kernel writes it in place
                 work = cache.scratch[plan] = mx.array(np.zeros(plan.work_size, dtype=np.float32))
             return plan.kernel(
-                inputs=[queries, *plan.inputs, prm, work, k_chunks[0], v_chunks[0]],
+                inputs=[queries, *plan.inputs, prm, work, k_chunks[0], v_chunks[0], self.sgv],
                 grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
                 output_dtypes=[queries.dtype], init_value=POISON)[0]
         partial = [(plan.n_splits, self.n_kv, plan.R)]
@@ -545,6 +546,6 @@ class FusedAttention:
             return DECODED
         if not fits:
             return None
-        single = (SINGLE_LAUNCH and R <= SINGLE_MAX_ROWS and short_tail and n_chunks == 1 and not self.v_back
-                  and sinks is None and self.kept is None)
+        single = (SINGLE_LAUNCH and R <= SINGLE_MAX_ROWS and short_tail and n_chunks == 1 and sinks is None
+                  and self.kept is None)
         return self._plan(n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks is not None)

@@ -895,16 +895,50 @@ __device__ void tail_rows(const T* q, float scale, const int32_t* prm, const T* 
   }
 }
 
+// x <- diag(s) H x / sqrt(D) for one row of D held by a warp, lane l holding elements EPT * l .. EPT * l + EPT - 1
+// (`finish_row`'s VROT step in registers): the Walsh-Hadamard butterflies over the element index's low bits run
+// within a lane, over its high bits (the lane's bits) between lanes by shuffles; sg: the signs of this lane's
+// elements (+1 / -1).
+template <int D, int EPT>
+__device__ __forceinline__ void rotate_back_lanes(float (&x)[EPT], const float* sg) {
+#pragma unroll
+  for (int len = 1; len < EPT; len <<= 1) {
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) {
+      if (i & len) continue;
+      const float a = x[i], b = x[i + len];
+      x[i] = a + b;
+      x[i + len] = a - b;
+    }
+  }
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int bit = 1; bit < 32; bit <<= 1) {
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, x[i], bit);
+      x[i] = (lane & bit) ? other - x[i] : x[i] + other;
+    }
+  }
+  const float norm = rsqrtf((float)D);
+#pragma unroll
+  for (int i = 0; i < EPT; ++i) x[i] *= sg[i] * norm;
+}
+
 // The finish of every query row (at most 8) of KV head h in one block of 4 warps, for the single launch:
 // warp w takes rows w and w + 4. Per row: log-sum-exp merge of the S + 1 partials (prefix splits, then the
 // tail, `tail_rows`), normalize, write in the queries' dtype. The partials come in batches of B with every
 // load of a batch in flight at once (lane j holds split j's M and L, a lane the EPT consecutive head_dim
 // elements from EPT lane of each O), merged online; this block runs after all others of its head, so each
 // round trip to L2 adds to the step (at 128K tokens and head_dim 128: 34 partials, two batches).
-template <typename T, int D, int NKV>
-__device__ void finish_rows(const float* O, const float* M, const float* L, const int32_t* prm, T* out, int h) {
+// VROT (V stored rotated: TurboQuant or a +rot tier): the S prefix splits are merged first, that sum is rotated
+// back (`rotate_back_lanes`: the rotation is linear, so rotating the unnormalized sum equals rotating each
+// split), and the tail's partial (slot S, already in the model's basis) is merged after, as `finish_row` does.
+template <typename T, int D, int NKV, bool VROT>
+__device__ void finish_rows(const float* O, const float* M, const float* L, const int32_t* prm, const float* sgv,
+                            T* out, int h) {
   constexpr int EPT = D / 32, B = 96 / EPT < 32 ? 96 / EPT : 32;
-  const int R = prm[1], S = prm[3] + 1;
+  const int R = prm[1], S = VROT ? prm[3] : prm[3] + 1;  // partials merged in the batches below
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, e0 = EPT * lane;
   const size_t stride = (size_t)NKV * R;  // between splits in the (S + 1, NKV, R) partials
   for (int row = warp; row < R; row += 4) {
@@ -935,6 +969,16 @@ __device__ void finish_rows(const float* O, const float* M, const float* L, cons
         for (int i = 0; i < EPT; ++i) acc[i] = fmaf(wj, x[j][i], acc[i]);
       }
       m = mn;
+    }
+    if constexpr (VROT) {
+      rotate_back_lanes<D, EPT>(acc, sgv + (size_t)h * D + e0);
+      const size_t bt = (size_t)S * stride + r0;  // the tail's partial
+      const float mt = __ldcg(M + bt), mn = fmaxf(m, mt), c = safe_exp(m, mn), w = safe_exp(mt, mn);
+      float xt[EPT];
+      ldcg_floats<EPT>(O + bt * D + e0, xt);
+      lp = fmaf(lp, c, lane == 0 ? w * __ldcg(L + bt) : 0.f);  // lp is summed over the lanes below
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) acc[i] = fmaf(w, xt[i], acc[i] * c);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) lp += __shfl_xor_sync(0xffffffffu, lp, off);
