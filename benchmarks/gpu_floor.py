@@ -18,16 +18,26 @@ once could approach, doing nothing else. `--part` runs instead one part of issue
    contiguous buffer, then the flash kernel with `CONTIGUOUS_DENSE` off).
 3. `floors`: per tier at 32K and 128K, a bare streaming read of its stored bytes (best of a launch sweep of
    `READ_SRC`), to set beside its fused time from `cartridge bench`.
+4. `host`: where an end-to-end decode step's time goes at 32K (random llama3-8b, 32 layers, mlx-lm's KVCache and
+   HOST_TIERS fused): tokens/s through `generate_step`, the host's ms to build a step's graph (nothing evaluated), a
+   step built then evaluated alone, and MLX primitives per step by kind (`export_to_dot`). `interleave`: the
+   VARIANTS (fp16 contiguous / flash, 4- or 8-warp TurboQuant, ...) held at once and timed in turn, 7 rounds at 32K
+   and 5 at 128K, so that a shared host's slow stretches hit every variant alike.
 
     python benchmarks/gpu_floor.py OUT_DIR                        (writes OUT_DIR/h200-floor.json; needs a CUDA GPU)
-    python benchmarks/gpu_floor.py --part dense|e2e|floors OUT_DIR  (writes OUT_DIR/h200-{PART}.json)
+    python benchmarks/gpu_floor.py --part dense|e2e|floors|host|interleave OUT_DIR  (writes OUT_DIR/h200-{PART}.json)
 Results: results/h200-floor.json, results/h200-floor-2.json (a second run); h200-dense.*, h200-e2e.*,
 h200-floors.* (issue 34). (`--fp16-gap`, which gave results/h200-fp16-gap.json, is `git show 36f2680:benchmarks/
 gpu_floor.py`; `--part dense` measures the same comparison on the current paths.)
 """
 
 import argparse
+import collections
+import io
 import json
+import re
+import statistics
+import time
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
@@ -41,6 +51,7 @@ from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import dequantize
+from cartridge.attention.route import install
 from cartridge.eval import bench
 from cartridge.tiers import TIERS
 
@@ -453,7 +464,136 @@ def questions():
     return rows
 
 
-PARTS = {"floors": floors, "e2e": e2e, "sweep": sweep, "profile": profile, "prefill": prefill, "questions": questions}
+def make_caches(model, n, tier, policy="fused"):
+    """One cache per layer over a random prefix of n tokens: KVCache (tier "dense") or a cartridge cache read under
+    `policy`."""
+    n_layers, n_kv, D = bench.model_geometry(model)
+    caches = []
+    for i in range(n_layers):
+        k, v = bench.random_kv(n_kv, n, D, seed=i)
+        if tier == "dense":
+            c = KVCache()
+            c.keys, c.values, c.offset = k[None], v[None], n
+        else:
+            prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE, layer=i)
+            c = bench.layer_cache(prefix, policy, mx.float16, D)
+            mx.eval(list(prefix.k_parts.values()), list(prefix.v_parts.values()))
+        caches.append(c)
+    mx.eval([[c.keys, c.values] for c in caches if isinstance(c, KVCache)])
+    return caches
+
+
+def count_ops(out):
+    """{primitive name: count} in the graph of `out` (MLX's `export_to_dot`: one rectangle per primitive)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    return dict(collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue())))
+
+
+def step_times(model, caches, n, steps=30):
+    """(median build ms, median sync ms) of single decode steps, each trimmed back to the prefix after."""
+    y = mx.array([[1]], dtype=mx.uint32)
+    builds, syncs = [], []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        logits = model(y, cache=caches)
+        t1 = time.perf_counter()
+        mx.eval(logits)
+        t2 = time.perf_counter()
+        if i >= 3:
+            builds.append((t1 - t0) * 1e3)
+            syncs.append((t2 - t0) * 1e3)
+        for c in caches:
+            c.trim(c.offset - n)
+    return statistics.median(builds), statistics.median(syncs)
+
+
+def measure(model, n, tier, policy):
+    """One row: ops per step, build and sync ms, tokens/s (see the module docstring)."""
+    caches = make_caches(model, n, tier, policy)
+    y = mx.array([[1]], dtype=mx.uint32)
+    kinds = count_ops(model(y, cache=caches))
+    for c in caches:
+        c.trim(c.offset - n)
+    build, sync = step_times(model, caches, n)
+    tps = bench.decode_tokens_per_s(model, caches, 32)
+    return {"tier": tier, "context": n, "tokens_per_s": tps, "step_ms": 1e3 / tps, "build_ms": build,
+            "sync_ms": sync, "ops": sum(kinds.values()), "op_kinds": kinds}
+
+
+# `--part interleave`: (label, tier, {module switch: value}) held while the caches are made and their plans fixed
+VARIANTS = (("dense", "dense", {}), ("fp16 contiguous", "fp16", {}),
+            ("fp16 flash", "fp16", {"backend.CONTIGUOUS_DENSE": False}), ("mlx4g32", "mlx4g32", {}),
+            ("int8", "int8", {}), ("int8+rot", "int8+rot", {}), ("turbo3 8 warps", "turbo3", {}),
+            ("turbo3 4 warps", "turbo3", {"cuda.TC_WARPS_TURBO": 4}), ("turbo4 4 warps", "turbo4", {"cuda.TC_WARPS_TURBO": 4}))
+
+
+def interleaved(model, n, rounds, only=None):
+    """Every VARIANTS entry's caches made at once, then `rounds` rounds of decode tokens/s (generate_step, 32
+    tokens, tails trimmed back before each) taken in turn, so that a slow stretch of a shared host hits every
+    variant alike: rows with each round's tokens/s, their median and best."""
+    modules = {"backend": cuda_backend, "cuda": cuda}
+    made = []
+    for label, tier, switches in VARIANTS:
+        if only and label not in only:
+            continue
+        saved = {k: getattr(modules[k.split(".")[0]], k.split(".")[1]) for k in switches}
+        for k, v in switches.items():
+            setattr(modules[k.split(".")[0]], k.split(".")[1], v)
+        try:
+            caches = make_caches(model, n, tier)
+            step_times(model, caches, n, steps=2)  # the first calls fix each layer's plan under the switches
+            made.append((label, caches, None))
+        except Exception as e:
+            made.append((label, None, f"{type(e).__name__}: {e}"))
+        for k, v in saved.items():
+            setattr(modules[k.split(".")[0]], k.split(".")[1], v)
+    runs = {label: [] for label, _, _ in made}
+    for _ in range(rounds):
+        for label, caches, error in made:
+            if caches is None:
+                continue
+            for c in caches:
+                c.trim(c.offset - n)
+            runs[label].append(bench.decode_tokens_per_s(model, caches, 32, rounds=1))
+    return [{"variant": label, "context": n, "tokens_per_s": runs[label], "error": error,
+             "median": statistics.median(runs[label]) if runs[label] else None,
+             "best": max(runs[label]) if runs[label] else None} for label, _, error in made]
+
+
+def host():
+    """Where an end-to-end decode step's time goes at 32K tokens (random llama3-8b, 32 layers, fp16), per cache:
+    mlx-lm's KVCache (twice, first and last) and each HOST_TIERS cartridge (fused)."""
+    install()
+    model, rows = bench.random_model("llama3-8b"), []
+    for tier in ("dense", *HOST_TIERS, "dense"):
+        try:
+            rows.append(measure(model, 32768, tier, "fused"))
+        except Exception as e:  # recorded: a kernel that does not build, out of memory
+            rows.append({"tier": tier, "context": 32768, "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(rows[-1]), flush=True)
+        mx.clear_cache()
+    return rows
+
+
+def interleave():
+    """VARIANTS' decode tokens/s taken in turn: all at 32K (7 rounds), INTERLEAVE_128K at 128K (5 rounds)."""
+    install()
+    model = bench.random_model("llama3-8b")
+    rows = interleaved(model, 32768, 7)
+    mx.clear_cache()
+    rows += interleaved(model, 131072, 5, INTERLEAVE_128K)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+HOST_TIERS = ("fp16", "mlx4g32", "int8", "int8+rot", "turbo3", "mxfp4")
+INTERLEAVE_128K = ("dense", "mlx4g32", "int8+rot", "turbo3 8 warps", "turbo3 4 warps", "turbo4 4 warps")
+
+
+PARTS = {"floors": floors, "e2e": e2e, "sweep": sweep, "profile": profile, "prefill": prefill, "questions": questions,
+         "host": host, "interleave": interleave}
 
 
 def part_main(part, out, label="h200"):
@@ -490,7 +630,8 @@ if __name__ == "__main__":
     parser.add_argument("--label", default="h200", help="the files' prefix (the card and session: h100-s7)")
     parser.add_argument("--part", choices=("dense", *PARTS), default=None, help="instead: one part of issue 34 (dense "
                         "pages against MLX's SDPA; decode tokens/s end to end; each tier's bare read; launch shapes of "
-                        "the fused decode; two steps each of mlx4g32 and turbo3 for ncu; a question's prefill paths)")
+                        "the fused decode; two steps each of mlx4g32 and turbo3 for ncu; a question's prefill paths; where an "
+                        "end-to-end decode step's time goes; decode variants timed in turn)")
     args = parser.parse_args()
     if args.part:
         part_main(args.part, args.out, args.label)
