@@ -263,8 +263,9 @@ def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
     """Greedy decode speed (tokens/s) after a 1-token prompt, through mlx-lm's generate_step: the median time
     between tokens of each round; on a GPU 4 rounds (default) and the median of all but the first, on CPU one round
     (it takes seconds). Each round starts from the same caches: their tails are trimmed back to where they were
-    (n_tokens + 1 tokens a round, so every round runs with the same short tail). Not the best round: on an H100 the first round of an mlx-lm KVCache at 32K tokens read 186.9 tokens/s, faster than the
-    bytes of a step allow at the card's bandwidth, and every later round ~104 (docs/performance.md, 2026-12-06)."""
+    (n_tokens + 1 tokens a round, so every round runs with the same short tail). Not the best round: on an H100 the
+    first round of an mlx-lm KVCache at 32K tokens read 186.9 tokens/s, faster than the bytes of a step allow at
+    the card's bandwidth, and every later round ~104 (docs/performance.md, 2026-12-06)."""
     from mlx_lm.generate import generate_step
 
     prompt = mx.array([1], dtype=mx.uint32)

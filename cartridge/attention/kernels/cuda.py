@@ -503,13 +503,13 @@ class FusedAttention:
         """
         _, n_q, L, D = queries.shape
         tail_len, chunk_size = cache.tail_len, cache.chunk_size
-        n_chunks = -(-tail_len // chunk_size)
+        n_chunks, short_tail = -(-tail_len // chunk_size), tail_len <= SINGLE_MAX_TAIL
         # what a call does depends only on these; the module's switches are read at a shape's first call
-        key = (n_q, L, D, queries.dtype, scale, sinks is None, n_chunks, chunk_size, tail_len <= SINGLE_MAX_TAIL)
+        key = (n_q, L, D, queries.dtype, scale, sinks is None, n_chunks, chunk_size, short_tail)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._route(n_q, L, D, queries.dtype, scale, sinks, n_chunks, chunk_size,
-                                                  tail_len <= SINGLE_MAX_TAIL)
+                                                  short_tail)
         if plan is None:
             return None
         if plan is PREFILL:
