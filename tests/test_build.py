@@ -34,6 +34,7 @@ def test_bf16_tier_round_trips(tiny, tmp_path):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"tier": "int3"}, InputError, "unknown tier 'int3'"),
+    ({"tier": "safe"}, InputError, r"unknown tier 'safe' \(safe is a preset: --preset safe"),
     ({"page_size": 0}, InputError, "page size 0"),
     ({"prefill_step": 0}, InputError, "prefill step 0"),
 ])

@@ -33,5 +33,8 @@ def get_tier(name):
     """
     codec = TIERS.get(name)
     if codec is None:
-        raise InputError(f"unknown tier {name!r}; known tiers: {', '.join(TIERS)}")
+        from .presets import PRESETS  # (presets.py names tiers; imported here only for the hint)
+
+        hint = f" ({name} is a preset: --preset {name}, Python preset=)" if name in PRESETS else ""
+        raise InputError(f"unknown tier {name!r}{hint}; known tiers: {', '.join(TIERS)}")
     return codec
