@@ -275,9 +275,10 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         ids = r.pop("token_ids")
         del r["stopped"]  # ask has no stop
         rows.append({"question": q, **r})
+        ended = ", the model ended its answer" if r["tokens"] < max_tokens else ""  # before --max-tokens
         click.echo(f"{'' if len(qs) == 1 else f'Q{i + 1}: '}TTFT {r['ttft_s']:.3f} s ({r['prompt_tokens']} question "
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
-                   f"({r['tokens']} tokens)", err=True)
+                   f"({r['tokens']} tokens{ended})", err=True)
     click.echo(f"load {load_s:.2f} s, {len(qs)} question{'s' * (len(qs) > 1)}, attention {cart.attention}", err=True)
     for line in memory_lines(cart):
         click.echo(line, err=True)
