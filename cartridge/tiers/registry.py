@@ -5,6 +5,7 @@ from .affine import Int6Codec, Int8Codec, Mlx4G32Codec
 from .float16 import BFloat16Codec, Float16Codec
 from .kivi import Kivi4Codec
 from .mxfp import Fp8Codec, Mxfp4Codec, Nvfp4Codec
+from .presets import PRESETS
 from .rotation import RotatedCodec
 from .turbo import Turbo2Codec, Turbo3Codec, Turbo4Codec
 
@@ -33,8 +34,6 @@ def get_tier(name):
     """
     codec = TIERS.get(name)
     if codec is None:
-        from .presets import PRESETS  # (presets.py names tiers; imported here only for the hint)
-
         hint = f" ({name} is a preset: --preset {name}, Python preset=)" if name in PRESETS else ""
         raise InputError(f"unknown tier {name!r}{hint}; known tiers: {', '.join(TIERS)}")
     return codec
