@@ -466,21 +466,10 @@ def questions():
 
 def make_caches(model, n, tier, policy="fused"):
     """One cache per layer over a random prefix of n tokens: KVCache (tier "dense") or a cartridge cache read under
-    `policy`."""
-    n_layers, n_kv, D = bench.model_geometry(model)
-    caches = []
-    for i in range(n_layers):
-        k, v = bench.random_kv(n_kv, n, D, seed=i)
-        if tier == "dense":
-            c = KVCache()
-            c.keys, c.values, c.offset = k[None], v[None], n
-        else:
-            prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE, layer=i)
-            c = bench.layer_cache(prefix, policy, mx.float16, D)
-            mx.eval(list(prefix.k_parts.values()), list(prefix.v_parts.values()))
-        caches.append(c)
-    mx.eval([[c.keys, c.values] for c in caches if isinstance(c, KVCache)])
-    return caches
+    `policy` (`bench.dense_caches`, `bench.cartridge_caches`; fp16)."""
+    if tier == "dense":
+        return bench.dense_caches(model, n, mx.float16)[0]
+    return bench.cartridge_caches(model, n, tier, policy, mx.float16)[0]
 
 
 def count_ops(out):

@@ -290,10 +290,55 @@ def model_geometry(model):
     return len(model.layers), attn.n_kv_heads, attn.head_dim
 
 
+def dense_caches(model, n_tokens, dtype):
+    """One mlx-lm KVCache per layer of `model` holding `n_tokens` seeded random K/V (`random_kv`) in `dtype`.
+
+    Returns:
+        tuple: (caches, their bytes).
+    """
+    from mlx_lm.models.cache import KVCache
+
+    n_layers, n_kv, D = model_geometry(model)
+    caches = []
+    for i in range(n_layers):
+        c = KVCache()
+        k, v = random_kv(n_kv, n_tokens, D, seed=i)
+        c.keys, c.values, c.offset = k[None].astype(dtype), v[None].astype(dtype), n_tokens
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    return caches, sum(c.nbytes for c in caches)
+
+
+def cartridge_caches(model, n_tokens, tier, policy, dtype):
+    """One CartridgeCache per layer of `model` over the same K/V as `dense_caches`, stored in `tier` and read under
+    `policy` (mlx-lm's attention routed to them: `route.install`).
+
+    Returns:
+        tuple: (caches, the prefixes' bytes).
+
+    Raises:
+        RuntimeError: "fused" without a fused kernel for this tier here.
+    """
+    from ..attention.route import install
+
+    install()
+    n_layers, n_kv, D = model_geometry(model)
+    caches = []
+    for i in range(n_layers):
+        k, v = random_kv(n_kv, n_tokens, D, seed=i)
+        prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, PAGE_SIZE, layer=i)
+        cache = layer_cache(prefix, policy, dtype, D)
+        if cache is None:
+            raise RuntimeError("no fused kernel for this tier")
+        caches.append(cache)
+    mx.eval([[list(c.prefix.k_parts.values()), list(c.prefix.v_parts.values())] for c in caches])
+    return caches, sum(c.prefix.nbytes for c in caches)
+
+
 def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
     """Decode tokens/s and peak memory with a dense fp16 KVCache, mlx-lm's QuantizedKVCache, and cartridge
     caches of every tier and policy, all with a prefix of `n_tokens` synthetic tokens."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.models.cache import QuantizedKVCache
 
     n_layers, n_kv, D = model_geometry(model)
     rows = []
@@ -314,16 +359,6 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
             row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
 
-    def dense():
-        caches = []
-        for i in range(n_layers):
-            c = KVCache()
-            k, v = random_kv(n_kv, n_tokens, D, seed=i)
-            c.keys, c.values, c.offset = k[None].astype(dtype), v[None].astype(dtype), n_tokens
-            caches.append(c)
-        mx.eval([c.state for c in caches])
-        return caches, sum(c.nbytes for c in caches)
-
     def quantized():
         caches = []
         for i in range(n_layers):
@@ -336,28 +371,11 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
         mx.eval([c.state for c in caches])
         return caches, sum(c.nbytes for c in caches)
 
-    def cartridge(tier, policy):
-        def make():
-            from ..attention.route import install
-
-            install()
-            caches = []
-            for i in range(n_layers):
-                k, v = random_kv(n_kv, n_tokens, D, seed=i)
-                prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, PAGE_SIZE, layer=i)
-                cache = layer_cache(prefix, policy, dtype, D)
-                if cache is None:
-                    raise RuntimeError("no fused kernel for this tier")
-                caches.append(cache)
-            mx.eval([[list(c.prefix.k_parts.values()), list(c.prefix.v_parts.values())] for c in caches])
-            return caches, sum(c.prefix.nbytes for c in caches)
-        return make
-
-    run("baseline", f"dense {str(dtype)[9:]}", "mlx-kvcache", dense)
+    run("baseline", f"dense {str(dtype)[9:]}", "mlx-kvcache", lambda: dense_caches(model, n_tokens, dtype))
     run("baseline", "mlx-lm q4g32", "mlx-lm-quantized", quantized)
     for tier in tiers:
         for policy in available_policies():
-            run("cartridge", tier, policy, cartridge(tier, policy))
+            run("cartridge", tier, policy, lambda: cartridge_caches(model, n_tokens, tier, policy, dtype))
     return rows
 
 
