@@ -114,7 +114,7 @@ def test_ask_says_when_the_model_ended_its_answer_before_max_tokens(built, monke
     for tokens, said in ((3, True), (5, False)):  # an end-of-sequence token after 3 of 5; all 5 given
         monkeypatch.setattr(ask, "answer", lambda *a, n=tokens: {
             "answer": "x", "ttft_s": 0.1, "tokens": n, "decode_tokens_per_s": 1.0, "prompt_tokens": 4,
-            "token_ids": [1] * n, "stopped": False})
+            "max_tokens": 5, "token_ids": [1] * n, "stopped": False})
         r = run("ask", out, "How much is the rent?", "--max-tokens", "5")
         assert r.returncode == 0
         assert (f"({tokens} tokens, the model ended its answer)" in r.stderr.decode()) == said

@@ -2,6 +2,7 @@
 `cartridge chat` driven through stdin (issue 15)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from test_cli import run
@@ -156,3 +157,44 @@ def test_ask_composed_says_what_it_recomputed(built, tiny_dir, tmp_path):
     lines = [line for line in r.stderr.decode().splitlines() if line.startswith("composed")]
     assert lines == [f"composed 2 cartridges: {len(c.carts[0].tokens):,} + {n:,} tokens, recomputed {redone:,} of "
                      f"annex's tokens ({100 * redone / n:.0f}%)"]
+
+
+def test_the_default_max_tokens_is_cut_to_what_the_context_leaves_and_a_given_one_is_not():
+    from types import SimpleNamespace
+
+    from cartridge.cli.ask import DEFAULT_MAX_TOKENS, check_room
+    from cartridge.errors import InputError
+
+    def cart(limit, held):
+        return SimpleNamespace(model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=limit)),
+                               tokens=[0] * held)
+
+    prompt = [1] * 9
+    assert check_room(cart(512, 299), None, prompt, None, "q") == 512 - 299 - 9  # 204: less than the default
+    assert check_room(cart(8192, 299), None, prompt, None, "q") == DEFAULT_MAX_TOKENS
+    assert check_room(cart(512, 299), None, prompt, 204, "q") == 204
+    with pytest.raises(InputError, match="--max-tokens 205 does not fit the model's context of 512 tokens"):
+        check_room(cart(512, 299), None, prompt, 205, "q")
+    with pytest.raises(InputError, match=r"q \(9 tokens\) does not fit"):
+        check_room(cart(512, 503), None, prompt, None, "q")
+    assert check_room(SimpleNamespace(model=object(), tokens=[0] * 10**6), None, prompt, None, "q") == DEFAULT_MAX_TOKENS
+
+
+def test_chat_save_over_an_existing_file_says_to_pick_a_new_name_and_keeps_the_file(built):
+    out, _ = built
+    before = sorted((p.name, p.stat().st_size) for p in Path(out).iterdir())
+    r = run("chat", out, "--max-tokens", "2", stdin=f"Who?\n/save {out}\n/quit\n".encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and f"error: {out} exists; /save to a new name" in err and "--force" not in err, err
+    assert sorted((p.name, p.stat().st_size) for p in Path(out).iterdir()) == before
+
+
+@pytest.mark.parametrize("last", ["misspelled.cart", "other.cartz", "DIR"])
+def test_ask_with_cartridges_and_no_question_says_so_rather_than_asking_a_path(built, tmp_path, last):
+    out, _ = built
+    last = str(tmp_path) if last == "DIR" else last
+    r = run("ask", out, last, "--max-tokens", "2")
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and err == [f"error: no QUESTION: the last argument {last} names a cartridge; give the "
+                                         "question after the cartridges (or --questions FILE)"], err
+    assert r.stdout == b""

@@ -96,3 +96,12 @@ def test_build_then_reuse_then_rebuild(tiny, tmp_path):
     assert (p2 / "MANIFEST").stat().st_mtime_ns == mtime
     _, built3 = build_or_reuse(DOC, spec, tiny, path, 16, rebuild=True)
     assert built3
+
+
+@pytest.mark.parametrize("given", ["", " ", ","])
+def test_an_empty_tiers_option_is_refused_not_read_as_every_tier(given):
+    from cartridge.cli.eval import _specs
+
+    with pytest.raises(InputError, match="--tiers is empty"):
+        _specs(given, None)
+    assert len(_specs(None, None)) > 10  # left out: every tier

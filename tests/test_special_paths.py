@@ -123,3 +123,14 @@ def test_cartz_cache_folder_blocked_by_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.raises(cartridge.CartridgeError, match="cannot use the cache folder .*set XDG_CACHE_HOME"):
         P.unpack_cached(tmp_path / "a.cartz")
+
+
+def test_an_output_inside_a_cartridge_folder_is_refused(tmp_path):
+    outer = tmp_path / "outer.cart"
+    outer.mkdir()
+    (outer / MANIFEST_NAME).write_text("{}")
+    for inside in (outer / "sub.cart", outer / "a" / "b.cart"):
+        with pytest.raises(InputError, match=f"output {inside} is inside the cartridge {outer}; write it somewhere else"):
+            check_output_path(str(inside), True)
+    assert sorted(p.name for p in outer.iterdir()) == [MANIFEST_NAME]
+    check_output_path(str(tmp_path / "next.cart"), False)  # beside it is fine

@@ -16,6 +16,9 @@ from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref,
 from .serve import MAX_MEMORY_HELP, parse_bytes
 
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
+DEFAULT_MAX_TOKENS = 256
+MAX_TOKENS_HELP = (f"Most tokens to generate per answer (default: {DEFAULT_MAX_TOKENS}, or what the model's context "
+                   "leaves after the document and the question, if less).")
 
 
 def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memory=None, recompute_ratio=None):
@@ -100,28 +103,36 @@ def _prefix_lines(cart):
 
 
 def check_room(cart, cache, prompt, max_tokens, what):
-    """Refuse a prompt (`what`, e.g. "the question") + answer that cannot fit the model's context after
-    what `cache` holds.
+    """The answer's token budget: refuse a prompt (`what`, e.g. "the question") + answer that cannot fit the
+    model's context after what `cache` holds.
 
     Args:
         cart (Cartridge): the loaded cartridge. cache (list): the conversation's caches.
-        prompt (list[int]): the tokens to feed. max_tokens (int): the answer's budget. what (str): named
-            in the error.
+        prompt (list[int]): the tokens to feed. max_tokens (int | None): the answer's budget as the user gave it;
+            None: DEFAULT_MAX_TOKENS, cut to what the context leaves. what (str): named in the error.
+
+    Returns:
+        int: the budget.
 
     Raises:
-        InputError: prefix + cache tail + prompt + max_tokens exceed the model's context length.
+        InputError: the prompt does not fit, or prefix + cache tail + prompt + a given max_tokens exceed the
+            model's context length.
     """
     from cartridge.build import context_length
 
     from cartridge.attention.layers import cache_offset
 
     limit, held = context_length(cart.model), cache_offset(cache) or len(cart.tokens)
-    if limit is None or held + len(prompt) + max_tokens <= limit:
-        return
+    if limit is None:
+        return max_tokens or DEFAULT_MAX_TOKENS
     room = limit - held - len(prompt)
     if room < 1:
         raise InputError(f"{what} ({len(prompt):,} tokens) does not fit the model's context of {limit:,} tokens "
                          f"after the {held:,} cached")
+    if max_tokens is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens <= room:
+        return max_tokens
     raise InputError(f"--max-tokens {max_tokens} does not fit the model's context of {limit:,} tokens: "
                      f"{held:,} cached + {len(prompt)} prompt tokens leave {room:,}")
 
@@ -135,7 +146,7 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
     """
     import mlx_lm
 
-    check_room(cart, cache, prompt, max_tokens, what)
+    max_tokens = check_room(cart, cache, prompt, max_tokens, what)
     t0 = time.perf_counter()
     ttft, n, pieces, ids, stopped = None, 0, [], [], False
     stream = mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache)
@@ -162,7 +173,7 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
     decode_s = time.perf_counter() - t0 - (ttft or 0)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     return {"answer": "".join(pieces), "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
-            "prompt_tokens": len(prompt), "token_ids": ids, "stopped": stopped}
+            "prompt_tokens": len(prompt), "max_tokens": max_tokens, "token_ids": ids, "stopped": stopped}
 
 
 def _unfeed_last(cache):
@@ -197,7 +208,11 @@ def _paths_and_question(args, questions_file):
         raise InputError("give a QUESTION or --questions FILE, not both")
     if questions_file is not None or len(args) == 1:
         return list(args), None  # no question: _questions says what is missing
-    return list(args[:-1]), args[-1]
+    last = args[-1]
+    if not any(c.isspace() for c in last) and (last.endswith((".cart", ".cartz")) or Path(last).is_dir()):
+        raise InputError(f"no QUESTION: the last argument {last} names a cartridge; give the question after the "
+                         "cartridges (or --questions FILE)")
+    return list(args[:-1]), last
 
 
 class RecomputeRatioOption(click.Option):
@@ -216,7 +231,7 @@ class RecomputeRatioOption(click.Option):
               help="Answer every question of a .jsonl ({\"question\": ...} rows) or .txt (one a line) file.")
 @click.option("--json", "json_path", default=None, help="With --questions: write one JSON row per answer here.")
 @click.option("--force", is_flag=True, help="Replace an existing --json file or --save-as cartridge.")
-@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
+@click.option("--max-tokens", type=int, default=None, help=MAX_TOKENS_HELP)
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None, help=PARALLEL_HELP)
@@ -242,7 +257,7 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         if len(paths) > 1 or questions_file is not None:
             raise InputError("--save-as takes one cartridge and one question")
         check_output_path(save_as, force)  # before any work
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     if json_path is not None and questions_file is None:
         raise InputError("--json needs --questions FILE (a .jsonl or .txt file of questions): it writes one "
@@ -274,8 +289,9 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
         r = answer(cart, prompt, cache, max_tokens)
         ids = r.pop("token_ids")
         del r["stopped"]  # ask has no stop
+        budget = r.pop("max_tokens")
         rows.append({"question": q, **r})
-        ended = ", the model ended its answer" if r["tokens"] < max_tokens else ""  # before --max-tokens
+        ended = ", the model ended its answer" if r["tokens"] < budget else ""  # before --max-tokens
         click.echo(f"{'' if len(qs) == 1 else f'Q{i + 1}: '}TTFT {r['ttft_s']:.3f} s ({r['prompt_tokens']} question "
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
                    f"({r['tokens']} tokens{ended})", err=True)

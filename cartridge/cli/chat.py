@@ -10,7 +10,7 @@ import click
 
 from cartridge.errors import CartridgeError, InputError
 
-from .ask import ATTENTION_HELP, check_room, load_cartridge, answer, memory_lines
+from .ask import ATTENTION_HELP, MAX_TOKENS_HELP, check_room, load_cartridge, answer, memory_lines
 from .serve import MAX_MEMORY_HELP
 
 COMMANDS = "/reset, /save FILE, /quit"
@@ -18,7 +18,7 @@ COMMANDS = "/reset, /save FILE, /quit"
 
 @click.command()
 @click.argument("path")
-@click.option("--max-tokens", default=256, show_default=True, help="Most tokens to generate per answer.")
+@click.option("--max-tokens", type=int, default=None, help=MAX_TOKENS_HELP)
 @click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
 @click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
@@ -30,7 +30,7 @@ def chat(path, max_tokens, model, attention, max_memory):
     Ctrl-C at the prompt leaves. Ctrl-C during an answer stops it and returns to the prompt: the part
     shown stays in the conversation as the answer (an answer stopped before any text is dropped with its
     question). With piped input each question is echoed ("> QUESTION") before its answer."""
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     _refuse_saved_conversation(path)  # before the model is loaded
     cart, load_s = load_cartridge(path, model, attention, max_memory=max_memory)
@@ -140,6 +140,9 @@ def _save(cart, cache, line, saved):
     target = line[len("/save"):].strip()
     if not target or not saved:
         click.echo("error: /save FILE needs a file name and at least one answered turn", err=True)
+        return
+    if Path(target).exists():  # chat has no --force: say what to do here instead
+        click.echo(f"error: {target} exists; /save to a new name (chat never replaces a file)", err=True)
         return
     try:
         r = cart.save(target, cache, tokens=list(saved))

@@ -25,6 +25,8 @@ def _specs(tiers, schemas):
     from cartridge.eval.spec import load_schemas, parse_tiers
     from cartridge.tiers import TIERS
 
+    if tiers is not None and not tiers.strip(" ,"):
+        raise InputError("--tiers is empty: name at least one tier (leave the option out for every tier)")
     specs = parse_tiers(tiers or ",".join(TIERS))
     if schemas:
         specs += load_schemas(schemas)

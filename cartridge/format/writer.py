@@ -230,12 +230,16 @@ def check_utf8_path(path, what):
 
 def check_output_path(dest, force):
     """Refuse an output path that exists (unless `force` and it is a cartridge), that names a packed
-    .cartz (a writer makes a directory), or that cannot be written (`check_output_folder`).
+    .cartz (a writer makes a directory), that lies inside a cartridge's folder, or that cannot be written
+    (`check_output_folder`).
 
     Raises:
         OutputExistsError: as described.
         InputError, WriteError: from `check_output_folder`; InputError for a .cartz name.
     """
+    for parent in Path(dest).absolute().parents:  # replacing that cartridge later would delete this one with it
+        if (parent / MANIFEST_NAME).is_file():
+            raise InputError(f"output {dest} is inside the cartridge {parent}; write it somewhere else")
     check_output_folder(dest)
     check_utf8_path(dest, "output path")
     dest = Path(dest)
