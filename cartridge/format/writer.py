@@ -228,6 +228,12 @@ def check_utf8_path(path, what):
         raise InputError(f"{what} {str(path)!r} is not valid UTF-8") from None
 
 
+def is_cartridge_dir(path):
+    """True for a folder holding a MANIFEST: a cartridge as written (a packed .cartz is a file)."""
+    path = Path(path)
+    return path.is_dir() and (path / MANIFEST_NAME).is_file()
+
+
 def check_output_path(dest, force):
     """Refuse an output path that exists (unless `force` and it is a cartridge), that names a packed
     .cartz (a writer makes a directory), that lies inside a cartridge's folder, or that cannot be written
@@ -238,7 +244,7 @@ def check_output_path(dest, force):
         InputError, WriteError: from `check_output_folder`; InputError for a .cartz name.
     """
     for parent in Path(dest).absolute().parents:  # replacing that cartridge later would delete this one with it
-        if (parent / MANIFEST_NAME).is_file():
+        if is_cartridge_dir(parent):
             raise InputError(f"output {dest} is inside the cartridge {parent}; write it somewhere else")
     check_output_folder(dest)
     check_utf8_path(dest, "output path")
@@ -248,8 +254,7 @@ def check_output_path(dest, force):
                          f"`cartridge pack` it to {dest}")
     if not (dest.exists() or dest.is_symlink()):
         return
-    is_cart = dest.is_dir() and (dest / MANIFEST_NAME).is_file()
-    if not is_cart:
+    if not is_cartridge_dir(dest):
         raise OutputExistsError(f"output {dest} exists and is not a cartridge; refusing to replace it")
     if not force:
         raise OutputExistsError(f"output {dest} exists; pass --force (Python: force=True) to replace it")

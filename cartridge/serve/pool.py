@@ -13,9 +13,9 @@ from pathlib import Path
 
 from ..tiers.schema import fold_tiers
 from ..errors import CartridgeError, InputError
-from ..format.layout import MANIFEST_NAME
 from ..format.pack import is_pack
 from ..format.reader import open_cartridge
+from ..format.writer import is_cartridge_dir
 from ..load import load
 from ..models.loader import DEFAULT_MODEL, default_gguf_path
 from ..stored import check_fingerprint
@@ -55,7 +55,7 @@ class Entry:
 
 
 def _is_cartridge(path):
-    return (path.is_dir() and (path / MANIFEST_NAME).is_file()) or is_pack(path)
+    return is_cartridge_dir(path) or is_pack(path)
 
 
 def find_cartridges(paths):
