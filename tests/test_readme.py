@@ -1,4 +1,5 @@
-"""README.md stays true (issues 31.2, 32.1): it fits, its links resolve, and its code blocks run.
+"""README.md stays true (issues 31.2, 32.1): it fits, its links resolve, and its code blocks run; the links of
+docs/ and benchmarks/README.md resolve too (issue 48).
 
 The rule for fenced code blocks: every block names its kind after the opening fence.
 - ```python: a whole program. Run twice in a row with this interpreter, in a fresh temp dir holding a
@@ -59,6 +60,14 @@ def test_readme_fits_two_screens():
 
 def test_every_readme_link_resolves():
     assert broken_links(README) == []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "benchmarks" / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_docs_link_resolves(path):
+    """The engineering docs, the dated logs under docs/log/ and the benchmarks' README link only to files and
+    headings that exist (a page split or a renamed heading breaks them)."""
+    assert broken_links(path) == []
 
 
 def test_broken_links_are_found(tmp_path):
