@@ -71,6 +71,7 @@ class BuildResult:
         context_left (int | None): tokens of the model's context left after the document (None if the
             model does not say).
         calibration (dict | None): the `cartridge.calibration` record of a measured schema, else None.
+        prompt_mode (str | None): "chat_template" or "plain" (spec/FORMAT.md 5.4). Default: None (not said).
     """
 
     path: str
@@ -82,6 +83,7 @@ class BuildResult:
     schema: list = field(default_factory=list)
     context_left: int | None = None
     calibration: dict | None = None
+    prompt_mode: str | None = None
 
     @property
     def tokens_per_second(self):
@@ -162,9 +164,18 @@ def _header(lm, tokens, plans, records, page_size, mode, source_dtype, source):
         K.SOURCE_DTYPE: source_dtype,
         K.ROPE: "post",
         **source,
+        **hub_keys(lm),
     }
     header.update(records)
     return header
+
+
+def hub_keys(lm):
+    """model.repo_id and model.revision (format 1.10) of a model resolved from the Hugging Face hub, else none."""
+    hub = getattr(lm, "hub", None)
+    if hub is None:
+        return {}
+    return {K.MODEL_REPO_ID: hub.repo_id, **({} if hub.revision is None else {K.MODEL_REVISION: hub.revision})}
 
 
 def cartridge_bytes(schema, n_kv_heads, head_dim, n_tokens, page_size):
@@ -399,6 +410,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force, extras, kept)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)
+    result.prompt_mode = mode
     return result
 
 

@@ -34,7 +34,8 @@ from .format.pack import is_pack, open_packed
 from .format.writer import check_output_path, check_space
 from .loaded import Cartridge
 from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
-from .stored import check_fingerprint, layer_prefix, model_dtype
+from .models.hub import recorded_ref
+from .stored import check_fingerprint, layer_prefix, model_dtype, load_recorded_model
 from .tiers import DEFAULT_TIER
 
 MODES = ("tensor", "pipeline")
@@ -182,8 +183,7 @@ def _open_slice(path, model, tokenizer, group, verify):
     snap, info = _open_header(path)
     try:
         if model is None or isinstance(model, str):  # loaded whole: this rank then maps everything
-            ref = info.model_ref if model is None else model
-            lm = load_model(ref if ref != DEFAULT_MODEL else None)
+            lm = load_recorded_model(info, path) if model is None else load_model(model)
             model, tokenizer = lm.model, lm.tokenizer
         elif tokenizer is None:
             raise InputError("pass the model's tokenizer together with the model")
@@ -366,11 +366,15 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
     finally:
         for _ in layers:  # a failed write still takes part in the remaining gathers
             pass
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, attention_plans(geometry), left)
+    result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, attention_plans(geometry), left)
+    result.prompt_mode = mode
+    return result
 
 
 def recorded_model(path):
-    """The model reference a cartridge records ("default" as None), reading only its header."""
+    """The model reference a cartridge records ("default" as None; its repo id where it records one), reading
+    only its header."""
     snap, info = _open_header(path)
     snap.data.close()
-    return None if info.model_ref == DEFAULT_MODEL else info.model_ref
+    ref = recorded_ref(info.model_ref, info.model_repo_id)
+    return None if ref == DEFAULT_MODEL else ref

@@ -17,8 +17,8 @@ from .attention.policy import place, resolve
 from .errors import InputError
 from .format.reader import open_cartridge
 from .loaded import Cartridge, PromptCache
-from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
-from .stored import check_fingerprint, model_dtype, stored_layer
+from .models.loader import LoadedModel, load_model, model_fingerprint
+from .stored import check_fingerprint, load_recorded_model, model_dtype, stored_layer
 
 __all__ = ["Cartridge", "PromptCache", "check_fingerprint", "load"]
 
@@ -43,8 +43,9 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     Args:
         path (str | Path | list): cartridge directory; a list of them composes the documents in order.
         model (str | nn.Module | LoadedModel | None): the model to answer with: a model reference
-            ("default", a GGUF file, an mlx-lm folder), a loaded model, or None for the one the
-            cartridge records. Default: None.
+            ("default", a GGUF file, an mlx-lm folder, a Hugging Face repo id "ORG/NAME"), a loaded model,
+            or None for the one the cartridge records (by its repo id where it has one, format 1.10).
+            Default: None.
         tokenizer: the model's tokenizer, required with an `nn.Module` model. Default: None.
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
@@ -97,10 +98,11 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)
-    if model is None or isinstance(model, str):  # None: the model the cartridge records
-        ref = info.model_ref if model is None else model
-        model = load_model(ref if ref != DEFAULT_MODEL else None)
-    ref = model.ref if isinstance(model, LoadedModel) else None
+    if model is None:  # the model the cartridge records: by its hub repo id where it has one
+        model = load_recorded_model(info, path)
+    elif isinstance(model, str):
+        model = load_model(model)
+    ref = model.label if isinstance(model, LoadedModel) else None
     if isinstance(model, LoadedModel):
         model, tokenizer = model.model, model.tokenizer
     elif tokenizer is None:

@@ -8,11 +8,39 @@ import mlx.core as mx
 
 from .attention.cache import LayerPrefix
 from .attention.kinds import KINDS
-from .errors import ModelMismatchError
+from .errors import ModelLoadError, ModelMismatchError
 from .format import keys as K
 from .format.header import SIDES
-from .models.loader import parameter_arrays
+from .models.hub import HubModel, recorded_ref
+from .models.loader import load_model, parameter_arrays
 from .tiers import DTYPES, TIERS, protect
+
+
+def built_with(info):
+    """How a cartridge names its model: "ORG/NAME at revision 0123456789ab" where it records a hub repo
+    (format 1.10), else its `model.ref`."""
+    return str(HubModel(info.model_repo_id, info.model_revision)) if info.model_repo_id else info.model_ref
+
+
+def load_recorded_model(info, path=None):
+    """Load the model a cartridge records: by its hub repo id where it has one (`hub.recorded_ref`), else
+    by `model.ref`.
+
+    Args:
+        info (CartridgeInfo): the cartridge's header. path (str | Path | None): the cartridge, named in errors.
+
+    Returns:
+        LoadedModel
+
+    Raises:
+        ModelLoadError: one line naming the cartridge, its model and why it cannot be loaded here.
+    """
+    try:
+        return load_model(recorded_ref(info.model_ref, info.model_repo_id))
+    except ModelLoadError as e:
+        which = f"cartridge {path}" if path is not None else "the cartridge"
+        raise ModelLoadError(f"{which} was built with model {built_with(info)}, which cannot be loaded here: "
+                             f"{e}") from None
 
 
 def check_fingerprint(info, fp, path=None, model_ref=None):
@@ -21,22 +49,28 @@ def check_fingerprint(info, fp, path=None, model_ref=None):
     Args:
         info (CartridgeInfo): the cartridge's header. fp (dict): the model's `fingerprint()`.
         path (str | Path | None): the cartridge, named in the message. Default: None.
-        model_ref (str | None): how the model was given ("default", a path), named in the message.
+        model_ref (str | None): how the model was given ("default", a path, "ORG/NAME at revision ..."),
+            named in the message.
 
     Raises:
-        ModelMismatchError: naming the cartridge, the model it was built with, the parts that differ
-            (config, weights, tokenizer, chat_template) and the two ways out.
+        ModelMismatchError: naming the cartridge, the model it was built with (and its hub revision), the
+            parts that differ (config, weights, tokenizer, chat_template) and the two ways out.
     """
     if fp["id"] == info.fingerprint.get("id"):
         return
     differ = [k for k in ("config", "weights", "tokenizer", "chat_template") if fp.get(k) != info.fingerprint.get(k)]
     which = f"cartridge {path}" if path is not None else "the cartridge"
     given = f" {model_ref}" if model_ref else ""
-    ref = info.model_ref
+    ref, revision = recorded_ref(info.model_ref, info.model_repo_id), info.model_revision
+    if info.model_repo_id and revision:  # the id now resolves to other weights: that revision is the way out
+        way = (f"revision {revision} of {ref} (--model \"$(hf download {ref} --revision {revision})\"; Python: "
+               f"model=cartridge.load_model({ref!r}, revision={revision!r}))")
+    else:
+        way = f"--model {ref} (Python: model={ref!r})"
     raise ModelMismatchError(
-        f"{which} was built with model {ref} (fingerprint {info.fingerprint.get('id', '')[:12]}); this "
+        f"{which} was built with model {built_with(info)} (fingerprint {info.fingerprint.get('id', '')[:12]}); this "
         f"model{given} (fingerprint {fp['id'][:12]}) differs in {', '.join(differ) or 'id'}: answer with "
-        f"--model {ref} (Python: model={ref!r}), or rebuild the cartridge with this model"
+        f"{way}, or rebuild the cartridge with this model"
     )
 
 

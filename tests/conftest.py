@@ -8,6 +8,7 @@ from pathlib import Path
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
@@ -72,14 +73,57 @@ def tiny(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=0)
 
 
+def save_model_dir(lm, path, config=None, chat_template=True):
+    """Save a LoadedModel as an mlx-lm model directory (config.json, safetensors, tokenizer files) at `path`;
+    chat_template False leaves the template out, as a base model's folder has none. Returns `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or TINY_CONFIG))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    lm.tokenizer._tokenizer.save_pretrained(str(path))
+    if not chat_template:
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+        settings = json.loads((path / "tokenizer_config.json").read_text())
+        settings.pop("chat_template", None)
+        (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tiny, tmp_path_factory):
     """The tiny model saved as an mlx-lm model directory (config.json, safetensors, tokenizer files)."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(tiny.model.parameters())))
-    tiny.tokenizer._tokenizer.save_pretrained(str(path))
-    return path
+    return save_model_dir(tiny, tmp_path_factory.mktemp("tiny-model"))
+
+
+def make_scripted(tokenizer, after, text, seed=0):
+    """A tiny llama (TINY_CONFIG, untied head) that writes `text` greedily after the token `after`: its
+    attention and MLP outputs are zero, so each position's logits depend on its own token only, and the
+    head maps each token of `after` + `text` to the next one (a bigram table; a token may come back only
+    to go on as before).
+
+    Args:
+        tokenizer: the tokenizer `text` is encoded with. after (int): the prompt's last token id.
+        text (str): what to write; `tokenizer.encode(text)` has at most 64 distinct tokens.
+
+    Returns:
+        LoadedModel
+    """
+    chain = [after, *tokenizer.encode(text, add_special_tokens=False)]
+    following = {}
+    for a, b in zip(chain, chain[1:]):
+        assert following.setdefault(a, b) == b, f"token {a} is followed by two different tokens in {text!r}"
+    lm = make_tiny(tokenizer, seed, tie_word_embeddings=False)
+    body = lm.model.model
+    for layer in body.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    width = TINY_CONFIG["hidden_size"]
+    embed, head = np.array(body.embed_tokens.weight), np.zeros((TINY_CONFIG["vocab_size"], width), np.float32)
+    for i, (a, b) in enumerate(following.items()):
+        embed[a] = np.eye(width, dtype=np.float32)[i]  # token a is basis vector i; the final norm keeps it one
+        head[b, i] = 4.0  # logit 32 for b after a (RMSNorm scales a unit basis vector to sqrt(width) = 8)
+    body.embed_tokens.weight, lm.model.lm_head.weight = mx.array(embed), mx.array(head)
+    mx.eval(lm.model.parameters())
+    return LoadedModel(lm.model, tokenizer, f"scripted-{seed}", fingerprint(lm.model, tokenizer))
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +140,39 @@ def built(tiny_dir, tmp_path_factory):
     r = run_process("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")
     assert r.returncode == 0, r.stderr.decode()
     return out, r
+
+
+def hub_snapshot(hub, repo_id, revision, model_dir, main=True):
+    """Put the files of `model_dir` where the Hugging Face cache `hub` holds a snapshot of `repo_id` at commit
+    `revision` (hub/models--ORG--NAME/snapshots/REVISION/..., copies where the hub would link blobs), and point
+    refs/main at it unless `main` is False. Returns the snapshot folder."""
+    import shutil
+
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(model_dir, snapshot)
+    if main:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in a temporary HF_HOME with HF_HUB_OFFLINE=1: nothing reaches a network.
+    Set in the environment (child processes) and in huggingface_hub's constants, which it reads at import.
+    Returns the cache's `hub` folder."""
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf-home"
+    hub = home / "hub"
+    hub.mkdir(parents=True)
+    for name, value in (("HF_HOME", home), ("HF_HUB_CACHE", hub), ("HF_HUB_OFFLINE", "1")):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return hub
 
 
 @pytest.fixture(scope="session")

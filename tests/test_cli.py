@@ -19,7 +19,7 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
-    assert info["format_version"] == "1.9"
+    assert info["format_version"] == "1.10"
     assert info["source"] == {"name": "doc.txt", "bytes": len((DOC * 3).encode()),
                               "sha256": hashlib.sha256((DOC * 3).encode()).hexdigest(),
                               "first_line": DOC.strip()}
@@ -112,9 +112,9 @@ def test_ask_says_when_the_model_ended_its_answer_before_max_tokens(built, monke
 
     out, _ = built
     for tokens, said in ((3, True), (5, False)):  # an end-of-sequence token after 3 of 5; all 5 given
-        monkeypatch.setattr(ask, "answer", lambda *a, n=tokens: {
+        monkeypatch.setattr(ask, "answer", lambda *a, n=tokens, **k: {
             "answer": "x", "ttft_s": 0.1, "tokens": n, "decode_tokens_per_s": 1.0, "prompt_tokens": 4,
-            "max_tokens": 5, "token_ids": [1] * n, "stopped": False})
+            "max_tokens": 5, "token_ids": [1] * n, "stopped": False, "stop_string": None})
         r = run("ask", out, "How much is the rent?", "--max-tokens", "5")
         assert r.returncode == 0
         assert (f"({tokens} tokens, the model ended its answer)" in r.stderr.decode()) == said

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_cli_interrupt import start, wait_for
 
-from cartridge.cli.chat import _turn
+from cartridge.cli.chat import Turn
 
 Q1, Q2 = "How much is the rent?", "And the notice?"
 
@@ -144,9 +144,9 @@ def test_a_turn_without_room_leaves_the_cache_as_it_was(built, tiny):
     cart = cartridge.load(out, model=tiny)
     refused, done = cart.prompt_cache(), cart.prompt_cache()
     for cache, questions in ((refused, [Q1, "Who may terminate the lease? " * 100, Q2]), (done, [Q1, Q2])):
-        messages, saved = [], []
+        messages, saved, turn = [], [], Turn(cart, 4, None, None)
         for q in questions:
-            _turn(cart, cache, messages, saved, q, 4)
+            turn(cache, messages, saved, q)
         assert [m["content"] for m in messages[::2]] == [Q1, Q2]
     assert refused.tokens == done.tokens and refused[0].offset == done[0].offset
     for a, b in zip(refused, done):  # the same K/V: the refused turn's trim was undone

@@ -3,7 +3,8 @@
 import pytest
 
 from cartridge.errors import InputError
-from cartridge.models.prompt import CHAT, PLAIN, full_prompt_tokens, prefix_tokens, question_tokens
+from cartridge.models.prompt import (CHAT, PLAIN, conversation_tokens, find_stop, full_prompt_tokens, prefix_tokens,
+                                     question_tokens, stop_strings)
 
 DOCS = [
     "A short document.",
@@ -38,3 +39,22 @@ def test_empty_document_and_question_are_refused(smol_tokenizer):
         prefix_tokens(smol_tokenizer, "  \n ", CHAT)
     with pytest.raises(InputError, match="question is empty"):
         question_tokens(smol_tokenizer, "   ", CHAT)
+
+
+def test_a_base_model_answer_stops_at_the_plain_prompts_next_turn():
+    assert stop_strings(PLAIN) == ("\nQuestion:",) and stop_strings(CHAT) == ()
+    stops = stop_strings(PLAIN)
+    assert find_stop(" 900 euros.\n\nQuestion: Who?", stops) == (12, True)  # the answer is text[:12] (+ "\n")
+    assert find_stop(" 900 euros.\nQuest", stops) == (11, False)  # "\nQuest" may begin a stop: not shown yet
+    assert find_stop(" 900 euros.\nQuestions remain", stops) == (28, False)  # ... and then it is, whole
+    assert find_stop(" 900 euros. Questions: none", stops) == (27, False)  # a "Question" not on a new line
+    assert find_stop("a STOP b", ["zz", " b", "STOP"]) == (2, True)  # the stop string first in the text wins
+    assert find_stop("abc", ()) == (3, False)
+
+
+def test_a_plain_conversation_renders_answers_as_the_model_writes_them(smol_tokenizer):
+    """An answer's own leading space (" Nine ...", as generated after "Answer:") is not doubled."""
+    turns = [{"role": "user", "content": "Rent?"}, {"role": "assistant", "content": " Nine hundred euros.\n"},
+             {"role": "user", "content": "Notice?"}]
+    text = smol_tokenizer.decode(conversation_tokens(smol_tokenizer, turns, PLAIN))
+    assert text == "\n\nQuestion: Rent?\nAnswer: Nine hundred euros.\n\nQuestion: Notice?\nAnswer:"

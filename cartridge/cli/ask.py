@@ -12,9 +12,12 @@ import cartridge
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
 
-from .common import PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus, warnings_as_lines
+from .common import (MODEL_FORMS, PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus,
+                     warnings_as_lines)
+from .generation import generation_options, make_sampler, plain_prompt_note
 from .serve import MAX_MEMORY_HELP, parse_bytes
 
+MODEL_HELP = f"Model to answer with: {MODEL_FORMS} (default: the one the cartridge records)."
 ATTENTION_HELP = "Attention path: auto, fused (CUDA), portable or dequantize-once."
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_HELP = (f"Most tokens to generate per answer (default: {DEFAULT_MAX_TOKENS}, or what the model's context "
@@ -137,52 +140,84 @@ def check_room(cart, cache, prompt, max_tokens, what):
                      f"{held:,} cached + {len(prompt)} prompt tokens leave {room:,}")
 
 
-def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop=None):
+def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop=None, sampler=None):
     """Stream the model's answer to `prompt` (fed into `cache`); returns a dict of text and timings.
 
     `stop` (a callable) is asked as each token arrives, before it is shown; True ends the answer there
-    ("stopped": True) without showing that token. The cache then holds the prompt and every token of
-    "token_ids" (mlx-lm feeds a token before yielding it; the one not shown is trimmed back off).
+    ("stopped": True) without showing that token. The answer also ends before the prompt mode's stop
+    string (`prompt.stop_strings`: a base model's new "Question:" line; "stop_string" names it), text that
+    may begin one is held back until it is known not to. The cache then holds the prompt and every token
+    of "token_ids" (mlx-lm feeds a token before yielding it; those not kept are trimmed back off).
+    `sampler`: mlx-lm's (`generation.make_sampler`); None: greedy.
     """
     import mlx_lm
 
+    from cartridge.models.prompt import find_stop, stop_strings
+
     max_tokens = check_room(cart, cache, prompt, max_tokens, what)
+    stops = stop_strings(cart.info.prompt_mode)
     t0 = time.perf_counter()
-    ttft, n, pieces, ids, stopped = None, 0, [], [], False
-    stream = mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache)
+    ttft, n, text, shown, ids, stopped, hit = None, 0, "", 0, [], False, None
+    stream = mlx_lm.stream_generate(cart.model, cart.tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache,
+                                    sampler=sampler)
     try:
         for r in stream:
             if stop is not None and stop():  # Ctrl-C came while this token was computed: nothing more is shown
                 stopped = True
-                _unfeed_last(cache)
+                _unfeed(cache, 1)
                 break
             ttft = time.perf_counter() - t0 if ttft is None else ttft
             n = r.generation_tokens
-            pieces.append(r.text)
+            text += r.text
             ids.append(r.token)
-            if echo:
-                click.echo(r.text, nl=False)
-                sys.stdout.flush()
+            end, found = find_stop(text, stops)
+            shown = _show(text, shown, min(end, len(text.rstrip())), echo)  # spaces before a stop string are not shown
+            if found:
+                hit, text = next(s for s in stops if text.find(s) == end), text[:end].rstrip()
+                break
     except KeyboardInterrupt:  # `ask` ends (exit 130): its "error: interrupted" goes on a line of its own
-        if echo and pieces:
+        if echo and shown:
             click.echo()
         raise
-    if echo and (pieces or not stopped):
-        click.echo()
+    shown = _show(text, shown, len(text), echo)  # what was held back for a stop string that did not come
+    if hit is not None:  # the cache and the ids keep the tokens of the answer only, not those of the stop string
+        kept = _tokens_within(cart.tokenizer, ids, text)
+        _unfeed(cache, len(ids) - kept)
+        ids = ids[:kept]
+    if echo and (shown or not stopped):
+        click.echo()  # the timing line that follows on stderr starts a line of its own
         sys.stdout.flush()
     decode_s = time.perf_counter() - t0 - (ttft or 0)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
-    return {"answer": "".join(pieces), "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
-            "prompt_tokens": len(prompt), "max_tokens": max_tokens, "token_ids": ids, "stopped": stopped}
+    return {"answer": text, "ttft_s": ttft or 0.0, "tokens": n, "decode_tokens_per_s": rate,
+            "prompt_tokens": len(prompt), "max_tokens": max_tokens, "token_ids": ids, "stopped": stopped,
+            "stop_string": hit}
 
 
-def _unfeed_last(cache):
-    """Take the last fed token back off `cache` where every layer can trim (a chat that cannot, a window or
+def _tokens_within(tokenizer, ids, answer):
+    """How many leading `ids` make up no more than `answer` (the text streamed before a stop string, which may
+    lack the space the first token's text starts with: mlx-lm's streaming detokenizer trims it)."""
+    kept = len(ids)
+    while kept and len(tokenizer.decode(ids[:kept]).lstrip()) > len(answer.lstrip()):
+        kept -= 1
+    return kept
+
+
+def _show(text, shown, end, echo):
+    """Print text[shown:end] (stdout, flushed) where `echo`; returns the new count of characters shown."""
+    if echo and end > shown:
+        click.echo(text[shown:end], nl=False)
+        sys.stdout.flush()
+    return max(shown, end)
+
+
+def _unfeed(cache, n):
+    """Take the last `n` fed tokens back off `cache` where every layer can trim (a chat that cannot, a window or
     recurrent state, starts its next turn afresh anyway)."""
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-    if can_trim_prompt_cache(cache):
-        trim_prompt_cache(cache, 1)
+    if n and can_trim_prompt_cache(cache):
+        trim_prompt_cache(cache, n)
 
 
 def _questions(question, questions_file):
@@ -201,11 +236,16 @@ def _questions(question, questions_file):
     return [sys.stdin.read().strip() if question == "-" else question]
 
 
-def _paths_and_question(args, questions_file):
-    """PATH... [QUESTION]: with --questions (or one argument) every argument is a cartridge, else the last
-    is the question."""
-    if questions_file is not None and len(args) > 1 and not Path(args[-1]).exists():
-        raise InputError("give a QUESTION or --questions FILE, not both")
+def _paths_and_question(args, questions_file, prompt=None):
+    """PATH... [QUESTION]: with --questions or --prompt (or one argument) every argument is a cartridge, else
+    the last is the question."""
+    given = "--prompt" if prompt is not None else "--questions FILE"
+    if prompt is not None and questions_file is not None:
+        raise InputError("give --prompt or --questions FILE, not both")
+    if (questions_file is not None or prompt is not None) and len(args) > 1 and not Path(args[-1]).exists():
+        raise InputError(f"give a QUESTION or {given}, not both")
+    if prompt is not None:
+        return list(args), prompt
     if questions_file is not None or len(args) == 1:
         return list(args), None  # no question: _questions says what is missing
     last = args[-1]
@@ -213,6 +253,13 @@ def _paths_and_question(args, questions_file):
         raise InputError(f"no QUESTION: the last argument {last} names a cartridge; give the question after the "
                          "cartridges (or --questions FILE)")
     return list(args[:-1]), last
+
+
+def _prompt(cart, question, system):
+    """The tokens to feed after the prefix for `question`, under the --system-prompt `system` where given."""
+    if system is None:
+        return cart.question_prompt(question)
+    return cart.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": question}])
 
 
 class RecomputeRatioOption(click.Option):
@@ -231,8 +278,12 @@ class RecomputeRatioOption(click.Option):
               help="Answer every question of a .jsonl ({\"question\": ...} rows) or .txt (one a line) file.")
 @click.option("--json", "json_path", default=None, help="With --questions: write one JSON row per answer here.")
 @click.option("--force", is_flag=True, help="Replace an existing --json file or --save-as cartridge.")
-@click.option("--max-tokens", type=int, default=None, help=MAX_TOKENS_HELP)
-@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
+@click.option("--prompt", "-p", "prompt", default=None, metavar="TEXT",
+              help="The question, as mlx_lm.generate's --prompt (- reads it from stdin); every argument is then a "
+                   "cartridge.")
+@click.option("--max-tokens", "-m", type=int, default=None, help=MAX_TOKENS_HELP)
+@generation_options
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None, help=PARALLEL_HELP)
 @click.option("--save-as", default=None, metavar="FILE",
@@ -243,14 +294,14 @@ class RecomputeRatioOption(click.Option):
               help="With several cartridges: fraction of each later document's tokens recomputed, the boundary's "
               "and those whose K/V deviate most (CacheBlend).")
 @click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
-def ask(args, questions_file, json_path, force, max_tokens, model, attention, parallel, save_as, recompute,
-        recompute_ratio, max_memory):
+def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, model, attention, parallel, save_as,
+        recompute, recompute_ratio, max_memory):
     """Answer QUESTION about the document in the cartridge at PATH (streams to stdout); several PATHs
     are laid out one after another in one context.
 
     QUESTION "-" reads the question from stdin; --questions answers a file of questions, each from a
     fresh cache, after one load."""
-    paths, question = _paths_and_question(args, questions_file)
+    paths, question = _paths_and_question(args, questions_file, prompt)
     if save_as is not None:
         from cartridge.format.writer import check_output_path
 
@@ -272,26 +323,28 @@ def ask(args, questions_file, json_path, force, max_tokens, model, attention, pa
     qs = _questions(question, questions_file)
     cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
                                   max_memory, recompute_ratio)
-    if (line := composed_line(cart, paths)) is not None:
-        click.echo(line, err=True)
+    for line in (composed_line(cart, paths), plain_prompt_note(cart.info)):
+        if line is not None:
+            click.echo(line, err=True)
     if save_as is not None:  # a cartridge that cannot be saved is refused before the answer, not after it
         from cartridge.append import require_per_token_tiers
         from cartridge.format.header import require_attention_layers
 
         require_attention_layers(cart.info, "save")
         require_per_token_tiers(cart.info, "save")
-    prompts = [cart.question_prompt(q) for q in qs]  # every question checked before any answer
-    rows = []
+    prompts = [_prompt(cart, q, generation["system_prompt"]) for q in qs]  # every question checked before any answer
+    sampler, rows = make_sampler(generation), []
     for i, (q, prompt) in enumerate(zip(qs, prompts)):
         if len(qs) > 1:
             click.echo(f"Q{i + 1}: {q}")
         cache = cart.prompt_cache()
-        r = answer(cart, prompt, cache, max_tokens)
+        r = answer(cart, prompt, cache, max_tokens, sampler=sampler)
         ids = r.pop("token_ids")
-        del r["stopped"]  # ask has no stop
-        budget = r.pop("max_tokens")
+        del r["stopped"]  # ask has no Ctrl-C stop
+        budget, hit = r.pop("max_tokens"), r.pop("stop_string")
         rows.append({"question": q, **r})
-        ended = ", the model ended its answer" if r["tokens"] < budget else ""  # before --max-tokens
+        ended = (f", stopped before a new {hit.strip()!r} line" if hit else
+                 ", the model ended its answer" if r["tokens"] < budget else "")  # before --max-tokens
         click.echo(f"{'' if len(qs) == 1 else f'Q{i + 1}: '}TTFT {r['ttft_s']:.3f} s ({r['prompt_tokens']} question "
                    f"tokens over {len(cart.tokens)} cached), decode {r['decode_tokens_per_s']:.1f} tokens/s "
                    f"({r['tokens']} tokens{ended})", err=True)

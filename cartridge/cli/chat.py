@@ -10,7 +10,8 @@ import click
 
 from cartridge.errors import CartridgeError, InputError
 
-from .ask import ATTENTION_HELP, MAX_TOKENS_HELP, check_room, load_cartridge, answer, memory_lines
+from .ask import ATTENTION_HELP, MAX_TOKENS_HELP, MODEL_HELP, answer, check_room, load_cartridge, memory_lines
+from .generation import generation_options, make_sampler, plain_prompt_note
 from .serve import MAX_MEMORY_HELP
 
 COMMANDS = "/reset, /save FILE, /quit"
@@ -18,11 +19,14 @@ COMMANDS = "/reset, /save FILE, /quit"
 
 @click.command()
 @click.argument("path")
-@click.option("--max-tokens", type=int, default=None, help=MAX_TOKENS_HELP)
-@click.option("--model", default=None, help="Model to answer with (default: the one the cartridge records).")
+@click.option("--prompt", "-p", "prompt", default=None, metavar="TEXT", help="The first turn, answered before any "
+              "line is read.")
+@click.option("--max-tokens", "-m", type=int, default=None, help=MAX_TOKENS_HELP)
+@generation_options
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--attention", default="auto", show_default=True, help=ATTENTION_HELP)
 @click.option("--max-memory", default=None, help=MAX_MEMORY_HELP)
-def chat(path, max_tokens, model, attention, max_memory):
+def chat(path, prompt, max_tokens, generation, model, attention, max_memory):
     """Talk about the document in the cartridge at PATH: one line a turn, answers streamed.
 
     /reset starts over from the bare document; /save FILE writes the document and the conversation so far
@@ -35,18 +39,25 @@ def chat(path, max_tokens, model, attention, max_memory):
     _refuse_saved_conversation(path)  # before the model is loaded
     cart, load_s = load_cartridge(path, model, attention, max_memory=max_memory)
     check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
+    turn = Turn(cart, max_tokens, make_sampler(generation), generation["system_prompt"])
+    if turn.system is not None:  # a system message the cartridge cannot take is refused now, not at every turn
+        cart.chat_prompt([*turn.opening(), {"role": "user", "content": "?"}])
     tty = sys.stdin.isatty()
     click.echo(f"{Path(path).name}: {len(cart.tokens):,} tokens loaded in {load_s:.1f} s; {COMMANDS}", err=True)
-    for line in memory_lines(cart):
-        click.echo(line, err=True)
-    cache, messages, saved = cart.prompt_cache(), [], []  # saved: the tokens after the document so far
+    for line in [*memory_lines(cart), plain_prompt_note(cart.info)]:
+        if line is not None:
+            click.echo(line, err=True)
+    cache, messages, saved = cart.prompt_cache(), turn.opening(), []  # saved: the tokens after the document so far
+    if prompt is not None:
+        click.echo(f"> {prompt}")
+        turn(cache, messages, saved, prompt)
     while (line := _read_line(tty)) is not None and line != "/quit":
         if line.startswith("/"):
-            messages = _command(cart, cache, line, messages, saved)
+            messages = _command(cart, cache, line, messages, saved, turn)
         elif line:
             if not tty:
                 click.echo(f"> {line}")  # the transcript on stdout reads as a conversation
-            _turn(cart, cache, messages, saved, line, max_tokens)
+            turn(cache, messages, saved, line)
 
 
 def _refuse_saved_conversation(path):
@@ -74,7 +85,7 @@ def _read_line(tty):
     return line.strip()
 
 
-def _command(cart, cache, line, messages, saved):
+def _command(cart, cache, line, messages, saved, turn):
     """Run /reset or /save FILE (anything else is refused in one line); returns the conversation after it."""
     if line.startswith("/save"):
         _save(cart, cache, line, saved)
@@ -82,37 +93,53 @@ def _command(cart, cache, line, messages, saved):
         cart.reset(cache)
         saved[:] = []
         click.echo("(conversation reset)", err=True)
-        return []
+        return turn.opening()
     else:
         click.echo(f"unknown command {line.split()[0]}; {COMMANDS}", err=True)
     return messages
 
 
-def _turn(cart, cache, messages, saved, line, max_tokens):
-    """Answer `line` after the conversation so far and add both to `messages`; Ctrl-C stops the answer."""
-    messages.append({"role": "user", "content": line})
-    try:
-        prompt = cart.chat_prompt(messages, cache)
-    except InputError as e:
-        messages.pop()
-        click.echo(f"error: {e} (/reset to start over)", err=True)
-        return
-    kept = len(cache.tokens) - len(prompt)  # tokens of the turns before that the cache still holds
-    try:
-        with _ctrl_c_stops() as stop:
-            r = answer(cart, prompt, cache, max_tokens, "this turn", stop=stop)
-    except InputError as e:  # no room for this turn: the cache was trimmed for it, and claims its tokens
-        _drop_turn(cache, messages, kept)
-        click.echo(f"error: {e} (/reset to start over)", err=True)
-        return
-    if r["stopped"] and not r["answer"].strip():
-        _drop_turn(cache, messages, kept)
-        click.echo("(stopped before the answer began; the question is dropped)", err=True)
-        return
-    messages.append({"role": "assistant", "content": r["answer"]})
-    saved[:] = cache.tokens + r["token_ids"]  # what the cache holds after the document
-    stopped = "; stopped, the answer so far stays in the conversation" if r["stopped"] else ""
-    click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} token{'' if r['tokens'] == 1 else 's'}{stopped}", err=True)
+class Turn:
+    """One turn of the chat: the question after the conversation so far, answered with the command's options.
+
+    Attributes:
+        cart (Cartridge), max_tokens (int | None), sampler (callable): what `answer` takes.
+        system (str | None): --system-prompt, the conversation's first message where given.
+    """
+
+    def __init__(self, cart, max_tokens, sampler, system):
+        self.cart, self.max_tokens, self.sampler, self.system = cart, max_tokens, sampler, system
+
+    def opening(self):
+        """The messages a conversation starts with: the --system-prompt, if any."""
+        return [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    def __call__(self, cache, messages, saved, line):
+        """Answer `line` after the conversation so far and add both to `messages`; Ctrl-C stops the answer."""
+        cart = self.cart
+        messages.append({"role": "user", "content": line})
+        try:
+            prompt = cart.chat_prompt(messages, cache)
+        except InputError as e:
+            messages.pop()
+            click.echo(f"error: {e} (/reset to start over)", err=True)
+            return
+        kept = len(cache.tokens) - len(prompt)  # tokens of the turns before that the cache still holds
+        try:
+            with _ctrl_c_stops() as stop:
+                r = answer(cart, prompt, cache, self.max_tokens, "this turn", stop=stop, sampler=self.sampler)
+        except InputError as e:  # no room for this turn: the cache was trimmed for it, and claims its tokens
+            _drop_turn(cache, messages, kept)
+            click.echo(f"error: {e} (/reset to start over)", err=True)
+            return
+        if r["stopped"] and not r["answer"].strip():
+            _drop_turn(cache, messages, kept)
+            click.echo("(stopped before the answer began; the question is dropped)", err=True)
+            return
+        messages.append({"role": "assistant", "content": r["answer"]})
+        saved[:] = cache.tokens + r["token_ids"]  # what the cache holds after the document
+        stopped = "; stopped, the answer so far stays in the conversation" if r["stopped"] else ""
+        click.echo(f"TTFT {r['ttft_s']:.3f} s, {r['tokens']} token{'' if r['tokens'] == 1 else 's'}{stopped}", err=True)
 
 
 def _drop_turn(cache, messages, kept):

@@ -61,10 +61,13 @@ def check_output_file(path, option, force):
     return path
 
 
+MODEL_FORMS = '"default", a GGUF file, an mlx-lm model folder or a Hugging Face repo id (ORG/NAME)'
+
+
 def model_ref(model):
     """--model as given, refusing an empty string (which would otherwise mean the current folder)."""
     if model is not None and not model.strip():
-        raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
+        raise InputError(f"--model is empty; give {MODEL_FORMS}")
     return model
 
 

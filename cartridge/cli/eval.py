@@ -12,7 +12,7 @@ from cartridge.errors import InputError
 from cartridge.format.atomic import write_file
 from cartridge.format.writer import check_utf8_path
 
-from .common import check_output_file, read_corpus
+from .common import MODEL_FORMS, check_output_file, read_corpus
 from .eval_composed import check_options, run_composed
 from .eval_composed import markdown_table as composed_markdown
 from .eval_composed import text_table as composed_text
@@ -68,7 +68,7 @@ def _bar():
 @click.command("eval")
 @click.argument("corpus", nargs=-1, required=True)
 @click.option("--questions", "questions_path", required=True, help="JSONL: one {\"question\": ...} a line.")
-@click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
+@click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @click.option("--tiers", default=None, help="Comma-separated entries: TIER, TIER:bpN, k=TIER:v=TIER[:bpN], "
               "...:pfN:plM (protected tokens), preset=NAME (e.g. fp16,mlx4g32:bp2,k=fp16:v=fp8). Default: every registered tier.")
 @click.option("--schemas", default=None, help="JSON file: label -> schema list or build keywords.")

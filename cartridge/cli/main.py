@@ -15,12 +15,12 @@ from cartridge.errors import CartridgeError, InputError
 from .ask import ask
 from .bench import bench as bench_command
 from .chat import chat
-from .common import (PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
+from .common import (MODEL_FORMS, PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
 from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
-from .report import agreement, fp16_ratio, inspect_dict, inspect_table
+from .report import agreement, fp16_ratio, inspect_dict, inspect_table, prompt_format
 from .serve import exit_if_served, serve
 
 
@@ -54,7 +54,7 @@ def cli():
 @cli.command()
 @click.argument("corpus")
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
-@click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
+@click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @tier_options
 @click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token.")
 @click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",
@@ -66,7 +66,7 @@ def cli():
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
               help="Warn when fewer than N tokens of the model's context are left for questions.")
-@click.option("--system", default=None, metavar="TEXT",
+@click.option("--system", "--system-prompt", "system", default=None, metavar="TEXT",
               help="A system message rendered before the document (chat clients that send it are then served "
                    "from the cartridge).")
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
@@ -118,6 +118,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
         c = r.calibration
         click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16, predicted KL "
                    f"{c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, {agreement(c)}")
+    click.echo(f"prompt format: {prompt_format(r.prompt_mode)}")
 
 
 def _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):

@@ -73,13 +73,22 @@ def inspect_dict(info, path):
         "source_dtype": info.source_dtype,
         "prompt_mode": info.prompt_mode,
         "system": info.system,
-        "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"]},
+        "model": {"ref": info.model_ref, "fingerprint": info.fingerprint["id"], "repo_id": info.model_repo_id,
+                  "revision": info.model_revision},
         "source": info.source,
         "sources": info.sources,
         "attention": _auto(info),
         "calibration": calibration(info),
         "preset": preset(info),
     }
+
+
+def prompt_format(mode):
+    """How `build` and `inspect` name a prompt mode (spec/FORMAT.md 5.4)."""
+    if mode == "plain":
+        return ('plain text, the model has no chat template: "Question: ...\\nAnswer:" turns; an answer ends at a '
+                'new "Question:" line')
+    return "the model's chat template"
 
 
 def preset(info):
@@ -178,6 +187,8 @@ def inspect_table(d):
     lines = [
         f"format        {d['format_version']}",
         f"model         {d['model']['ref']}  (fingerprint {d['model']['fingerprint'][:16]})",
+        f"hub repo      {d['model'].get('repo_id') or '-'}, revision {d['model'].get('revision') or '-'}",
+        f"prompt        {prompt_format(d['prompt_mode'])}",
         f"tokens        {d['tokens']:,} in {d['n_pages']} page{'' if d['n_pages'] == 1 else 's'} of {d['page_size']}",
         *_conversation_lines(d),
         f"shape         {d['n_layers']} layers x {d['n_kv_heads']} kv heads x head_dim {d['head_dim']} "

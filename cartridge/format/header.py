@@ -5,6 +5,7 @@ anything is allocated from it; page offsets must follow the exact layout the wri
 """
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +55,8 @@ class CartridgeInfo:
             a conversation cartridge holds turns after them.
         parts (list[dict]): lineage.parts, [{kind, start, end, tokens_sha256}] ([] if built at once).
         lineage_source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
+        model_repo_id (str | None), model_revision (str | None): the Hugging Face repo id the model was
+            resolved from and the commit it resolved to (format 1.10; None where not recorded).
     """
 
     format_version: str
@@ -85,6 +88,8 @@ class CartridgeInfo:
     protected: dict = field(default_factory=dict, repr=False)
     system: str | None = None
     unit_tiers: dict = field(default_factory=dict)
+    model_repo_id: str | None = None
+    model_revision: str | None = None
 
     def units(self):
         """[(path, LayerInfo)] of every stored cache, in storage order (`layer_units`)."""
@@ -276,6 +281,7 @@ def parse_header(records, manifest):
         source=read_source(records), sources=read_sources(records),
         records=records,
         **_lineage(records, ids, n_tokens),
+        **_hub(records),
         protect_first=first, protect_last=last, protected=protected,
     )
 
@@ -324,3 +330,22 @@ def _lineage(records, ids, n_tokens):
     if source and not _hex64(source):
         raise FieldError(f"index key {K.LINEAGE_SOURCE!r} is {source[:70]!r}; expected 64 lowercase hex digits")
     return {"document_tokens": doc, "parts": parts, "lineage_source": source}
+
+
+_REPO_PART = r"(?!.*(--|\.\.))[A-Za-z0-9_]([A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # huggingface_hub's validate_repo_id
+HUB_FORMS = {  # key -> (pattern, what the spec allows), format 1.10 (spec/FORMAT.md 4.5.5)
+    K.MODEL_REPO_ID: (re.compile(f"{_REPO_PART}/{_REPO_PART}", re.ASCII), "ORG/NAME, a Hugging Face repo id"),
+    K.MODEL_REVISION: (re.compile("[0-9a-f]{40}"), "a commit hash of 40 lowercase hex digits"),
+}
+
+
+def _hub(records):
+    """The format 1.10 keys (OPTIONAL): the Hugging Face repo id and revision of the model (spec 4.5.5)."""
+    out = {}
+    for key, name in ((K.MODEL_REPO_ID, "model_repo_id"), (K.MODEL_REVISION, "model_revision")):
+        value = typed(records, key, str) if key in records else None
+        pattern, allowed = HUB_FORMS[key]
+        if value is not None and not pattern.fullmatch(value):
+            raise FieldError(f"index key {key!r} is {value[:120]!r}; expected {allowed}")
+        out[name] = value
+    return out

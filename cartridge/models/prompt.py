@@ -7,7 +7,7 @@ through the end of the document; `question_tokens` renders the rest. The split i
 token-stable: prefix tokens + suffix tokens == tokens of the full rendered prompt.
 
 Models without a chat template use plain text: `document + separator + "Question: " + question +
-"\nAnswer:"`.
+"\nAnswer:"`; an answer there ends where the model starts the next turn (`stop_strings`).
 """
 
 import unicodedata
@@ -44,6 +44,40 @@ _ANSWER = "\x00CARTRIDGE_ANSWER\x00"
 def prompt_mode(tokenizer):
     """CHAT if the tokenizer has a chat template, else PLAIN."""
     return CHAT if getattr(tokenizer, "chat_template", None) else PLAIN
+
+
+def stop_strings(mode):
+    """Text that ends an answer in prompt mode `mode`, besides the tokenizer's end-of-sequence tokens.
+
+    A model without a chat template (PLAIN) has no end-of-turn token: it goes on writing the plain
+    prompt's next turn, a new "Question:" line (spec/FORMAT.md 5.4). With a chat template the turn ends
+    with the template's end-of-turn token, which mlx-lm counts among the EOS tokens: no text is needed.
+
+    Args:
+        mode (str): CHAT or PLAIN.
+
+    Returns:
+        tuple[str, ...]: the stop strings; the answer is the text before the first one.
+    """
+    return ("\nQuestion:",) if mode == PLAIN else ()
+
+
+def find_stop(text, stops):
+    """Where a streamed answer ends, and how much of it can be shown before more text arrives.
+
+    Args:
+        text (str): the answer's text so far. stops (Sequence[str]): stop strings (`stop_strings`, a
+            request's own).
+
+    Returns:
+        tuple[int, bool]: (end, stopped). stopped: the answer is `text[:end]`, cut before the first stop
+        string found. Not stopped: `text[:end]` can be shown; the rest may be the start of a stop string.
+    """
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    if found:
+        return min(found), True
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return len(text) - held, False
 
 
 def _system_turn(system, mode):
@@ -237,7 +271,7 @@ def conversation_tokens(tokenizer, messages, mode, separator=SEPARATOR, system=N
             raise InputError("a system message needs a chat template; this cartridge's model has none")
         text = separator
         for m in messages:
-            text += (f"Question: {m['content']}\nAnswer:" if m["role"] == "user" else f" {m['content']}\n\n")
+            text += (f"Question: {m['content']}\nAnswer:" if m["role"] == "user" else f" {m['content'].strip()}\n\n")
         return encode_text(tokenizer, text, False)
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
     turns = [dict(m) for m in messages]

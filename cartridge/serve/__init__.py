@@ -11,19 +11,21 @@ request in arrival order on one thread, `protocol` checks request bodies, `app` 
 from ..attention.policy import resolve
 from ..errors import CartridgeError
 from ..format.reader import open_cartridge
+from ..models.hub import recorded_ref
 from ..models.loader import DEFAULT_MODEL, load_model
 from .pool import Pool, find_cartridges
 
 
 def recorded_model(paths):
-    """The model the first readable cartridge was built with ("default" if none can be read)."""
+    """The model the first readable cartridge was built with, by its hub repo id where it records one
+    ("default" if none can be read)."""
     for path in paths.values():
         try:
             info, data = open_cartridge(path, verify="header")
         except CartridgeError:
             continue
         data.close()
-        return info.model_ref
+        return recorded_ref(info.model_ref, info.model_repo_id)
     return DEFAULT_MODEL
 
 
