@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..build import DEFAULT_PAGE_SIZE, fit_page_size, header_extras, layers_bytes, write_layers
+from ..build import DEFAULT_PAGE_SIZE, fit_page_size, header_extras, write_layers
 from ..errors import CartridgeError, InputError
 from ..format.atomic import clean_stale
 from ..format.writer import CartridgeWriter, check_output_folder, check_space
@@ -230,14 +230,13 @@ class Shelf:
             log.info("prefix of %s tokens not saved: another is still being written", f"{len(tokens):,}")
             return None
         page_size = fit_page_size(DEFAULT_PAGE_SIZE, len(tokens))
-        planned = layers_bytes(self.schema, self.plans, len(tokens), page_size)  # an upper bound of its files
-        if planned > self.max_bytes:
-            log.info("prefix of %s tokens not saved: about %s bytes, more than --shelf-bytes %s",
-                     f"{len(tokens):,}", f"{planned:,}", f"{self.max_bytes:,}")
-            return None
         rec = write_layers(self.folder / f"{name}.cart", lm, tokens, caches, self.schema, self.plans, page_size,
                            prompt_mode(lm.tokenizer), source=header_extras(text or " ", None, None),
                            open_writer=Recorded)
+        if rec.nbytes > self.max_bytes:
+            log.info("prefix of %s tokens not saved: its pages alone are %s bytes, more than --shelf-bytes %s",
+                     f"{len(tokens):,}", f"{rec.nbytes:,}", f"{self.max_bytes:,}")
+            return None
         with self._lock:
             self._pending.add(name)
         self._queue.put(rec)
@@ -272,16 +271,14 @@ class Shelf:
             self._saved[name] = (path, size)
         self.pool.add(name, path)
         log.info("saved prefix %s: %s tokens, %s bytes", name, f"{len(rec.token_ids):,}", f"{size:,}")
-        self._evict(keep=name)
+        self._evict()
 
-    def _evict(self, keep=None):
-        """Remove least recently used saved prefixes until their bytes fit --shelf-bytes (never `keep`, the
-        one just written, which fits alone)."""
+    def _evict(self):
+        """Remove least recently used saved prefixes until their bytes fit --shelf-bytes (the one just written
+        last: only if its files alone are more)."""
         while True:
             with self._lock:
                 if sum(b for _, b in self._saved.values()) <= self.max_bytes or not self._saved:
-                    return
-                if next(iter(self._saved)) == keep:
                     return
                 name, (path, size) = self._saved.popitem(last=False)
             self.pool.remove(name)
