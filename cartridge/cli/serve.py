@@ -99,8 +99,7 @@ def _check_shelf(save_over, shelf_bytes):
 
 
 def _say_ready(host, port, save_over, shelf_bytes):
-    def ready(engine):
-        pool = engine.pool
+    def ready(pool, shelf=None):
         refused = {name: e for name, e in pool.entries.items() if e.error is not None}
         for name, e in refused.items():  # one line each, so a shelf of broken files does not look served
             click.echo(f"warning: {name} ({e.path}) is refused: {e.error.message}", err=True)
@@ -109,9 +108,9 @@ def _say_ready(host, port, save_over, shelf_bytes):
         click.echo(f"serving {n} cartridge{'' if n == 1 else 's'} ({names or 'none'}) and the base model "
                    f"{pool.base_id!r} on http://{host}:{port}/v1"
                    + (f"; {len(refused)} refused (above)" if refused else ""), err=True)
-        if engine.shelf is not None:
-            click.echo(f"saving the prefixes of prompts over {save_over:,} tokens into {engine.shelf.folder} "
-                       f"(at most {shelf_bytes:,} bytes; {engine.shelf.saved_bytes:,} now)", err=True)
+        if shelf is not None:
+            click.echo(f"saving the prefixes of prompts over {save_over:,} tokens into {shelf.folder} "
+                       f"(at most {shelf_bytes:,} bytes; {shelf.saved_bytes:,} now)", err=True)
     return ready
 
 

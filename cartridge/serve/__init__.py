@@ -93,7 +93,8 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
         verify (str): "pages" or "header" checks at load. attention (str): attention policy.
         default_max_tokens (int): max_tokens of a request that gives none. Default: 512.
         log_level (str): uvicorn's and the server's log level (any case). Default: "info".
-        ready (callable | None): called with the Engine once the model is loaded. Default: None.
+        ready (callable | None): called with the Pool and the Shelf (None without `save_over`) once the model
+            is loaded. Default: None.
         max_memory (int | None): `cartridge.load`'s max_memory for each cartridge. Default: None.
         max_count (int | None): most cartridges kept loaded (--prompt-cache-size). Default: 10.
         defaults (Sampling | None): sampling of a request that sets none (--temp, --top-p, --top-k, --min-p).
@@ -137,7 +138,7 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
     _log_to_stderr(log_level)
     engine = Engine(make_pool, default_max_tokens, make_shelf if shelf_folder else None, template_args, prefill_step)
     if ready is not None:
-        ready(engine)
+        ready(engine.pool, engine.shelf)
     try:
         uvicorn.run(make_app(engine, defaults=defaults or Sampling(), allowed_origins=allowed_origins), host=host,
                     port=port, log_level=log_level.lower())
