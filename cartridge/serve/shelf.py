@@ -116,12 +116,15 @@ class Recorded:
         return False
 
     def add_extent(self, layer, side, component, pages):
+        """Keep one extent (`CartridgeWriter.add_extent`'s arguments; pages: np.ndarray)."""
         self.extents.append((layer, side, component, np.ascontiguousarray(pages)))
 
     def add_record(self, key, raw):
+        """Keep one binary index record."""
         self.records.append((key, bytes(raw)))
 
     def commit(self, header, token_ids):
+        """Keep the header and the token ids; returns this (what `write_layers` returns)."""
         self.header, self.token_ids = header, np.asarray(token_ids, dtype=np.uint32)
         return self
 
