@@ -244,6 +244,19 @@ def test_the_reusable_prefix_is_the_document(lm):
     assert lm.tokenizer.decode(prompt.tokens[n:]).startswith(QUESTION)  # everything before the question's text
 
 
+def test_prompt_cache_size_bounds_the_cartridges_kept_loaded(shelf, lm, tmp_path):
+    """--prompt-cache-size (mlx_lm.server's count of caches kept): the least recently used is dropped."""
+    import shutil
+
+    from cartridge.serve.pool import Pool
+
+    shutil.copytree(shelf / "lease.cart", tmp_path / "copy.cart")
+    pool = Pool({"lease": shelf / "lease.cart", "copy": tmp_path / "copy.cart"}, lm, max_count=1)
+    pool.get("lease")
+    pool.get("copy")
+    assert [m["id"] for m in pool.models() if m.get("loaded") and m["cartridge"]] == ["copy"]
+
+
 def _capture(shelf, lm, text):
     from cartridge.build import prefill
     from cartridge.models.prompt import encode_text
