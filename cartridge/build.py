@@ -432,7 +432,7 @@ def kv_caches(layers):
 
 
 def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, force=False, source=None,
-                 kept=(0, 0)):
+                 kept=(0, 0), open_writer=CartridgeWriter):
     """Encode every layer's K/V (or state) with its tiers and write the cartridge (atomic).
 
     Args:
@@ -447,15 +447,17 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
         source (dict | None): more header keys: source.* (`format.source.source_keys`), prompt.system.
             Default: None.
         kept (tuple): (N, M) protected first and last tokens, already clamped (format 1.5). Default: (0, 0).
+        open_writer (callable): makes the writer from (output, force); `cartridge.serve.shelf.Recorded` keeps
+            the encoded pages for another thread to write. Default: CartridgeWriter.
 
     Returns:
-        Path: the published cartridge directory.
+        Path: the published cartridge directory (what the writer's `commit` returns).
 
     Raises:
         InputError: a cache holds shapes other than its plan's (nothing is published).
     """
     records, source_dtype = {}, next((u.dtype for p in plans for u in p.units() if u.dtype), None)
-    with CartridgeWriter(output, force) as writer:
+    with open_writer(output, force) as writer:
         for layer, cache in enumerate(caches):
             if source_dtype is None and KINDS[plans[layer].kind].tiered:
                 source_dtype = str(cache.keys.dtype).replace("mlx.core.", "")

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
@@ -21,6 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from clirun import run_inprocess, run_process
 from conftest import TINY_CONFIG, make_tiny
+from servers import free_port as _free_port, raw as _raw, wait_ready as _wait_ready
 
 openai = pytest.importorskip("openai")
 
@@ -29,12 +29,6 @@ OTHER = "Section 2. The landlord repairs the roof; the tenant waters the garden 
 QUESTION = "How much is the rent?"
 SYSTEM = "Answer briefly."
 MAX = 12
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -80,28 +74,6 @@ def server(shelf, tiny_dir, tmp_path_factory):
     yield url, one
     proc.terminate()
     proc.wait(timeout=30)
-
-
-def _wait_ready(proc, port, timeout=180):
-    t0 = time.time()
-    while time.time() - t0 < timeout and proc.poll() is None:
-        try:
-            if _raw(port, "GET", "/v1/models")[0] == 200:
-                return True
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    return False
-
-
-def _raw(port, method, path, body=None, headers=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        c.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
 
 
 def _port(url):
@@ -279,7 +251,18 @@ def _body(**kw):
     (_body(messages=["hello"]), 400, "messages[0]"),
     (_body(seed=-1, temperature=1), 400, "seed"),
     (_body(seed=2 ** 64), 400, "seed"),
-    (_body(logprobs=True), 400, "logprobs"),
+    (_body(logprobs="yes"), 400, "logprobs"),
+    (_body(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (_body(top_k=-1), 400, "top_k"),
+    (_body(min_p=1.5), 400, "min_p"),
+    (_body(repetition_penalty=-1), 400, "repetition_penalty"),
+    (_body(presence_penalty=3), 400, "presence_penalty"),
+    (_body(frequency_context_size=-1), 400, "frequency_context_size"),
+    (_body(logit_bias={"x": 1}), 400, "logit_bias"),
+    (_body(logit_bias={"49152": 1}), 400, "logit_bias"),
+    (_body(response_format={"type": "json_object"}), 400, "response_format"),
+    (_body(draft_model="other"), 400, "draft_model"),
+    (_body(stream_options={"include_obfuscation": True}), 400, "stream_options"),
     (_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
 ])
 def test_bad_requests_get_4xx_json(server, body, status, param):

@@ -1,5 +1,6 @@
 """The HTTP routes of `cartridge serve` (Starlette, run by uvicorn): OpenAI's /v1/models,
-/v1/chat/completions and /v1/completions, with and without server-sent events.
+/v1/chat/completions and /v1/completions, with and without server-sent events, the same without /v1, and
+mlx_lm.server's /health; CORS headers for the allowed origins (mlx_lm.server's --allowed-origins).
 
 Every refusal is a JSON error body with a 4xx status; an unexpected failure is a 500 JSON body and the
 server keeps serving.
@@ -13,11 +14,14 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Job
-from .protocol import APIError, parse_body, parse_chat, parse_completion
+from .protocol import APIError, Sampling, parse_body, parse_chat, parse_completion
+from .sampling import completion_logprobs
 
 MAX_BODY = 16 << 20  # 16 MiB: far above any prompt that fits a context, far below what hurts the server
 POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -75,31 +79,44 @@ async def next_event(job, request, pending):
 
 
 class Answer:
-    """Builds the OpenAI response objects of one request, chat or text completion."""
+    """Builds the OpenAI response objects of one request, chat or text completion.
 
-    def __init__(self, request, start):
-        self.request, self.start = request, start
+    Args:
+        request (protocol.Request). start (dict): the job's "start" event. model (str): the model id to
+            report (the request's, or the base model's id when it named none).
+    """
+
+    def __init__(self, request, start, model):
+        self.request, self.start, self.model = request, start, model
         self.chat = request.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text, self.tokens = [], []
+        self.text, self.tokens, self.logprobs = [], [], []
+        self.sent_chars = 0  # text streamed so far (a completion's logprobs text_offset)
 
     def _head(self, obj):
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, entries, offset=0):
+        if not self.request.sampling.logprobs:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        return completion_logprobs(entries, offset)
 
     def usage(self, completion_tokens):
         return {"prompt_tokens": self.start["prompt_tokens"], "completion_tokens": completion_tokens,
                 "total_tokens": self.start["prompt_tokens"] + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.start["cached_tokens"]}}
 
-    def _choice(self, text, tokens, finish, delta):
+    def _choice(self, text, tokens, finish, delta, logprobs=None):
         if not self.chat:
-            body = {"text": text or "", "logprobs": None}
+            body = {"text": text or ""}
         elif delta:
             body = {"delta": {} if text is None else {"content": text}}
         else:
             body = {"message": {"role": "assistant", "content": text}}
-        choice = {"index": 0, **body, "finish_reason": finish}
+        choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish}
         if self.request.return_token_ids and tokens is not None:
             choice["token_ids"] = tokens
         return choice
@@ -108,14 +125,16 @@ class Answer:
         """The whole (non-streamed) response."""
         text = "".join(self.text)
         out = self._head("chat.completion" if self.chat else "text_completion")
-        out["choices"] = [self._choice(text, self.tokens, done["finish_reason"], delta=False)]
+        out["choices"] = [self._choice(text, self.tokens, done["finish_reason"], False, self._logprobs(self.logprobs))]
         out["usage"] = self.usage(done["completion_tokens"])
         return out
 
-    def chunk(self, text=None, tokens=None, finish=None, usage=None, role=False):
+    def chunk(self, text=None, tokens=None, finish=None, usage=None, role=False, logprobs=None):
         """One server-sent event's data, as a `data: ...` line pair."""
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        out["choices"] = [] if usage else [self._choice(text, tokens, finish, delta=True)]
+        lp = self._logprobs([logprobs], self.sent_chars) if logprobs else None
+        self.sent_chars += len(text or "")
+        out["choices"] = [] if usage else [self._choice(text, tokens, finish, True, lp)]
         if role:
             out["choices"][0]["delta"]["role"] = "assistant"
         if usage:
@@ -143,8 +162,9 @@ async def _stream(job, answer):
     while True:
         kind, data = await job.events.get()
         if kind == "delta":
-            if data["text"] or (answer.request.return_token_ids and data["token"] is not None):
-                yield answer.chunk(text=data["text"], tokens=None if data["token"] is None else [data["token"]])
+            if data["text"] or data["logprobs"] or (answer.request.return_token_ids and data["token"] is not None):
+                yield answer.chunk(text=data["text"], tokens=None if data["token"] is None else [data["token"]],
+                                   logprobs=data["logprobs"])
         elif kind == "done":
             yield answer.chunk(finish=data["finish_reason"])
             if answer.request.include_usage:
@@ -163,21 +183,27 @@ async def _collect(job, request, answer, pending):
             answer.text.append(data["text"])
             if data["token"] is not None:
                 answer.tokens.append(data["token"])
+            if data["logprobs"]:
+                answer.logprobs.append(data["logprobs"])
         elif kind == "done":
             return JSONResponse(answer.final(data))
         else:
             return error_response(data["error"])
 
 
-def make_app(engine, max_body=MAX_BODY):
+def make_app(engine, max_body=MAX_BODY, defaults=None, allowed_origins=("*",)):
     """The Starlette app serving `engine`'s pool.
 
     Args:
         engine (Engine): the worker and its pool. max_body (int): largest request body in bytes. Default: 16 MiB.
+        defaults (Sampling | None): sampling of a request that sets none (--temp, --top-p, --top-k, --min-p).
+        allowed_origins (tuple[str]): origins a browser may call from ("*": any, mlx_lm.server's default; empty:
+            no CORS headers). Default: ("*",).
 
     Returns:
         Starlette
     """
+    defaults = defaults or Sampling()
 
     async def models(request):
         return JSONResponse({"object": "list", "data": engine.pool.models()})
@@ -193,9 +219,12 @@ def make_app(engine, max_body=MAX_BODY):
     async def stats(request):
         return JSONResponse(engine.stats())
 
+    async def health(request):  # mlx_lm.server's
+        return JSONResponse({"status": "ok" if engine.healthy else "unavailable"}, 200 if engine.healthy else 503)
+
     async def answer(request, parse):
         try:
-            req = parse(parse_body(await read_body(request, max_body)))
+            req = parse(parse_body(await read_body(request, max_body)), defaults)
         except APIError as e:
             engine.note_rejected()
             return error_response(e)
@@ -206,7 +235,7 @@ def make_app(engine, max_body=MAX_BODY):
             kind, data = await next_event(job, request, pending)
             if kind == "error":
                 return error_response(data["error"])
-            out = Answer(req, data)
+            out = Answer(req, data, req.model or engine.pool.base_id)
             if req.stream:
                 streaming = True  # from here the EventStream cancels the job when it ends
                 return EventStream(_stream(job, out), job)
@@ -229,15 +258,19 @@ def make_app(engine, max_body=MAX_BODY):
     async def server_error(request, exc):
         return error_response(APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
 
-    routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
-              Route("/stats", stats, methods=["GET"]),
-              Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
+    routes = [Route("/health", health, methods=["GET"]), Route("/stats", stats, methods=["GET"])]
+    for root in ("/v1", ""):  # mlx_lm.server also answers /chat/completions; the others alike, for clients without /v1
+        routes += [Route(f"{root}/models", models, methods=["GET"]),
+                   Route(f"{root}/models/{{name:path}}", model, methods=["GET"]),
+                   Route(f"{root}/chat/completions", chat, methods=["POST"]),
+                   Route(f"{root}/completions", completions, methods=["POST"])]
+    cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])] if allowed_origins else []
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         engine.close()
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
-                     lifespan=lifespan)
+    return Starlette(routes=routes, middleware=cors, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: server_error})

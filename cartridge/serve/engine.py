@@ -2,11 +2,15 @@
 
 Exactness over batching: a request's tokens are those it would get alone (the same prompt, cache and
 sampler, and `seed` applied just before its first token), whatever else is queued. All MLX work
-(loading the model and the cartridges too) runs on that thread. A request whose client has gone is
-skipped, or stopped at its next token, so it frees the queue.
+(loading the model and the cartridges, encoding a prefix the shelf saves) runs on that thread. A request
+whose client has gone is skipped, or stopped at its next token, so it frees the queue.
+
+A request for the base model is answered from the longest cartridge whose tokens its rendered prompt
+starts with (`Pool.match`); only the rest of the prompt is prefilled.
 """
 
 import asyncio
+import logging
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -14,20 +18,26 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..build import context_length
 from ..errors import CartridgeError
+from ..models.prompt import prompt_mode
 from .pool import Refused
+from .prompts import base_prompt, cartridge_prompt, default_stops
 from .protocol import APIError, bad
+from .sampling import make_generation, token_logprobs
+
+PREFILL_STEP = 2048  # mlx_lm.server's --prefill-step-size default
+log = logging.getLogger("cartridge.serve")
 
 
 class Job:
     """One request on its way through the queue; the worker reports to it as events.
 
     Events, in order: ("start", {"prompt_tokens", "cached_tokens"}) or ("error", {"error": APIError});
-    then ("delta", {"text", "token"}) per token; then ("done", {"finish_reason", "completion_tokens"})
-    or ("error", ...).
+    then ("delta", {"text", "token", "logprobs"}) per token; then ("done", {"finish_reason",
+    "completion_tokens"}) or ("error", ...).
 
     Args:
         request (protocol.Request). loop (asyncio.AbstractEventLoop): where `events` is read.
@@ -49,7 +59,8 @@ class Job:
 
 @dataclass
 class Plan:
-    """What to generate: a model, the prompt tokens after the cache, the cache and its cached tokens."""
+    """What to generate: a model, the prompt tokens after the cache, the cache and its cached tokens, the
+    sampler, and the prefix to save after the answer (`save`: (tokens, text) or None)."""
 
     model: object
     tokenizer: object
@@ -57,6 +68,10 @@ class Plan:
     cache: list
     cached: int
     max_tokens: int
+    mode: str
+    sampler: object = None
+    processors: list = None
+    save: tuple = None
 
 
 class StopText:
@@ -86,38 +101,6 @@ class StopText:
         return out
 
 
-def encode(tokenizer, text, first):
-    """Token ids of `text`: special tokens added only at the start of a prompt, unless it starts with BOS
-    (mlx-lm's rule in `stream_generate`)."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return list(tokenizer.encode(text, add_special_tokens=first and (bos is None or not text.startswith(bos))))
-
-
-def base_prompt(tokenizer, request):
-    """Prompt tokens for the base model without a cartridge: the chat template over all messages (plain
-    text joined by blank lines when the tokenizer has none), or the completion prompt."""
-    if request.kind == "completion":
-        prompt = encode(tokenizer, request.prompt, True)
-        if not prompt:
-            raise bad("'prompt' is empty; the base model needs at least one prompt token", "prompt")
-        return prompt
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n\n".join(m["content"] for m in request.messages) + "\n\n"
-    return encode(tokenizer, text, True)
-
-
-def cartridge_prompt(cart, request):
-    """Prompt tokens that follow a cartridge's document: the chat turns (`Cartridge.chat_prompt`), or the
-    completion prompt's text continuing the document."""
-    if request.kind == "chat":
-        return cart.chat_prompt(request.messages)
-    if not request.prompt:
-        raise bad("'prompt' is empty; a cartridge needs at least one token after its document", "prompt")
-    return encode(cart.tokenizer, request.prompt, False)
-
-
 def fit_max_tokens(limit, cached, prompt, asked, default, prompt_field="messages"):
     """The tokens to generate: `asked`, or `default` clipped to the context left.
 
@@ -142,23 +125,33 @@ def fit_max_tokens(limit, cached, prompt, asked, default, prompt_field="messages
 
 
 class Engine:
-    """The one worker thread and the pool it serves from.
+    """The one worker thread, the pool it serves from and the shelf it saves prefixes to.
 
     Args:
         make_pool (callable): returns the `Pool`; called on the worker thread (it loads the model there).
         default_max_tokens (int): max_tokens for a request that gives none. Default: 512.
+        make_shelf (callable | None): called with the pool on the worker thread; returns the `Shelf` that
+            saves unmatched prefixes, or None. Default: None.
+        template_args (dict | None): --chat-template-args for the base model's prompts. Default: None.
+        prefill_step (int): prompt tokens per forward pass. Default: 2048 (mlx_lm.server's).
     """
 
-    def __init__(self, make_pool, default_max_tokens=512):
+    def __init__(self, make_pool, default_max_tokens=512, make_shelf=None, template_args=None,
+                 prefill_step=PREFILL_STEP):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cartridge-generate")
-        self.pool = self._executor.submit(make_pool).result()
-        self.default_max_tokens = default_max_tokens
+        try:
+            self.pool = self._executor.submit(make_pool).result()
+            self.shelf = None if make_shelf is None else self._executor.submit(make_shelf, self.pool).result()
+        except BaseException:
+            self._executor.shutdown()
+            raise
+        self.default_max_tokens, self.template_args, self.prefill_step = default_max_tokens, template_args, prefill_step
         self._stats, self._stats_lock = Counter(), threading.Lock()
         self._closed = False
 
-    def _count(self, key):
+    def _count(self, key, n=1):
         with self._stats_lock:
-            self._stats[key] += 1
+            self._stats[key] += n
 
     def note_rejected(self):
         """Count a request refused before it was queued (a 4xx from parsing: bad JSON, bad fields)."""
@@ -166,9 +159,15 @@ class Engine:
         self._count("refused")
 
     def stats(self):
-        """Counts since start: requests, answered, cancelled, refused, failed, generated_tokens."""
+        """Counts since start: requests, answered, cancelled, refused, failed, generated_tokens, and
+        prefix_hits / cached_tokens (prompts answered from a cartridge they start with)."""
         with self._stats_lock:
             return dict(self._stats)
+
+    @property
+    def healthy(self):
+        """True while the worker takes requests (mlx_lm.server's /health)."""
+        return not self._closed
 
     def submit(self, job):
         """Queue `job` behind every request before it."""
@@ -178,10 +177,13 @@ class Engine:
         """Stop taking work; queued jobs are dropped, the running one ends at its next token.
 
         Args:
-            wait (bool): also join the worker thread (after its running job ends). Default: False.
+            wait (bool): also join the worker thread (after its running job ends) and let the shelf write
+                the prefixes it has queued. Default: False.
         """
         self._closed = True
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        if wait and self.shelf is not None:
+            self.shelf.close()
 
     def _run(self, job):
         self._count("requests")
@@ -198,10 +200,12 @@ class Engine:
             return job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
         job.emit("start", prompt_tokens=plan.cached + len(plan.prompt), cached_tokens=plan.cached)
         try:
-            self._generate(job, plan)
+            generated = self._generate(job, plan)
         except Exception as e:
             self._count("failed")
-            job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+            return job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+        if plan.save is not None and generated:  # the answer is sent: the prompt's prefix is prefilled in plan.cache
+            self._save(plan)
 
     @staticmethod
     def _refuse(job, e):
@@ -212,35 +216,70 @@ class Engine:
     def _plan(self, request):
         cart = self.pool.get(request.model)
         if cart is None:
-            model, tokenizer = self.pool.lm.model, self.pool.lm.tokenizer
-            prompt, cache, cached = base_prompt(tokenizer, request), None, 0
+            plan = self._base_plan(request)
         else:
-            model, tokenizer, prompt = cart.model, cart.tokenizer, cartridge_prompt(cart, request)
-            cache, cached = cart.prompt_cache(), len(cart.tokens)
-        max_tokens = fit_max_tokens(context_length(model), cached, len(prompt), request.sampling.max_tokens,
-                                    self.default_max_tokens, "prompt" if request.kind == "completion" else "messages")
-        return Plan(model, tokenizer, prompt, cache, cached, max_tokens)
+            plan = Plan(cart.model, cart.tokenizer, cartridge_prompt(cart, request), cart.prompt_cache(),
+                        len(cart.tokens), 0, cart.info.prompt_mode)
+        plan.max_tokens = fit_max_tokens(context_length(plan.model), plan.cached, len(plan.prompt),
+                                         request.sampling.max_tokens, self.default_max_tokens,
+                                         "prompt" if request.kind == "completion" else "messages")
+        plan.sampler, plan.processors = make_generation(request.sampling, plan.model, plan.tokenizer)
+        return plan
+
+    def _base_plan(self, request):
+        """The base model's plan: from the longest cartridge the prompt starts with, else a fresh cache
+        (kept to save the prompt's prefix from, when the shelf wants it)."""
+        lm = self.pool.lm
+        base = base_prompt(lm.tokenizer, request, self.template_args)
+        for name, n in self.pool.match(base.tokens):
+            try:
+                cart = self.pool.get(name)
+            except (Refused, CartridgeError, OSError) as e:  # refused, or evicted meanwhile: the next one
+                log.info("prefix %s not used: %s", name, getattr(e, "message", e))
+                continue
+            if self.shelf is not None:
+                self.shelf.touch(name)
+            self._count("prefix_hits")
+            self._count("cached_tokens", n)
+            log.info("prompt of %s tokens: %s from cartridge %s, %s to prefill", f"{len(base.tokens):,}", f"{n:,}",
+                     name, f"{len(base.tokens) - n:,}")
+            return Plan(cart.model, cart.tokenizer, base.tokens[n:], cart.prompt_cache(), n, 0, base.mode)
+        plan = Plan(lm.model, lm.tokenizer, base.tokens, None, 0, 0, prompt_mode(lm.tokenizer))
+        if self.shelf is not None:
+            keep = base.prefix_length(lm.tokenizer)
+            if keep > self.shelf.min_tokens:
+                plan.cache, plan.save = make_prompt_cache(lm.model), (base.tokens[:keep], base.text[:base.cut])
+        return plan
+
+    def _save(self, plan):
+        try:
+            self.shelf.capture(*plan.save, plan.cache)
+        except Exception as e:  # the answer is sent: a prefix that cannot be saved is one line, never a failure
+            log.warning("prefix of %s tokens not saved: %s: %s", f"{len(plan.save[0]):,}", type(e).__name__, e)
 
     def _generate(self, job, plan):
+        """Stream the answer's events; returns the tokens generated (0 if cancelled before the first)."""
         s = job.request.sampling
-        sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0)
         if s.seed is not None:
             mx.random.seed(s.seed)
-        stops, n, finish = StopText(s.stop), 0, "length"
+        stops, n, finish = StopText(s.stop + default_stops(plan.tokenizer, plan.mode)), 0, "length"
         for r in mlx_lm.stream_generate(plan.model, plan.tokenizer, plan.prompt, max_tokens=plan.max_tokens,
-                                        sampler=sampler, prompt_cache=plan.cache):
+                                        sampler=plan.sampler, logits_processors=plan.processors,
+                                        prompt_cache=plan.cache, prefill_step_size=self.prefill_step):
+            n = r.generation_tokens
             if job.cancelled.is_set() or self._closed:
                 self._count("cancelled")
-                return
-            n = r.generation_tokens
+                return n
             self._count("generated_tokens")
             text, stopped = stops.feed(r.text)
-            job.emit("delta", text=text, token=int(r.token))
+            logprobs = token_logprobs(r.logprobs, int(r.token), s.top_logprobs, plan.tokenizer) if s.logprobs else None
+            job.emit("delta", text=text, token=int(r.token), logprobs=logprobs)
             if stopped or r.finish_reason == "stop":
                 finish = "stop"
                 break
         tail = stops.flush()  # empty after a stop sequence
         if tail:
-            job.emit("delta", text=tail, token=None)
+            job.emit("delta", text=tail, token=None, logprobs=None)
         self._count("answered")
         job.emit("done", finish_reason=finish, completion_tokens=n)
+        return n

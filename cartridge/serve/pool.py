@@ -1,8 +1,10 @@
-"""The cartridges a server offers: found at start, loaded on first use, kept in an LRU under a byte budget.
+"""The cartridges a server offers: found at start, loaded on first use, kept in an LRU under a byte budget
+and a count (mlx_lm.server's --prompt-cache-bytes and --prompt-cache-size).
 
 Every cartridge is answered with the one model the server loaded. A cartridge whose checks fail or that
 was built with another model is refused (`Refused`, with the reason) and the others keep being served;
-the refusal is remembered until the cartridge's files change.
+the refusal is remembered until the cartridge's files change. The cartridges built with the server's
+model are indexed by their tokens (`shelf.PrefixIndex`): `match` finds those a base-model prompt starts with.
 """
 
 import threading
@@ -10,6 +12,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ..tiers.schema import fold_tiers
 from ..errors import CartridgeError, InputError
@@ -19,8 +23,10 @@ from ..format.writer import is_cartridge_dir
 from ..load import load
 from ..models.loader import DEFAULT_MODEL, default_gguf_path
 from ..stored import check_fingerprint
+from .shelf import SAVED, PrefixIndex
 
 SUFFIXES = (".cartz", ".cart")
+BASE_ALIASES = ("default_model",)  # mlx_lm.server's name for its --model; a body without "model" means it too
 
 
 class Refused(Exception):
@@ -120,17 +126,62 @@ class Pool:
         verify (str): "pages" checks every page checksum at load (default), "header" skips them.
         attention (str): the attention policy passed to `cartridge.load`. Default: "auto".
         max_memory (int | None): `cartridge.load`'s max_memory. Default: None.
+        max_count (int | None): most cartridges kept loaded; None: no limit. Default: None.
+        model_name (str | None): the model reference as given (--model), also a name of the base model.
     """
 
-    def __init__(self, paths, lm, max_bytes=None, verify="pages", attention="auto", max_memory=None):
+    def __init__(self, paths, lm, max_bytes=None, verify="pages", attention="auto", max_memory=None, max_count=None,
+                 model_name=None):
         self.lm, self.max_bytes, self.verify, self.attention = lm, max_bytes, verify, attention
-        self.max_memory = max_memory
+        self.max_memory, self.max_count = max_memory, max_count
         self.base_id = base_model_id(lm.ref)
-        if self.base_id in paths:
-            raise InputError(f"a cartridge is named {self.base_id!r}, the base model's id; rename it")
-        self.entries = {name: self._read_header(name, path) for name, path in paths.items()}
+        self.base_names = {self.base_id, lm.ref, model_name, *BASE_ALIASES} - {None}
+        clash = sorted(self.base_names & set(paths))
+        if clash:
+            raise InputError(f"a cartridge is named {clash[0]!r}, a name of the base model; rename it")
+        self._lock = threading.RLock()  # models() is read from the event loop, the shelf's writer adds and removes
+        self.index = PrefixIndex()
+        self.entries = {}
+        for name, path in paths.items():
+            self._offer(name, path)
         self._loaded = OrderedDict()  # name -> Cartridge, least recently used first
-        self._lock = threading.Lock()  # models() is read from the event loop while the worker loads
+
+    def _offer(self, name, path):
+        entry = self._read_header(name, path)
+        with self._lock:
+            self.entries[name] = entry
+            if entry.info is not None and entry.info.fingerprint.get("id") == self.lm.fingerprint["id"]:
+                self.index.add(name, entry.info.tokens)
+
+    def add(self, name, path):
+        """Offer one more cartridge (a prefix the shelf saved)."""
+        self._offer(name, Path(path))
+
+    def remove(self, name):
+        """Stop offering `name` (an evicted prefix): forgotten, unloaded, out of the index."""
+        with self._lock:
+            self.entries.pop(name, None)
+            self._loaded.pop(name, None)
+            self.index.remove(name)
+
+    def is_base(self, name):
+        """True for None or a name of the base model (its id, its reference, "default_model")."""
+        return name is None or name in self.base_names
+
+    def match(self, prompt):
+        """Cartridges built with this model whose tokens a prompt starts with (at least one token after).
+
+        Args:
+            prompt (list[int]): the prompt's token ids.
+
+        Returns:
+            list[tuple[str, int]]: (name, tokens) longest first; each checked token by token.
+        """
+        with self._lock:
+            hits = self.index.candidates(prompt)
+            infos = {name: self.entries[name].info for name, _ in hits if name in self.entries}
+        ids = np.asarray(prompt, dtype=np.uint32)
+        return [(name, n) for name, n in hits if name in infos and np.array_equal(infos[name].tokens, ids[:n])]
 
     def _read_header(self, name, path):
         entry = Entry(name, path)
@@ -147,24 +198,25 @@ class Pool:
         return sum(c.info.data_size for c in self._loaded.values())
 
     def get(self, name):
-        """The loaded cartridge for `name`, or None for the base model's id.
+        """The loaded cartridge for `name`, or None for the base model (`is_base`).
 
         Raises:
             Refused: 404 for an unknown id; 422 for a cartridge that fails its checks, was built with
             another model, or has more page bytes than the whole budget.
         """
-        if name == self.base_id:
+        if self.is_base(name):
             return None
         entry = self.entries.get(name)
         if entry is None:
             raise Refused(404, "model_not_found", f"the model {name!r} does not exist; GET /v1/models lists "
                           f"{len(self.entries)} cartridge{'' if len(self.entries) == 1 else 's'} and the base "
                           f"model {self.base_id!r}")
-        if name in self._loaded:
-            with self._lock:
+        with self._lock:
+            cart = self._loaded.get(name)
+            if cart is not None:
                 if entry.loaded_at == _signature(entry.path):
                     self._loaded.move_to_end(name)
-                    return self._loaded[name]
+                    return cart
                 del self._loaded[name]  # its files changed since it was verified: read and verify them again
         if entry.error is not None and entry.refused_at == _signature(entry.path):
             raise entry.error
@@ -185,8 +237,9 @@ class Pool:
             raise entry.error from None
         with self._lock:
             entry.info, entry.error, entry.loaded_at = cart.info, None, signature
-            self._make_room(entry.name, cart.info.data_size)
-            self._loaded[entry.name] = cart
+            if self.entries.get(entry.name) is entry:  # not removed (evicted) while it loaded
+                self._make_room(entry.name, cart.info.data_size)
+                self._loaded[entry.name] = cart
         return cart
 
     def _check_size(self, name, size):
@@ -195,10 +248,10 @@ class Pool:
                           f"--max-bytes is {self.max_bytes:,}")
 
     def _make_room(self, name, size):
-        if self.max_bytes is None:
-            return
-        self._check_size(name, size)
-        while self._loaded and self.loaded_bytes + size > self.max_bytes:
+        if self.max_bytes is not None:
+            self._check_size(name, size)
+        while self._loaded and ((self.max_bytes is not None and self.loaded_bytes + size > self.max_bytes)
+                                or (self.max_count is not None and len(self._loaded) >= self.max_count)):
             self._loaded.popitem(last=False)  # the mapping closes once its last array is gone
 
     def models(self):
@@ -206,7 +259,8 @@ class Pool:
 
         Returns:
             list[dict]: OpenAI model objects with `base_model`, `tier`, `tiers`, `tokens`, `bytes`
-            (page bytes) and `loaded`; a refused cartridge also has `error`.
+            (page bytes), `loaded` and `saved_prefix` (written by `--save-prefixes-over`); a refused
+            cartridge also has `error`.
         """
         with self._lock:
             rows = [self._row(e) for e in self.entries.values()]
@@ -216,7 +270,8 @@ class Pool:
 
     def _row(self, entry):
         row = {"id": entry.name, "object": "model", "created": int(_mtime(entry.path)), "owned_by": "cartridge",
-               "cartridge": True, "path": str(entry.path), "loaded": entry.name in self._loaded}
+               "cartridge": True, "path": str(entry.path), "loaded": entry.name in self._loaded,
+               "saved_prefix": bool(SAVED.fullmatch(entry.path.name))}
         if entry.info is not None:
             tiers = fold_tiers(entry.info.tiers)
             uniform = len(tiers) == 1 and tiers[0]["k"] == tiers[0]["v"]

@@ -1,16 +1,29 @@
 """The OpenAI request bodies the server accepts, checked before any work, and its error bodies.
 
-Every refusal is an `APIError`: an HTTP status and OpenAI's error object
-`{"error": {"message", "type", "param", "code"}}`, so an OpenAI client raises its usual exception
-(`openai.BadRequestError`, `openai.NotFoundError`, ...) with the message.
+Every field mlx_lm.server reads is honoured with its meaning there; a field this server cannot honour is
+refused (400, naming it) when it asks for something, never silently ignored. Every refusal is an
+`APIError`: an HTTP status and OpenAI's error object `{"error": {"message", "type", "param", "code"}}`,
+so an OpenAI client raises its usual exception (`openai.BadRequestError`, ...) with the message.
 """
 
 import json
 from dataclasses import dataclass, field
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (mlx_lm.server's is 10)
 ROLES = ("system", "developer", "user", "assistant")
-UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "echo")  # refused when set, never ignored
+# Fields that ask for what this server does not do, each with the values that ask for nothing (sent by some
+# clients as defaults): refused when set to anything else.
+UNSUPPORTED = {
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "draft_model": (None,), "num_draft_tokens": (None,), "adapters": (None,), "role_mapping": (None,),
+}
+# Penalties as mlx_lm.server takes them: (key, its context-size key); 0 (the default) is off.
+PENALTIES = (("repetition_penalty", "repetition_context_size"), ("presence_penalty", "presence_context_size"),
+             ("frequency_penalty", "frequency_context_size"))
+CONTEXT_SIZE = 20  # mlx_lm.server's default context of each penalty
 
 
 class APIError(Exception):
@@ -35,21 +48,37 @@ class APIError(Exception):
 
 @dataclass
 class Sampling:
-    """How to generate: the OpenAI fields `max_tokens`, `temperature`, `top_p`, `seed`, `stop`.
+    """How to generate: the sampling fields of a request, or the server's defaults (mlx_lm.server's names).
 
     Attributes:
         max_tokens (int | None): most tokens to generate; None fills up to the server's default.
-        temperature (float): 0 is greedy (argmax), as `cartridge ask` and mlx_lm.server's default.
+        temperature (float): 0 is greedy (argmax), as mlx_lm.server's default.
         top_p (float): nucleus mass in (0, 1]; 1 keeps every token.
+        top_k (int): sample among the k most likely tokens; 0 keeps every token.
+        min_p (float): drop tokens less likely than min_p x the most likely one; 0 keeps every token.
+        xtc_probability, xtc_threshold (float): XTC sampling (mlx-lm's `apply_xtc`); probability 0 is off.
+        penalties (dict): {"repetition_penalty": (penalty, context tokens), "presence_penalty": ...,
+            "frequency_penalty": ...} for the ones set (mlx-lm's `make_logits_processors`).
+        logit_bias (dict[int, float] | None): added to the logits of those token ids.
         seed (int | None): seeds MLX's generator before this request's first token.
         stop (list[str]): text that ends the answer (not included in it).
+        logprobs (bool): return each generated token's log-probability. top_logprobs (int): and the n most
+            likely tokens at each step (0: none).
     """
 
     max_tokens: int = None
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    penalties: dict = field(default_factory=dict)
+    logit_bias: dict = None
     seed: int = None
     stop: list = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -57,21 +86,24 @@ class Request:
     """One checked request.
 
     Attributes:
-        kind (str): "chat" or "completion". model (str): the model id (a cartridge or the base model).
+        kind (str): "chat" or "completion". model (str | None): the model id (a cartridge or the base model);
+            None when the body names none (the base model, as mlx_lm.server answers with its --model).
         messages (list[dict]): chat turns {"role", "content": str} (chat only).
         prompt (str): the text that continues the document (completion only).
         stream (bool), include_usage (bool): server-sent events; a last chunk with `usage`.
         sampling (Sampling). return_token_ids (bool): add the generated token ids to each choice (as vLLM).
+        chat_template_kwargs (dict | None): more arguments of the chat template (mlx_lm.server's field).
     """
 
     kind: str
-    model: str
+    model: str = None
     messages: list = None
     prompt: str = None
     stream: bool = False
     include_usage: bool = False
     sampling: Sampling = field(default_factory=Sampling)
     return_token_ids: bool = False
+    chat_template_kwargs: dict = None
 
 
 def bad(message, param=None):
@@ -111,6 +143,13 @@ def _number(body, key, low, high, default):
     return float(value)
 
 
+def _count(body, key, low, high, default):
+    value = _typed(body, key, (int,), default)
+    if not low <= value <= high:
+        raise bad(f"'{key}' is {value}; it must be between {low:,} and {high:,}", key)
+    return value
+
+
 def _stop(body):
     stop = body.get("stop")
     if stop is None:
@@ -123,30 +162,88 @@ def _stop(body):
     return stop
 
 
-def parse_sampling(body):
-    """The sampling fields of a chat or completion body (`max_completion_tokens` is `max_tokens`' new name).
+def _max_tokens(body):
+    """max_completion_tokens, else max_tokens (mlx_lm.server's order); None if neither is set."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            return _count(body, key, 1, 2 ** 31 - 1, None)
+    return None
+
+
+def _penalties(body):
+    out = {}
+    for key, size_key in PENALTIES:
+        # repetition: a multiplier, >= 0 as mlx_lm.server checks it; presence and frequency: OpenAI's -2 .. 2
+        penalty = _number(body, key, *((0, 1e9) if key == "repetition_penalty" else (-2, 2)), 0.0)
+        size = _count(body, size_key, 0, 2 ** 31 - 1, CONTEXT_SIZE)
+        if penalty != 0:
+            out[key] = (penalty, size)
+    return out
+
+
+def _logit_bias(body):
+    """{token id: bias} from OpenAI's {"id": bias} (ids as strings in JSON), each bias -100 .. 100."""
+    raw = _typed(body, "logit_bias", (dict,))
+    if not raw:
+        return None
+    out = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100 or token < 0:
+            raise bad(f"'logit_bias' {key}: {value!r}; give a token id >= 0 and a bias between -100 and 100",
+                      "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _logprobs(body, kind):
+    """(logprobs, top_logprobs): chat's boolean `logprobs` (+ `top_logprobs`), or the completions API's
+    integer `logprobs` (the number of most likely tokens, 0-5, as OpenAI's legacy API); `top_logprobs`
+    alone asks for them too (as mlx_lm.server)."""
+    value = body.get("logprobs")
+    if kind == "completion" and isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value <= 5:
+            raise bad(f"'logprobs' is {value}; it must be between 0 and 5", "logprobs")
+        return True, value
+    wanted = _typed(body, "logprobs", (bool,), False)
+    top = body.get("top_logprobs")
+    top = 0 if top in (None, -1) else _count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)  # -1: mlx's "none"
+    return wanted or top > 0, top
+
+
+def _refuse_unsupported(body):
+    for key, nothing in UNSUPPORTED.items():
+        if key in body and body[key] not in nothing:
+            raise bad(f"'{key}' is not supported by this server", key)
+
+
+def parse_sampling(body, defaults, kind="chat"):
+    """The sampling fields of a chat or completion body over the server's `defaults`.
 
     Raises:
         APIError: 400 naming the field, for a wrong type or a value out of range (`seed` 0 .. 2^64 - 1); `n`
-        other than 1; tools, logprobs or echo asked for (not supported).
+        other than 1; a field this server does not support that asks for something (`UNSUPPORTED`).
     """
-    max_tokens = _typed(body, "max_tokens", (int,)) or _typed(body, "max_completion_tokens", (int,))
-    for key in ("max_tokens", "max_completion_tokens"):
-        if body.get(key) is not None and body[key] < 1:
-            raise bad(f"'{key}' is {body[key]}; it must be at least 1", key)
+    _refuse_unsupported(body)
     if _typed(body, "n", (int,), 1) != 1:
         raise bad(f"'n' is {body['n']}; this server returns one choice (n=1)", "n")
-    top_p = _number(body, "top_p", 0, 1, 1.0)
+    top_p = _number(body, "top_p", 0, 1, defaults.top_p)
     if top_p == 0:
         raise bad("'top_p' is 0; it must be above 0 (1 keeps every token)", "top_p")
     seed = _typed(body, "seed", (int,))
     if seed is not None and not 0 <= seed < 2 ** 64:  # MLX's generator takes an unsigned 64-bit seed
         raise bad(f"'seed' is {seed}; it must be between 0 and 2^64 - 1", "seed")
-    for key in UNSUPPORTED:
-        if body.get(key) not in (None, False, [], 0):
-            raise bad(f"'{key}' is not supported by this server", key)
-    return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2, 0.0), top_p=top_p,
-                    seed=seed, stop=_stop(body))
+    logprobs, top_logprobs = _logprobs(body, kind)
+    return Sampling(
+        max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 0, 2, defaults.temperature),
+        top_p=top_p, top_k=_count(body, "top_k", 0, 2 ** 31 - 1, defaults.top_k),
+        min_p=_number(body, "min_p", 0, 1, defaults.min_p),
+        xtc_probability=_number(body, "xtc_probability", 0, 1, defaults.xtc_probability),
+        xtc_threshold=_number(body, "xtc_threshold", 0, 0.5, defaults.xtc_threshold),
+        penalties=_penalties(body), logit_bias=_logit_bias(body), seed=seed, stop=_stop(body), logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def _content(message, i):
@@ -187,18 +284,24 @@ def parse_messages(body):
     return turns
 
 
-def _common(body, kind):
+def _common(body, kind, defaults):
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and (not isinstance(model, str) or not model):
         raise bad("'model' must name a model (GET /v1/models lists them)", "model")
     options = _typed(body, "stream_options", (dict,), {})
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise bad(f"'stream_options.{unknown[0]}' is not supported by this server", "stream_options")
     return dict(kind=kind, model=model, stream=_typed(body, "stream", (bool,), False),
-                include_usage=bool(options.get("include_usage")), sampling=parse_sampling(body),
+                include_usage=bool(options.get("include_usage")), sampling=parse_sampling(body, defaults, kind),
                 return_token_ids=_typed(body, "return_token_ids", (bool,), False))
 
 
-def parse_chat(body):
+def parse_chat(body, defaults=None):
     """Check a /v1/chat/completions body.
+
+    Args:
+        body (dict): the request's JSON. defaults (Sampling | None): the server's sampling defaults.
 
     Returns:
         Request: kind "chat".
@@ -206,11 +309,16 @@ def parse_chat(body):
     Raises:
         APIError: 400 naming the field at fault.
     """
-    return Request(messages=parse_messages(body), **_common(body, "chat"))
+    kwargs = _typed(body, "chat_template_kwargs", (dict,))
+    return Request(messages=parse_messages(body), chat_template_kwargs=kwargs,
+                   **_common(body, "chat", defaults or Sampling()))
 
 
-def parse_completion(body):
+def parse_completion(body, defaults=None):
     """Check a /v1/completions body: `prompt` is one string (the text after the document; may be empty).
+
+    Args:
+        body (dict): the request's JSON. defaults (Sampling | None): the server's sampling defaults.
 
     Returns:
         Request: kind "completion".
@@ -223,4 +331,7 @@ def parse_completion(body):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad("'prompt' must be one string (token-id and batch prompts are not supported)", "prompt")
-    return Request(prompt=prompt, **_common(body, "completion"))
+    if body.get("chat_template_kwargs") is not None:
+        raise bad("'chat_template_kwargs' is for chat requests; a completion's prompt is not templated",
+                  "chat_template_kwargs")
+    return Request(prompt=prompt, **_common(body, "completion", defaults or Sampling()))
