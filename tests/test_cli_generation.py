@@ -12,6 +12,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
 from clirun import run_inprocess as run
 from conftest import TINY_CONFIG, hub_snapshot, make_scripted, save_model_dir
+from servers import start_server, stop
 
 from cartridge.models.prompt import PLAIN, question_tokens
 
@@ -158,3 +159,19 @@ def test_chat_prompt_is_the_first_turn(built):
     r = run("chat", out, "-p", Q1, "-m", "4", stdin="")
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().splitlines() == [f"> {Q1}", run("ask", out, Q1, "-m", "4").stdout.decode().strip()]
+
+
+def test_serve_on_a_base_model_stops_before_the_next_question_line(base_built, base_dir, tmp_path):
+    """`cartridge serve` over the base model's cartridge: the chat answer ends where `ask`'s does."""
+    openai = pytest.importorskip("openai")
+
+    out, _ = base_built
+    proc, port = start_server([out.parent, "--model", base_dir], tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=out.stem, messages=[{"role": "user", "content": Q1}],
+                                           max_tokens=64, temperature=0)
+        assert r.choices[0].message.content.strip() == SHOWN
+        assert r.choices[0].finish_reason == "stop"
+    finally:
+        stop(proc)
