@@ -33,7 +33,9 @@ def logits_of(model, h):
 
 
 def _tied(model):
-    return getattr(getattr(model, "args", None), "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+    """The head is the embedding: so configured (llama's args, gemma3's attribute) or no `lm_head` at all."""
+    return (getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+            or getattr(model, "tie_word_embeddings", False) is True or not hasattr(model, "lm_head"))
 
 
 def _head(model, x):
