@@ -112,7 +112,8 @@ def test_the_walk_cache_attends_like_mlx_within_the_window(window):
     mx.random.seed(5)
     rows, n_kv, g, s, e, d, position = 3, 2, 3, 37, 9, 16, 100  # the window's last 37 tokens of 100
     k, v, k2, v2 = (mx.random.normal((1, n_kv, s, d)) for _ in range(4))
-    q, own_k, own_v = mx.random.normal((rows, n_kv * g, e, d)), *(mx.random.normal((rows, n_kv, e, d)) for _ in range(2))
+    q = mx.random.normal((rows, n_kv * g, e, d))
+    own_k, own_v = (mx.random.normal((rows, n_kv, e, d)) for _ in range(2))
     cache = SharedPrefixCache(k, v, k2, v2, 1, position, window)
     keys, values = cache.update_and_fetch(own_k, own_v)
     got = cache.attention(q, keys, values, 0.3, "causal")
@@ -194,3 +195,15 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
     assert "calibrated    --preset balanced: 320 bytes/token (3.20x smaller than fp16), predicted KL" in out
     v1 = {k: x for k, x in old.items() if k not in ("measured_layers", "calibration_version")}
     assert calibration_lines(v1, 30)[1] == "measured      all 30 layers (full attention; calibration version 1)"
+
+
+def test_a_budget_below_the_window_layers_cheapest_schema_is_refused_before_the_prefill():
+    from cartridge.attention.kinds import LayerPlan
+    from cartridge.calibrate import check_reachable
+
+    plans = [LayerPlan("window", (2, 64), (2, 64), window=WINDOW)] * 2  # window layers only
+    least = 2 * 2 * TIERS["turbo2"].bytes_per_token(2, 64)
+    with pytest.raises(InputError, match=f"budget 32 bytes/token of the sliding-window layers is below the "
+                                         f"cheapest measured schema .{least} bytes/token"):
+        check_reachable(Budget(target_ratio=32.0), plans)  # fp16: 1,024 bytes/token, 32 asked
+    check_reachable(Budget(target_ratio=4.5), plans)  # within reach: no error

@@ -238,7 +238,8 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None, held=None
     sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, candidates, progress, held)
     parts = parts_of(sens.probe.windows)
     fp16 = [least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts]
-    stored = (len(tokens), max((min(len(tokens), w) for w in sens.probe.windows if w), default=0))  # tokens a layer keeps
+    windows = [min(len(tokens), w) for w in sens.probe.windows if w]
+    stored = (len(tokens), max(windows, default=0))  # tokens a layer of each part keeps
     first, choices = _best(sens, parts, shapes, budget.bounds(fp16), budget.max_kl, stored)
     schema = sorted(choices[0].schema + choices[1].schema, key=lambda r: r["layer"])
     kl, agree = measure.verify(lm.model, sens.probe, schema, first)

@@ -258,8 +258,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         raise CalibrationUnsupportedError(f"calibration's layer-by-layer forward of this model differs from its "
                                           f"own (KL {faithful:.3g} nats, at most {FAITHFUL_KL} allowed)")
     t2, c2 = time.perf_counter(), time.process_time()
-    full = [e for e, w in zip(errors, windows) if w is None]  # heavy hitters: of the layers storing them
-    out.protect_first, out.lead_mass = heavy_hitters(mx.stack([e.mass() for e in full]).mean(axis=0)) if full else (0, 0.0)
+    full = [e.mass() for e, w in zip(errors, windows) if w is None]  # heavy hitters: of the layers storing them
+    out.protect_first, out.lead_mass = heavy_hitters(mx.stack(full).mean(axis=0)) if full else (0, 0.0)
     if out.protect_first:
         _protected_errors(out, errors, pieces)
     _scale(len(caches), candidates, out)

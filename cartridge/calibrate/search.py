@@ -152,7 +152,8 @@ def choose_parts(kl, parts, shapes, bounds=None, max_kl=None, tokens=(1, 1)):
         InputError: as `choose`, the window part's budget named as such.
     """
     if bounds is not None:
-        return [choose(kl, layers, shapes, bound, what=what) for layers, bound, what in zip(parts, bounds, ("", WINDOW_PART))]
+        return [choose(kl, layers, shapes, bound, what=what)
+                for layers, bound, what in zip(parts, bounds, ("", WINDOW_PART))]
     if not parts[0] or not parts[1]:
         return [choose(kl, layers, shapes, max_kl=max_kl) for layers in parts]
     a, b = (_part(kl, layers, shapes) for layers in parts)

@@ -122,8 +122,8 @@ def measured_text(c, n_layers):
     if windows is None:
         return f"all {n} layers (full attention; calibration version {c.get('calibration_version', 1)})"
     full = [j for j in range(n) if j not in set(windows)]
-    kinds = [f"{len(windows)} sliding-window ({layer_runs(windows)}) on the tokens their window stores"] if windows else []
-    kinds += [f"{len(full)} full-attention ({layer_runs(full)})"] if full else []
+    kinds = [f"{len(windows)} sliding-window ({layer_runs(windows)}) on the tokens their window stores"] * bool(windows)
+    kinds += [f"{len(full)} full-attention ({layer_runs(full)})"] * bool(full)
     return f"all {n} layers: {', '.join(kinds)}"
 
 
