@@ -85,6 +85,12 @@ def test_window_layers_are_measured_on_the_tokens_their_window_stores(gemma3, me
             assert mx.allclose(got[0], measure.fp16_rounded(want), atol=1e-3).item()
     with pytest.raises(CalibrationUnsupportedError, match="window no longer holds the tokens"):
         sequence.prefix_kv(caches, split)  # the caches went on past the split: their windows moved
+    whole = make_prompt_cache(gemma3.model)  # one forward of every token: mlx-lm's windows keep all of them
+    gemma3.model(mx.array(tokens, dtype=mx.uint32)[None], cache=whole)
+    kv, windows = sequence.prefix_kv(whole, split)
+    assert windows == probe.windows
+    for got, want in zip(kv, probe.kv):
+        assert all(mx.allclose(measure.fp16_rounded(x), y, atol=1e-3).item() for x, y in zip(got, want))
 
 
 def test_the_walk_measures_a_window_layer_as_the_models_own_forward_over_its_replaced_window(gemma3, measured):
@@ -207,3 +213,28 @@ def test_a_budget_below_the_window_layers_cheapest_schema_is_refused_before_the_
                                          f"cheapest measured schema .{least} bytes/token"):
         check_reachable(Budget(target_ratio=32.0), plans)  # fp16: 1,024 bytes/token, 32 asked
     check_reachable(Budget(target_ratio=4.5), plans)  # within reach: no error
+
+
+def test_eval_of_a_base_model_without_a_chat_template_asks_plain_questions_and_measures_its_presets(
+        smol_tokenizer, tmp_path):
+    import copy
+
+    from cartridge.eval.evaluate import EvalConfig, evaluate
+    from cartridge.eval.spec import parse_tiers
+    from cartridge.models.prompt import PLAIN, prompt_mode
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok._tokenizer.chat_template = None  # a base model: "Question: ...\nAnswer:" after the document (spec 5.4)
+    lm = make_model("gemma3_text", tok, num_hidden_layers=LAYERS, sliding_window_pattern=PATTERN)
+    assert prompt_mode(lm.tokenizer) == PLAIN
+    config = EvalConfig(max_tokens=4, fresh=False, heldout="The deposit is returned within a month.",
+                        work_dir=tmp_path, page_size=32)
+    report = evaluate(DOC, [{"id": 1, "question": "How much is the rent?"}], model=lm, config=config,
+                      specs=parse_tiers("int8+rot,preset=balanced,mlx4g32"))
+    rows = {r["label"]: r for r in report["rows"]}
+    assert list(rows) == ["fp16", "int8+rot", "preset=balanced", "mlx4g32"]
+    balanced = cartridge.open_cartridge(rows["preset=balanced"]["qa_cartridge"]["path"])[0]
+    assert balanced.prompt_mode == PLAIN and rows["preset=balanced"]["build_kl"] >= 0  # measured, not the recipe
+    assert json.loads(balanced.records[K.CALIBRATION])["window_layers"] == [0, 1, 2, 3, 4]
+    assert rows["mlx4g32"]["build_kl"] is None and rows["mlx4g32"]["compression"] == pytest.approx(3.2)
+    assert all(len(r["answers"]) == 1 and r["answers"][0]["tokens"] for r in rows.values())
