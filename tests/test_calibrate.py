@@ -183,10 +183,14 @@ def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers
 
 
 FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built instead)
-    "gpt_oss": "forward of this model differs from its own",  # attention sinks, which the walk does not add
     "qwen3_next": "this model has ArraysCache caches",  # linear-attention state
 }
-MEASURED = ("qwen3", "gemma", "gemma3_text", "gemma3")  # gemma's scaled embedding; gemma3's windows, in a wrapper
+MEASURED = {  # family -> how: the batched walk, or the model's own forwards where the walk cannot run
+    "qwen3": "walk", "gemma": "walk",  # gemma: a scaled embedding
+    "gemma3_text": "walk", "gemma3": "walk",  # sliding windows; gemma3 wraps gemma3_text
+    "gpt_oss": "forwards",  # attention sinks, which the walk's attention does not add
+    "gpt2": "forwards",  # no .model.layers
+}
 
 
 @pytest.mark.parametrize("family", [*MEASURED, *FALLBACK])
@@ -206,6 +210,7 @@ def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenize
     info, _ = cartridge.open_cartridge(r.path)
     if family not in FALLBACK:
         assert fallbacks == [] and r.calibration["measured_layers"] == 4 and K.CALIBRATION in info.records
+        assert r.calibration["method"] == MEASURED[family]
         assert r.calibration["bytes_per_token"] <= r.calibration["fp16_bytes_per_token"] // 3
         return
     recipe = presets.resolve("balanced")

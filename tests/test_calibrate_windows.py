@@ -11,10 +11,12 @@ from mlx_lm.models.base import create_causal_mask
 
 import cartridge
 from cartridge.attention.kinds import KINDS, kv_plan
-from cartridge.calibrate import Budget, measure, search, sequence
+from cartridge.build import prefill_holding
+from cartridge.calibrate import Budget, forwards, measure, search, sequence
 from cartridge.calibrate.attention_error import AttentionError
 from cartridge.errors import CalibrationUnsupportedError, InputError
 from cartridge.format import keys as K
+from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS
 
 DOC = ("The lease runs from March 1, 2024 to February 28, 2026. The tenant pays 1,450 euros each month, due on the "
@@ -30,9 +32,6 @@ def gemma3(smol_tokenizer):
 @pytest.fixture(scope="module")
 def measured(gemma3):
     """The measurement of DOC as a build makes it: prefilled in two parts, the window layers held at the split."""
-    from cartridge.build import prefill_holding
-    from cartridge.models.prompt import prefix_tokens, prompt_mode
-
     mode = prompt_mode(gemma3.tokenizer)
     tokens = prefix_tokens(gemma3.tokenizer, DOC, mode)
     caches, held = prefill_holding(gemma3.model, tokens)
@@ -182,7 +181,6 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
     from cartridge.build import kv_caches, prefill, write_layers
     from cartridge.cli import main
     from cartridge.cli.report import calibration_lines
-    from cartridge.models.prompt import prefix_tokens, prompt_mode
     from cartridge.tiers import schema_for
 
     old = {"target": {"preset": "balanced"}, "bytes_per_token": 320, "fp16_bytes_per_token": 1024,
@@ -221,7 +219,7 @@ def test_eval_of_a_base_model_without_a_chat_template_asks_plain_questions_and_m
 
     from cartridge.eval.evaluate import EvalConfig, evaluate
     from cartridge.eval.spec import parse_tiers
-    from cartridge.models.prompt import PLAIN, prompt_mode
+    from cartridge.models.prompt import PLAIN
 
     tok = copy.deepcopy(smol_tokenizer)
     tok._tokenizer.chat_template = None  # a base model: "Question: ...\nAnswer:" after the document (spec 5.4)
@@ -238,3 +236,25 @@ def test_eval_of_a_base_model_without_a_chat_template_asks_plain_questions_and_m
     assert json.loads(balanced.records[K.CALIBRATION])["window_layers"] == [0, 1, 2, 3, 4]
     assert rows["mlx4g32"]["build_kl"] is None and rows["mlx4g32"]["compression"] == pytest.approx(3.2)
     assert all(len(r["answers"]) == 1 and r["answers"][0]["tokens"] for r in rows.values())
+
+
+def test_a_family_the_walk_cannot_run_is_measured_by_its_own_forwards(smol_tokenizer, tmp_path):
+    lm = make_model("gpt_oss", smol_tokenizer)  # attention sinks and sliding windows
+    r = cartridge.build(DOC, tmp_path / "b.cart", model=lm, reserve=0, page_size=32, preset="balanced")
+    c = r.calibration
+    assert (c["method"], c["window_layers"], c["forwards"]) == ("forwards", [0, 2], 8 + 2 * 4 + 1)
+    # the recorded KL of the chosen schema is that of the model's own forward over the replaced K/V
+    mode = prompt_mode(lm.tokenizer)
+    tokens = prefix_tokens(lm.tokenizer, DOC, mode)
+    caches, held = prefill_holding(lm.model, tokens)
+    sens = forwards.measure(lm.model, lm.tokenizer, mode, caches, tokens, measure.CANDIDATES, held=held)
+    probe = sens.probe
+    kv = [tuple(measure.round_trip(row[s], x, row["layer"], s) if row[s] != "fp16" else x
+                for s, x in zip("kv", pair)) for row, pair in zip(r.schema, probe.kv)]
+    logits = sequence.own_logits(lm.model, probe.ids, kv, probe.windows, probe.split)
+    assert c["measured_kl"] == pytest.approx(measure.kl_mean(probe.logprobs, logits), rel=1e-3, abs=1e-6)
+    for j in range(4):  # each side's measured KL, shared between the tiers by their reconstruction error
+        ref = sens.kl[(j, "k", measure.REFERENCE_TIER)]
+        errors = sens.attn_err
+        assert sens.kl[(j, "k", "turbo2")] == pytest.approx(
+            ref * errors[(j, "k", "turbo2")] / errors[(j, "k", measure.REFERENCE_TIER)], rel=1e-6)

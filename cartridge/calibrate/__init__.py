@@ -2,7 +2,8 @@
 (layer, side, tier) on the model's own predictions, `search` picks the schema of least damage within a
 budget, and `calibrated_schema` does both and returns the header record (`cartridge.calibration`,
 spec/FORMAT.md 4.7). Every layer the cartridge stores K/V of is measured, sliding-window layers on the
-tokens their window stores (calibration version 4).
+tokens their window stores (calibration version 4); a family the batched walk cannot run is measured by its
+own forwards (`forwards`).
 """
 
 import warnings
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import CalibrationUnsupportedError, InputError
 from ..tiers import TIERS
-from . import measure, search
+from . import forwards, measure, search
 from .sequence import hold_windows, split_of  # noqa: F401  (build's: the window layers' K/V at the split)
 
 CALIBRATION_VERSION = 4  # bump when the measurement or search changes what a budget preset builds
@@ -113,17 +114,17 @@ class CalibrationFallbackWarning(UserWarning):
 
 
 def checked_model(model, budget):
-    """Before the prefill: None if calibration can walk `model`, else the reason (str) for a budget preset's
-    fixed recipe.
+    """Before the prefill: None if calibration can measure `model` (by the walk or by its own forwards), else the
+    reason (str) for a budget preset's fixed recipe.
 
     Raises:
-        CalibrationUnsupportedError: a model calibration cannot walk, for a budget that is not a preset (a
+        CalibrationUnsupportedError: a model calibration cannot measure, for a budget that is not a preset (a
             target ratio, bytes/token or KL bound has no fixed recipe).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     try:
-        measure.measurable(model, make_prompt_cache(model))
+        measure.check_plain(make_prompt_cache(model))
     except CalibrationUnsupportedError as e:
         if budget.preset is None:
             raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
@@ -150,13 +151,13 @@ def check_reachable(budget, plans):
     in its smallest candidate tier), in the words `search.choose_parts` would use after the measurement.
 
     Args:
-        budget (Budget): checked. plans (list[LayerPlan]): the probe's layers (attention and window layers of
-            one K/V shape, as calibration measures them; other plans are left to `checked_model`'s fallback).
+        budget (Budget): checked. plans (list[LayerPlan]): the probe's layers (attention, dense and window layers
+            of one K/V shape, as calibration measures them; other plans are left to `checked_model`'s fallback).
 
     Raises:
         InputError: a part's bytes/token bound is below its cheapest schema's.
     """
-    if not plans or any(p.kind not in ("attention", "window") for p in plans):
+    if not plans or any(p.kind not in ("attention", "dense", "window") for p in plans):
         return
     shapes = {"k": plans[0].k_shape, "v": plans[0].v_shape}
     parts = parts_of([p.window if p.kind == "window" else None for p in plans])
@@ -231,11 +232,15 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None, held=None
         CalibrationUnsupportedError: a model calibration cannot measure. InputError: a budget below every
             candidate schema.
     """
-    measure.measurable(lm.model, caches)
+    measure.check_plain(caches)
     k, v = caches[0].keys, caches[0].values
     shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
     candidates = fitting(shapes)
-    sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, candidates, progress, held)
+    args = (lm.tokenizer, mode, caches, tokens, candidates, progress, held)
+    try:
+        sens, method = measure.measure(lm.model, *args), "walk"
+    except CalibrationUnsupportedError:  # a family the walk cannot run: the model's own forwards
+        sens, method = forwards.measure(lm.model, *args), "forwards"
     parts = parts_of(sens.probe.windows)
     fp16 = [least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts]
     windows = [min(len(tokens), w) for w in sens.probe.windows if w]
@@ -249,7 +254,7 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None, held=None
               "top1_agreement": round(agree, 4), "protect_first": first,
               "heavy_hitters": {"first": sens.protect_first, "attention_share": round(sens.lead_mass, 4)},
               "eval_tokens": sens.eval_tokens, "probe": _probes(), "measured_layers": len(caches),
-              "window_layers": parts[1], "calibration_version": CALIBRATION_VERSION,
+              "window_layers": parts[1], "method": method, "calibration_version": CALIBRATION_VERSION,
               "candidates": ["fp16", *candidates], "reference_tier": measure.REFERENCE_TIER,
               "forwards": sens.forwards + 1, "seconds": round(sens.seconds, 2)}
     return schema, record, first

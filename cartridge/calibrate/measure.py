@@ -44,6 +44,7 @@ from .sequence import (
     filled_cache,
     first_layer_input,
     log_softmax,  # noqa: F401  (measure.log_softmax: benchmarks/agreement.py's)
+    own_logits,
     prefix_kv,
     scored,
     split_of,
@@ -100,7 +101,8 @@ class Probe:
         split (int): prefix tokens attended over. ids (mx.array): (1, E) uint32 evaluation tokens.
         kv (list): per layer (K, V) as stored (`sequence.prefix_kv`), each (1, n_kv_heads, S, head_dim) in the
             model's dtype, fp16-rounded: S = split, or a window layer's min(split, window).
-        embedded (mx.array): (1, E, hidden) input of layer 0 (`sequence.first_layer_input`).
+        embedded (mx.array | None): (1, E, hidden) input of layer 0 (`sequence.first_layer_input`); None when
+            measured by the model's own forwards (`forwards`): `verify` then runs the model's own forward.
         queries (list): per layer, (n_heads, E, head_dim) float32 post-RoPE queries of the reference row.
         logprobs (mx.array): (E, vocab) float32 reference log-probabilities (the walk's row 0).
         start (int): the first of E's positions the KL and top-1 agreement are averaged over (`scored`).
@@ -169,7 +171,8 @@ def fp16_rounded(x):
 
 
 def verify(model, probe, schema, first=0):
-    """KL and top-1 agreement vs fp16 on E with every (layer, side) replaced by its schema tier together.
+    """KL and top-1 agreement vs fp16 on E with every (layer, side) replaced by its schema tier together
+    (through the walk's layers, or the model's own forward for a probe of `forwards`).
 
     Args:
         probe (Probe): from `measure`. schema (list[dict]): {"layer", "k", "v"} rows.
@@ -184,7 +187,8 @@ def verify(model, probe, schema, first=0):
         kv.append(tuple(_protected(round_trip(row[s], x, row["layer"], s), x, kept) if row[s] != "fp16" else x
                         for s, x in zip("kv", pair)))
         mx.eval(kv[-1])  # a layer at a time: one graph of every round trip would hold off Ctrl-C for seconds
-    logits = run_from(model, probe.embedded, kv, probe.windows, probe.split)[probe.start:]
+    logits = (own_logits(model, probe.ids, kv, probe.windows, probe.split) if probe.embedded is None else
+              run_from(model, probe.embedded, kv, probe.windows, probe.split))[probe.start:]
     ref = probe.logprobs[probe.start:]
     agree = (mx.argmax(logits, axis=-1) == mx.argmax(ref, axis=-1)).astype(mx.float32).mean().item()
     return max(0.0, kl_mean(ref, logits)), agree

@@ -81,6 +81,13 @@ def filled_cache(k, v, window=None, position=None):
     return cache
 
 
+def own_logits(model, ids, kv, windows, position):
+    """The model's own forward of ids (1, E) over mlx-lm caches holding `kv` (per layer (K, V) as stored, of a
+    `position`-token prefix; `windows` as `prefix_kv` gives them): (E, vocab) float32 logits."""
+    caches = [filled_cache(k, v, w, position) for (k, v), w in zip(kv, windows)]
+    return model(ids, cache=caches)[0].astype(mx.float32)
+
+
 def window_kv(cache):
     """K, V (1, n_kv_heads, S, head_dim) a window layer stores after the prefix its RotatingKVCache has seen: its
     last S = min(offset, max_size) tokens in temporal order (`attention.kinds.WindowKind.stored_kv`)."""
