@@ -14,6 +14,7 @@ from cartridge.attention.kinds import KINDS, kv_plan
 from cartridge.build import prefill_holding
 from cartridge.calibrate import Budget, forwards, measure, search, sequence
 from cartridge.calibrate.attention_error import AttentionError
+from cartridge.cli.report import calibration_lines
 from cartridge.errors import CalibrationUnsupportedError, InputError
 from cartridge.format import keys as K
 from cartridge.models.prompt import prefix_tokens, prompt_mode
@@ -180,7 +181,6 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
 
     from cartridge.build import kv_caches, prefill, write_layers
     from cartridge.cli import main
-    from cartridge.cli.report import calibration_lines
     from cartridge.tiers import schema_for
 
     old = {"target": {"preset": "balanced"}, "bytes_per_token": 320, "fp16_bytes_per_token": 1024,
@@ -243,6 +243,8 @@ def test_a_family_the_walk_cannot_run_is_measured_by_its_own_forwards(smol_token
     r = cartridge.build(DOC, tmp_path / "b.cart", model=lm, reserve=0, page_size=32, preset="balanced")
     c = r.calibration
     assert (c["method"], c["window_layers"], c["forwards"]) == ("forwards", [0, 2], 8 + 2 * 4 + 1)
+    assert calibration_lines(c)[1] == ("measured      all 4 layers: 2 sliding-window (0, 2) on the tokens their window "
+                                       "stores, 2 full-attention (1, 3); by the model's own forward per layer-side")
     # the recorded KL of the chosen schema is that of the model's own forward over the replaced K/V
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, DOC, mode)

@@ -115,8 +115,9 @@ def window_text(c):
 
 
 def measured_text(c, n_layers):
-    """Which layers a calibration record measured: 'all 6 layers: 5 sliding-window (0-4) on the tokens their
-    window stores, 1 full-attention (5)'; before calibration version 4 every layer was full attention."""
+    """Which layers a calibration record measured (and how, when not by the walk): 'all 6 layers: 5 sliding-window
+    (0-4) on the tokens their window stores, 1 full-attention (5)'; before calibration version 4 every layer was
+    full attention."""
     n = c.get("measured_layers", n_layers)
     windows = c.get("window_layers")
     if windows is None:
@@ -124,7 +125,8 @@ def measured_text(c, n_layers):
     full = [j for j in range(n) if j not in set(windows)]
     kinds = [f"{len(windows)} sliding-window ({layer_runs(windows)}) on the tokens their window stores"] * bool(windows)
     kinds += [f"{len(full)} full-attention ({layer_runs(full)})"] * bool(full)
-    return f"all {n} layers: {', '.join(kinds)}"
+    how = "; by the model's own forward per layer-side" if c.get("method") == "forwards" else ""
+    return f"all {n} layers: {', '.join(kinds)}{how}"
 
 
 def budget_flags(target):
