@@ -372,6 +372,10 @@ def test_kl_rows_is_the_mean_kl_of_each_row_against_the_reference():
     assert np.allclose(np.asarray(ref), r, atol=1e-5)
     assert np.allclose(np.asarray(head.kl_rows(ref, logits)), want, rtol=1e-4)
     assert head.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)
+    masked = mx.concatenate([ref_logits[:, :45], mx.full((4, 5), -mx.inf)], axis=1)  # ids a model never emits
+    got = head.kl_rows(head.log_softmax(masked), mx.concatenate([logits[:, :, :45], mx.full((3, 4, 5), -mx.inf)], 2))
+    r, q = (x[..., :45] - np.log(np.exp(x[..., :45]).sum(-1, keepdims=True)) for x in (r, q))  # the first 45 ids
+    assert np.allclose(np.asarray(got), (np.exp(r) * (r - q)).sum(-1).mean(-1), rtol=1e-4)  # finite: they add 0
 
 
 def test_the_walks_lm_head_kl_from_the_top_tokens_and_tail_samples_is_the_full_logits_kl(tiny64):
