@@ -191,7 +191,7 @@ def calibration_run(path, lm):
            "forwards": sens.forwards, "heavy_hitters": sens.protect_first,
            "budgets": {}}
     for name in BUDGETS:
-        choice = search.choose(sens.kl, len(caches), shapes, Budget(preset=name).bytes_bound(fp16))
+        choice = search.choose(sens.kl, len(caches), shapes, Budget(preset=name).bounds([fp16, 0])[0])
         kl, agree = calibration.verify(lm.model, sens.probe, choice.schema)
         ku, vu = UNIFORM[name]
         uniform = [{"layer": i, "k": ku, "v": vu} for i in range(len(caches))]
@@ -274,7 +274,7 @@ def budgets(lm, sens, reference, n_layers, shapes, fp16, reference_budgets=None)
     out = {}
     for name in BUDGETS:
         clock = Clock()
-        choice = search.choose(sens.kl, n_layers, shapes, Budget(preset=name).bytes_bound(fp16))
+        choice = search.choose(sens.kl, n_layers, shapes, Budget(preset=name).bounds([fp16, 0])[0])
         kl, agree = calibration.verify(lm.model, sens.probe, choice.schema)
         cost = clock.lap()
         ref_kl, ref_agree = calibration.verify(lm.model, reference.probe, choice.schema)

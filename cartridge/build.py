@@ -114,6 +114,20 @@ def prefill(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None, caches=None
     return _feed(model, tokens, step, progress, make_prompt_cache(model) if caches is None else caches)
 
 
+def prefill_holding(model, tokens, step=DEFAULT_PREFILL_STEP, progress=None):
+    """`prefill` that stops once at calibration's split (`calibrate.split_of`) to keep what the sliding-window
+    layers store there (`calibrate.hold_windows`): calibration measures a cartridge of the tokens before it.
+
+    Returns:
+        tuple: (the filled caches, {layer: (K, V)} of the window layers at the split).
+    """
+    split = calibrate_mod.split_of(tokens)
+    caches = prefill(model, tokens[:split], step, progress and (lambda done, _: progress(done, len(tokens))))
+    held = calibrate_mod.hold_windows(caches)
+    rest = progress and (lambda done, _: progress(split + done, len(tokens)))
+    return prefill(model, tokens[split:], step, rest, caches), held
+
+
 def _feed(model, tokens, step, progress, caches):
     body = getattr(model, "model", model)  # the transformer without the LM head: its logits are not needed
     if body is not model and "cache" not in inspect.signature(body.__call__).parameters:
@@ -398,12 +412,14 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     kept = protect.clamp(o["protect_first"], o["protect_last"], len(tokens))
 
     t0 = time.perf_counter()
-    caches = prefill(lm.model, tokens, prefill_step, progress)
+    holds = budget is not None and declined is None and any(p.kind == "window" for p in plans)
+    caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
+        (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
     if budget is not None:
         schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, budget, plans,
-                                                                     declined, calibration_progress)
+                                                                     declined, calibration_progress, held)
         extras.update({} if record is None else {K.CALIBRATION: record})
         check_layer_tiers(plans, schema)
         kept = protect.clamp(*protected, len(tokens))

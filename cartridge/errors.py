@@ -86,8 +86,9 @@ class RankMismatchError(CartridgeError):
 
 
 class CalibrationUnsupportedError(InputError):
-    """Calibration cannot measure this model: a cache kind other than full attention, or a family whose
-    layer-by-layer forward does not reproduce its own (`cartridge.calibrate.measure.measurable`)."""
+    """Calibration cannot measure this model: a cache other than a KVCache or a sliding-window RotatingKVCache
+    (recurrent state, lists of caches), or K/V shapes that differ between layers
+    (`cartridge.calibrate.measure.check_plain`)."""
 
 
 def name_cartridge(error, path):

@@ -41,8 +41,8 @@ def test_search_spends_the_budget_where_the_measured_damage_is():
 
 def test_budgets_and_ratios():
     assert BUDGETS == {"safe": 2.0, "balanced": 3.0, "compact": 4.5}
-    assert Budget(preset="balanced").check().bytes_bound(23040) == 7680
-    assert Budget(target_ratio=4.5).check().bytes_bound(23040) == 5120
+    assert Budget(preset="balanced").check().bounds([23040, 0]) == [7680, 0]
+    assert Budget(target_ratio=4.5).check().bounds([23040, 0]) == [5120, 0]
     assert (parse_ratio("3x"), parse_ratio(" 4.5X "), parse_ratio("2")) == (3.0, 4.5, 2.0)
     with pytest.raises(InputError, match="target ratio 'three' is not a number"):
         parse_ratio("three")
@@ -173,7 +173,7 @@ def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers
         kv = list(probe.kv)
         for j in layers:
             kv[j] = tuple(measure.round_trip(measure.REFERENCE_TIER, x, j, s) for x, s in zip(kv[j], "kv"))
-        one = measure.kl_mean(probe.logprobs, measure.run_from(tiny64.model, 0, probe.embedded, kv))
+        one = measure.kl_mean(probe.logprobs, measure.run_from(tiny64.model, probe.embedded, kv))
         # float32 sums of a batch of rows vs 1; the walk's LM head takes 1,024 columns of 49,152 per position (head.py):
         # on this random tiny model within 1% on one 2-core AMD EPYC, 1.08% on another (layer 0, group 1, 2026-12-06)
         assert sum(sens.measured[j] for j in layers) == pytest.approx(one, rel=2e-2)
@@ -183,14 +183,17 @@ def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers
 
 
 FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built instead)
-    "gemma3_text": "this model has RotatingKVCache caches",  # sliding-window layers
-    "gpt_oss": "this model has RotatingKVCache caches",  # sinks and sliding windows
     "qwen3_next": "this model has ArraysCache caches",  # linear-attention state
-    "gemma": "forward of this model differs from its own",  # KVCache only, but a scaled embedding
+}
+MEASURED = {  # family -> how: the batched walk, or the model's own forwards where the walk cannot run
+    "qwen3": "walk", "gemma": "walk",  # gemma: a scaled embedding
+    "gemma3_text": "walk", "gemma3": "walk",  # sliding windows; gemma3 wraps gemma3_text
+    "gpt_oss": "forwards",  # attention sinks, which the walk's attention does not add
+    "gpt2": "forwards",  # no .model.layers
 }
 
 
-@pytest.mark.parametrize("family", ["qwen3", *FALLBACK])
+@pytest.mark.parametrize("family", [*MEASURED, *FALLBACK])
 def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenizer, tmp_path):
     import warnings
 
@@ -207,6 +210,7 @@ def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenize
     info, _ = cartridge.open_cartridge(r.path)
     if family not in FALLBACK:
         assert fallbacks == [] and r.calibration["measured_layers"] == 4 and K.CALIBRATION in info.records
+        assert r.calibration["method"] == MEASURED[family]
         assert r.calibration["bytes_per_token"] <= r.calibration["fp16_bytes_per_token"] // 3
         return
     recipe = presets.resolve("balanced")
@@ -280,9 +284,10 @@ def test_heavy_hitters_are_not_protected_by_default_so_preset_cartridges_extend_
     kl = {(0, s, t): {"fp16": 0.0, "int8": 0.01, "mlx4g32": 0.1}[t] for s in "kv" for t in tiers}
     sens = SimpleNamespace(kl=kl, protect_first=1, kl_protected={key: x / 10 for key, x in kl.items()})
     bound = calibrate.TIERS["fp16"].bytes_per_token(2, 64)  # half of fp16's K+V bytes/token of the one layer
-    first, plain = calibrate._best(sens, 1, shapes, bound, None, 4096)
+    parts, bounds, tokens = ([0], []), [bound, 0], (4096, 0)  # one layer that stores every token
+    first, (plain, _) = calibrate._best(sens, parts, shapes, bounds, None, tokens)
     assert first == 0 and not calibrate.PROTECT_HEAVY_HITTERS
-    first, kept = calibrate._best(sens, 1, shapes, bound, None, 4096, protect_heavy_hitters=True)
+    first, (kept, _) = calibrate._best(sens, parts, shapes, bounds, None, tokens, protect_heavy_hitters=True)
     assert first == 1 and kept.predicted_kl < plain.predicted_kl  # measured, and it would win: off by choice
 
 
@@ -367,6 +372,10 @@ def test_kl_rows_is_the_mean_kl_of_each_row_against_the_reference():
     assert np.allclose(np.asarray(ref), r, atol=1e-5)
     assert np.allclose(np.asarray(head.kl_rows(ref, logits)), want, rtol=1e-4)
     assert head.kl_rows(ref, ref_logits[None]).item() == pytest.approx(0.0, abs=1e-6)
+    masked = mx.concatenate([ref_logits[:, :45], mx.full((4, 5), -mx.inf)], axis=1)  # ids a model never emits
+    got = head.kl_rows(head.log_softmax(masked), mx.concatenate([logits[:, :, :45], mx.full((3, 4, 5), -mx.inf)], 2))
+    r, q = (x[..., :45] - np.log(np.exp(x[..., :45]).sum(-1, keepdims=True)) for x in (r, q))  # the first 45 ids
+    assert np.allclose(np.asarray(got), (np.exp(r) * (r - q)).sum(-1).mean(-1), rtol=1e-4)  # finite: they add 0
 
 
 def test_the_walks_lm_head_kl_from_the_top_tokens_and_tail_samples_is_the_full_logits_kl(tiny64):

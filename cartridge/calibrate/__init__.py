@@ -1,7 +1,9 @@
 """Tier schemas chosen by measuring the document at build (issue 33): `measure` rates every candidate
 (layer, side, tier) on the model's own predictions, `search` picks the schema of least damage within a
 budget, and `calibrated_schema` does both and returns the header record (`cartridge.calibration`,
-spec/FORMAT.md 4.7).
+spec/FORMAT.md 4.7). Every layer the cartridge stores K/V of is measured, sliding-window layers on the
+tokens their window stores (calibration version 4); a family the batched walk cannot run is measured by its
+own forwards (`forwards`).
 """
 
 import warnings
@@ -9,9 +11,10 @@ from dataclasses import dataclass
 
 from ..errors import CalibrationUnsupportedError, InputError
 from ..tiers import TIERS
-from . import measure, search
+from . import forwards, measure, search
+from .sequence import hold_windows, split_of  # noqa: F401  (build's: the window layers' K/V at the split)
 
-CALIBRATION_VERSION = 3  # bump when the measurement or search changes what a budget preset builds
+CALIBRATION_VERSION = 4  # bump when the measurement or search changes what a budget preset builds
 BUDGETS = {"safe": 2.0, "balanced": 3.0, "compact": 4.5}  # preset -> at most 1/ratio of fp16's bytes/token
 
 
@@ -47,10 +50,21 @@ class Budget:
             raise InputError(f"max KL {self.max_kl!r} must be a number >= 0 (nats per token)")
         return self
 
-    def bytes_bound(self, fp16_bpt):
-        """The byte budget in K+V bytes/token, or None for a KL bound."""
+    def bounds(self, fp16):
+        """Per part (the layers that store every token, the sliding-window layers) its K+V bytes/token bound,
+        or None for a KL bound: 1/ratio of the part's fp16 bytes/token; `max_bytes_per_token` bounds the first
+        part (the second if there is none) and gives the other the same share of its fp16 bytes.
+
+        Args:
+            fp16 (list[int]): each part's fp16 K+V bytes/token (0 for an empty part).
+        """
         ratio = BUDGETS.get(self.preset, self.target_ratio)
-        return int(fp16_bpt // ratio) if ratio else self.max_bytes_per_token
+        if ratio:
+            return [int(b // ratio) for b in fp16]
+        if self.max_bytes_per_token is None:
+            return None
+        base = fp16[0] or fp16[1]
+        return [b * self.max_bytes_per_token // base for b in fp16]
 
     def record(self):
         """This budget as the header record's "target" object."""
@@ -100,22 +114,27 @@ class CalibrationFallbackWarning(UserWarning):
 
 
 def checked_model(model, budget):
-    """Before the prefill: None if calibration can walk `model`, else the reason (str) for a budget preset's
-    fixed recipe.
+    """Before the prefill: None if calibration can measure `model` (by the walk or by its own forwards), else the
+    reason (str) for a budget preset's fixed recipe.
 
     Raises:
-        CalibrationUnsupportedError: a model calibration cannot walk, for a budget that is not a preset (a
+        CalibrationUnsupportedError: a model calibration cannot measure, for a budget that is not a preset (a
             target ratio, bytes/token or KL bound has no fixed recipe).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     try:
-        measure.measurable(model, make_prompt_cache(model))
+        measure.check_plain(make_prompt_cache(model))
     except CalibrationUnsupportedError as e:
         if budget.preset is None:
             raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
         return str(e)
     return None
+
+
+def parts_of(windows):
+    """(layers that store every token, window layers) of per-layer windows (None: every token stored)."""
+    return [j for j, w in enumerate(windows) if w is None], [j for j, w in enumerate(windows) if w is not None]
 
 
 def least_bytes_per_token(n_layers, shapes, tiers):
@@ -129,29 +148,31 @@ def least_bytes_per_token(n_layers, shapes, tiers):
 
 def check_reachable(budget, plans):
     """Before the prefill: refuse a byte budget below the cheapest schema the search could choose (every layer-side
-    in its smallest candidate tier), in the words `search.choose` would use after the measurement.
+    in its smallest candidate tier), in the words `search.choose_parts` would use after the measurement.
 
     Args:
-        budget (Budget): checked. plans (list[LayerPlan]): the probe's layers (attention layers of one K/V shape,
-            as calibration measures them; other plans are left to `checked_model`'s fallback).
+        budget (Budget): checked. plans (list[LayerPlan]): the probe's layers (attention, dense and window layers
+            of one K/V shape, as calibration measures them; other plans are left to `checked_model`'s fallback).
 
     Raises:
-        InputError: the budget's bytes/token is below the cheapest schema's.
+        InputError: a part's bytes/token bound is below its cheapest schema's.
     """
-    if not plans or any(p.kind != "attention" for p in plans):
+    if not plans or any(p.kind not in ("attention", "dense", "window") for p in plans):
         return
     shapes = {"k": plans[0].k_shape, "v": plans[0].v_shape}
-    fp16_bpt = least_bytes_per_token(len(plans), shapes, ("fp16",))
-    bound = budget.bytes_bound(fp16_bpt)
-    if bound is None:
+    parts = parts_of([p.window if p.kind == "window" else None for p in plans])
+    bounds = budget.bounds([least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts])
+    if bounds is None:
         return
     try:
         candidates = ("fp16", *fitting(shapes))
     except CalibrationUnsupportedError:  # a preset then takes its fixed recipe after the prefill
         return
-    least = least_bytes_per_token(len(plans), shapes, candidates)
-    if bound < least:
-        raise InputError(f"budget {bound} bytes/token is below the cheapest measured schema ({least} bytes/token)")
+    for part, bound, what in zip(parts, bounds, ("", search.WINDOW_PART)):
+        least = least_bytes_per_token(len(part), shapes, candidates)
+        if part and bound < least:
+            raise InputError(f"budget {bound} bytes/token{what} is below the cheapest measured schema "
+                             f"({least} bytes/token)")
 
 
 # Heavy hitters kept in fp16 are measured and recorded, but not chosen by default: extend and compose take
@@ -159,12 +180,12 @@ def check_reachable(budget, plans):
 PROTECT_HEAVY_HITTERS = False
 
 
-def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, progress=None):
+def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, progress=None, held=None):
     """The measured schema within `budget`, or for a budget preset calibration cannot measure its fixed
     recipe (`cartridge.tiers.presets`; a CalibrationFallbackWarning says so).
 
     Args:
-        lm, mode, caches, tokens, budget, progress: as `calibrated_schema` takes them.
+        lm, mode, caches, tokens, budget, progress, held: as `calibrated_schema` takes them.
         plans (list[LayerPlan]): the layers' kinds and shapes. reason (str | None): `checked_model`'s.
 
     Returns:
@@ -177,7 +198,7 @@ def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, pro
     """
     if reason is None:
         try:
-            schema, record, first = calibrated_schema(lm, mode, caches, tokens, budget, progress)
+            schema, record, first = calibrated_schema(lm, mode, caches, tokens, budget, progress, held)
             return schema, (first, 0), record
         except CalibrationUnsupportedError as e:
             if budget.preset is None:
@@ -193,13 +214,15 @@ def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, pro
     return schema, (recipe["protect_first"], recipe["protect_last"]), None
 
 
-def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
+def calibrated_schema(lm, mode, caches, tokens, budget, progress=None, held=None):
     """Measure this document's sensitivity and choose the schema (and protected first tokens) within `budget`.
 
     Args:
-        lm (LoadedModel). mode (str): prompt mode. caches (list[KVCache]): the filled prefill caches.
-        tokens (list[int]): the prefix tokens. budget (Budget): checked. progress (callable | None):
-            progress(done, total) over the layers of the measurement.
+        lm (LoadedModel). mode (str): prompt mode. caches (list): the filled prefill caches (KVCache, and
+            RotatingKVCache for sliding-window layers). tokens (list[int]): the prefix tokens.
+        budget (Budget): checked. progress (callable | None): progress(done, total) over the layers of the
+            measurement. held (dict | None): the window layers' K/V at the measurement's split
+            (`hold_windows`), when the prefill went on past it. Default: None.
 
     Returns:
         tuple: (schema list[dict], record dict: the `cartridge.calibration` header value, N int: leading
@@ -209,23 +232,32 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None):
         CalibrationUnsupportedError: a model calibration cannot measure. InputError: a budget below every
             candidate schema.
     """
-    measure.measurable(lm.model, caches)
+    measure.check_plain(caches)
     k, v = caches[0].keys, caches[0].values
     shapes = {"k": (k.shape[1], k.shape[3]), "v": (v.shape[1], v.shape[3])}
     candidates = fitting(shapes)
-    sens = measure.measure(lm.model, lm.tokenizer, mode, caches, tokens, candidates, progress)
-    fp16_bpt = least_bytes_per_token(len(caches), shapes, ("fp16",))
-    first, choice = _best(sens, len(caches), shapes, budget.bytes_bound(fp16_bpt), budget.max_kl, len(tokens))
-    kl, agree = measure.verify(lm.model, sens.probe, choice.schema, first)
-    record = {"target": budget.record(), "bytes_per_token": choice.bytes_per_token, "fp16_bytes_per_token": fp16_bpt,
-              "predicted_kl": round(choice.predicted_kl, 6), "measured_kl": round(kl, 6),
+    args = (lm.tokenizer, mode, caches, tokens, candidates, progress, held)
+    try:
+        sens, method = measure.measure(lm.model, *args), "walk"
+    except CalibrationUnsupportedError:  # a family the walk cannot run: the model's own forwards
+        sens, method = forwards.measure(lm.model, *args), "forwards"
+    parts = parts_of(sens.probe.windows)
+    fp16 = [least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts]
+    windows = [min(len(tokens), w) for w in sens.probe.windows if w]
+    stored = (len(tokens), max(windows, default=0))  # tokens a layer of each part keeps
+    first, choices = _best(sens, parts, shapes, budget.bounds(fp16), budget.max_kl, stored)
+    schema = sorted(choices[0].schema + choices[1].schema, key=lambda r: r["layer"])
+    kl, agree = measure.verify(lm.model, sens.probe, schema, first)
+    record = {"target": budget.record(), "bytes_per_token": choices[0].bytes_per_token, "fp16_bytes_per_token": fp16[0],
+              "window_bytes_per_token": choices[1].bytes_per_token, "fp16_window_bytes_per_token": fp16[1],
+              "predicted_kl": round(_kl(choices), 6), "measured_kl": round(kl, 6),
               "top1_agreement": round(agree, 4), "protect_first": first,
               "heavy_hitters": {"first": sens.protect_first, "attention_share": round(sens.lead_mass, 4)},
               "eval_tokens": sens.eval_tokens, "probe": _probes(), "measured_layers": len(caches),
-              "calibration_version": CALIBRATION_VERSION,
+              "window_layers": parts[1], "method": method, "calibration_version": CALIBRATION_VERSION,
               "candidates": ["fp16", *candidates], "reference_tier": measure.REFERENCE_TIER,
               "forwards": sens.forwards + 1, "seconds": round(sens.seconds, 2)}
-    return choice.schema, record, first
+    return schema, record, first
 
 
 def _probes():
@@ -255,23 +287,35 @@ def fitting(shapes):
     return candidates
 
 
-def _best(sens, n_layers, shapes, max_bytes, max_kl, n_tokens, protect_heavy_hitters=None):
-    """(N, Choice): the better of no protection and the measured heavy hitters kept in fp16 (their bytes
-    taken from the budget); bytes_per_token of the Choice includes the copies. With `protect_heavy_hitters`
-    False (default: `PROTECT_HEAVY_HITTERS`), no protection."""
+def _best(sens, parts, shapes, bounds, max_kl, tokens, protect_heavy_hitters=None):
+    """(N, [Choice per part]): the better of no protection and the measured heavy hitters kept in fp16 in the
+    layers that store every token (their bytes taken from that part's budget; its Choice's bytes_per_token
+    includes the copies). With `protect_heavy_hitters` False (default: `PROTECT_HEAVY_HITTERS`), no protection.
+
+    Args:
+        parts, bounds, tokens: as `search.choose_parts` takes them. max_kl (float | None): the KL bound.
+    """
     from ..tiers import protect
 
-    plain = search.choose(sens.kl, n_layers, shapes, max_bytes, max_kl)
+    plain = search.choose_parts(sens.kl, parts, shapes, bounds, max_kl, tokens)
     n = sens.protect_first
-    if not n or not (PROTECT_HEAVY_HITTERS if protect_heavy_hitters is None else protect_heavy_hitters):
+    if not n or not parts[0] or not (PROTECT_HEAVY_HITTERS if protect_heavy_hitters is None else protect_heavy_hitters):
         return 0, plain
-    extra = protect.bytes_per_token(n, 0, n_tokens, [shapes[s] for _ in range(n_layers) for s in ("k", "v")])
+    extra = protect.bytes_per_token(n, 0, tokens[0], [shapes[s] for _ in parts[0] for s in ("k", "v")])
     try:
-        kept = search.choose(sens.kl_protected, n_layers, shapes, None if max_bytes is None else max_bytes - extra,
-                             max_kl)
+        kept = search.choose_parts(sens.kl_protected, parts, shapes,
+                                   None if bounds is None else [bounds[0] - extra, *bounds[1:]], max_kl, tokens)
     except InputError:  # the copies leave too little of the budget
         return 0, plain
-    kept = search.Choice(kept.schema, kept.bytes_per_token + extra, kept.predicted_kl)
-    wins = (kept.predicted_kl < plain.predicted_kl if max_bytes is not None
-            else kept.bytes_per_token < plain.bytes_per_token)
+    kept[0] = search.Choice(kept[0].schema, kept[0].bytes_per_token + extra, kept[0].predicted_kl)
+    wins = (_kl(kept) < _kl(plain) if bounds is not None else
+            _stored_bytes(kept, tokens) < _stored_bytes(plain, tokens))
     return (n, kept) if wins else (0, plain)
+
+
+def _kl(choices):
+    return sum(c.predicted_kl for c in choices)
+
+
+def _stored_bytes(choices, tokens):
+    return sum(c.bytes_per_token * t for c, t in zip(choices, tokens))

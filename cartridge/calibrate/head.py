@@ -33,7 +33,9 @@ def logits_of(model, h):
 
 
 def _tied(model):
-    return getattr(getattr(model, "args", None), "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+    """The head is the embedding: so configured (llama's args, gemma3's attribute) or no `lm_head` at all."""
+    return (getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+            or getattr(model, "tie_word_embeddings", False) is True or not hasattr(model, "lm_head"))
 
 
 def _head(model, x):
@@ -53,12 +55,16 @@ def head_rows(model, ids):
 
 def kl_rows(ref_logprobs, logits):
     """Per row, the mean over positions of KL(ref || q) in nats: ref_logprobs (E, vocab), logits (B, E, vocab)
-    float32 -> (B,) float32 (lazy except on CPU, where numpy computes it)."""
+    float32 -> (B,) float32 (lazy except on CPU, where numpy computes it). A token the reference gives
+    probability 0 (a -inf logit: phi3small masks its unused ids) adds 0."""
     if mx.default_device() != mx.cpu:
-        return (mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))).sum(axis=-1).mean(axis=-1)
+        terms = mx.exp(ref_logprobs) * (ref_logprobs - log_softmax(logits))
+        return mx.where(ref_logprobs > -mx.inf, terms, 0.0).sum(axis=-1).mean(axis=-1)
     mx.eval(ref_logprobs, logits)
     ref = np.asarray(ref_logprobs)
-    return mx.array((np.exp(ref) * (ref - log_softmax_inplace(np.array(logits)))).sum(axis=-1).mean(axis=-1))
+    with np.errstate(invalid="ignore"):  # -inf - -inf where both mask a token: dropped by the where
+        terms = np.exp(ref) * (ref - log_softmax_inplace(np.array(logits)))
+    return mx.array(np.where(ref > -np.inf, terms, 0.0).sum(axis=-1).mean(axis=-1))
 
 
 def kl_mean(ref_logprobs, logits):

@@ -2,7 +2,9 @@
 
 After the fp16 prefill every layer's K/V is at hand. The last `slice_tokens` tokens of the document, then a
 generic probe question and the model's own fp16 greedy answer to it, form the *evaluation sequence* E; it is
-teacher-forced over the cache of the earlier prefix (K/V rounded to fp16, as an fp16 cartridge stores them).
+teacher-forced over the cache of the earlier prefix as a cartridge of it stores it (K/V rounded to fp16; a
+sliding-window layer holds its window's last tokens, `sequence.prefix_kv`, and E's queries see them through
+the window's mask). What is replaced and measured is exactly what each layer stores.
 
 One batched pass walks the layers (`wavefront`): row 0 is the reference (fp16 K/V everywhere); at every
 WALK_GROUP-th layer j a new row starts from row 0's input with the K *and* V of layers j .. j + WALK_GROUP - 1
@@ -27,29 +29,32 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..attention import route
 from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..tiers import TIERS
 from . import sequence
+from .attention_error import LEAD_TOKENS, AttentionError
 from .head import kl_mean, logits_of, walk_kl
 from .sequence import (
     eval_sequence,
     filled_cache,
+    first_layer_input,
     log_softmax,  # noqa: F401  (measure.log_softmax: benchmarks/agreement.py's)
+    own_logits,
+    prefix_kv,
     scored,
     split_of,
 )
-from .walk import SharedPrefixCache, shifted_exp
+from .walk import SharedPrefixCache
 
-CANDIDATES = ("int8+rot", "int6+rot", "mlx4g32+rot", "turbo4", "turbo3", "turbo2")  # 216 .. 54 B at kv_dim 192
+# rotated and plain tiers alike (which is better depends on the model), 216 .. 54 B at kv_dim 192
+CANDIDATES = ("int8+rot", "int8", "int6+rot", "int6", "mlx4g32+rot", "mlx4g32", "turbo4", "turbo3", "turbo2")
 REFERENCE_TIER = "mlx4g32+rot"  # the tier run through the model; the others are scaled from it
 WALK_GROUP = 1  # consecutive layers one row of the walk replaces together; 2 measured worse (calibration.md)
-LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
 HEAVY_FACTOR = 8.0  # a heavy hitter draws at least this many times the uniform share of attention
 PAGE = 256  # page size of the round trip (the codecs' groups do not cross pages; the build's size is close)
 FAITHFUL_KL = 1e-3  # nats: the walk's reference logits vs the model's own forward; more = a family it cannot walk
@@ -94,11 +99,14 @@ class Probe:
 
     Attributes:
         split (int): prefix tokens attended over. ids (mx.array): (1, E) uint32 evaluation tokens.
-        kv (list): per layer (K, V), each (1, n_kv_heads, split, head_dim) in the model's dtype, fp16-rounded.
-        embedded (mx.array): (1, E, hidden) input of layer 0.
+        kv (list): per layer (K, V) as stored (`sequence.prefix_kv`), each (1, n_kv_heads, S, head_dim) in the
+            model's dtype, fp16-rounded: S = split, or a window layer's min(split, window).
+        embedded (mx.array | None): (1, E, hidden) input of layer 0 (`sequence.first_layer_input`); None when
+            measured by the model's own forwards (`forwards`): `verify` then runs the model's own forward.
         queries (list): per layer, (n_heads, E, head_dim) float32 post-RoPE queries of the reference row.
         logprobs (mx.array): (E, vocab) float32 reference log-probabilities (the walk's row 0).
         start (int): the first of E's positions the KL and top-1 agreement are averaged over (`scored`).
+        windows (list): per layer its sliding window's size, or None for a layer that stores every token.
     """
 
     split: int
@@ -106,8 +114,16 @@ class Probe:
     kv: list
     embedded: object
     start: int = 0
+    windows: list = None
     queries: list = field(default_factory=list)
     logprobs: object = None
+
+
+def text_model(model):
+    """The model calibration walks: a multimodal wrapper's `language_model` (gemma3, mistral3, qwen2-vl, ...: their
+    forward hands the text and the same caches to it), else the model itself."""
+    inner = getattr(model, "language_model", None)
+    return inner if inner is not None and not hasattr(getattr(model, "model", None), "layers") else model
 
 
 def body_of(model):
@@ -121,21 +137,30 @@ def body_of(model):
 
 
 def check_plain(caches):
-    """Raise CalibrationUnsupportedError for caches other than plain full-attention KVCache (calibration
-    replaces whole layer-sides of a prefix every token attends to)."""
-    kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    """Raise CalibrationUnsupportedError for caches other than a KVCache or a sliding-window RotatingKVCache
+    (keep 0), or K/V shapes that differ between layers (the search prices every layer alike)."""
+    kinds = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)
+                    or getattr(c, "keep", 0)})
     if kinds:
-        raise CalibrationUnsupportedError(f"calibration measures full-attention layers only; this model has "
-                                          f"{', '.join(kinds)} caches")
+        raise CalibrationUnsupportedError(f"calibration measures attention layers (KVCache, sliding-window "
+                                          f"RotatingKVCache) only; this model has {', '.join(kinds)} caches")
+    shapes = {(x.shape[1], x.shape[3]) for c in caches if c.keys is not None for x in (c.keys, c.values)}
+    if len(shapes) > 2 or len({(c.keys.shape[1], c.keys.shape[3]) for c in caches if c.keys is not None}) > 1:
+        raise CalibrationUnsupportedError("calibration measures models whose layers have one K/V shape")
 
 
-def run_from(model, layer, h, kv):
-    """Layers `layer`.. on input h (1, E, hidden) over caches holding `kv` (list of (K, V) from `layer` on):
-    (E, vocab) float32 logits."""
-    caches = [filled_cache(k, v) for k, v in kv]
-    mask = create_attention_mask(h, caches[0])
-    for block, cache in zip(model.model.layers[layer:], caches):
-        h = block(h, mask, cache=cache)
+def run_from(model, h, kv, windows=None, position=None):
+    """Every layer on input h (1, E, hidden) over caches holding `kv` (per layer (K, V) as stored), each with
+    its own mask (mlx-lm's, of its window): (E, vocab) float32 logits.
+
+    Args:
+        windows (list | None): per layer its window or None (`sequence.prefix_kv`). Default: no windows.
+        position (int | None): prefix tokens before h's first (the window layers'). Default: their K's length.
+    """
+    windows = windows or [None] * len(kv)
+    for block, (k, v), window in zip(model.model.layers, kv, windows):
+        cache = filled_cache(k, v, window, position)
+        h = block(h, create_attention_mask(h, cache, window_size=window), cache=cache)
         mx.eval(h)  # a layer at a time, so Ctrl-C is honoured between layers
     return logits_of(model, h)[0]
 
@@ -146,7 +171,8 @@ def fp16_rounded(x):
 
 
 def verify(model, probe, schema, first=0):
-    """KL and top-1 agreement vs fp16 on E with every (layer, side) replaced by its schema tier together.
+    """KL and top-1 agreement vs fp16 on E with every (layer, side) replaced by its schema tier together
+    (through the walk's layers, or the model's own forward for a probe of `forwards`).
 
     Args:
         probe (Probe): from `measure`. schema (list[dict]): {"layer", "k", "v"} rows.
@@ -155,12 +181,15 @@ def verify(model, probe, schema, first=0):
     Returns:
         tuple: (mean KL nats float, top-1 agreement float in 0..1).
     """
-    kv = []
-    for row, pair in zip(schema, probe.kv):
-        kv.append(tuple(_protected(round_trip(row[s], x, row["layer"], s), x, first) if row[s] != "fp16" else x
+    model, kv = text_model(model), []
+    for row, pair, window in zip(schema, probe.kv, probe.windows):
+        kept = first if window is None else 0  # a window layer does not store the leading tokens
+        kv.append(tuple(_protected(round_trip(row[s], x, row["layer"], s), x, kept) if row[s] != "fp16" else x
                         for s, x in zip("kv", pair)))
         mx.eval(kv[-1])  # a layer at a time: one graph of every round trip would hold off Ctrl-C for seconds
-    logits, ref = run_from(model, 0, probe.embedded, kv)[probe.start:], probe.logprobs[probe.start:]
+    logits = (own_logits(model, probe.ids, kv, probe.windows, probe.split) if probe.embedded is None else
+              run_from(model, probe.embedded, kv, probe.windows, probe.split))[probe.start:]
+    ref = probe.logprobs[probe.start:]
     agree = (mx.argmax(logits, axis=-1) == mx.argmax(ref, axis=-1)).astype(mx.float32).mean().item()
     return max(0.0, kl_mean(ref, logits)), agree
 
@@ -181,74 +210,24 @@ def round_trip(name, x, layer, side):
     return out[None].astype(x.dtype)
 
 
-class AttentionError:
-    """Squared relative error ||o' - o||^2 / ||o||^2 of one layer's softmax(q K^T / sqrt(D)) V over the prefix
-    when K or V is replaced; the fp16 softmax and output are computed once per layer. Each error keeps the
-    pieces over the first LEAD_TOKENS tokens that give it again with any leading tokens kept in fp16
-    (`protected`), without another pass over the prefix.
-
-    Args:
-        q (mx.array): (n_heads, E, D) float32 queries. k, v (mx.array): (1, n_kv, T, D) reference K/V.
-    """
-
-    def __init__(self, q, k, v):
-        h, e, d = q.shape
-        self.q = q.reshape(k.shape[1], h // k.shape[1] * e, d) * d ** -0.5  # (n_kv, group * E, D): GQA groups
-        self.v32 = v[0].astype(mx.float32)  # (n_kv, T, D)
-        s = self.q @ k[0].astype(mx.float32).swapaxes(-1, -2)  # (n_kv, group * E, T) logits
-        self.lead = min(LEAD_TOKENS, k.shape[2])
-        mx.eval(s)
-        self.s_lead = mx.array(np.array(np.asarray(s)[..., :self.lead]))  # a copy: shifted_exp overwrites s
-        (e,), (z,) = shifted_exp(s)
-        self.p = e / z
-        self.o = self.p @ self.v32  # (n_kv, group * E, D)
-        self.norm = (self.o ** 2).sum()
-
-    def mass(self):
-        """(T,) float32: the mean attention probability of each prefix token over heads and query rows."""
-        return self.p.mean(axis=(0, 1))
-
-    def __call__(self, side, x2):
-        """(error, pieces): the error (a lazy scalar) with `side` ("k" or "v") replaced by x2 (1, n_kv, T, D),
-        and what `protected` needs (lazy arrays)."""
-        x2, n = x2[0].astype(mx.float32), self.lead
-        if side == "v":
-            o2 = self.p @ x2
-            return self._err(o2), (o2, self.v32[:, :n] - x2[:, :n])
-        # exp(s2 - top) and exp(s_lead - top), top the max of both: (n_kv, group * E, T), (.., lead)
-        (e2, e_lead), (z2, _) = shifted_exp(self.q @ x2.swapaxes(-1, -2), mx.array(self.s_lead))
-        u2 = e2 @ self.v32  # unnormalized output; z2 is softmax's sum
-        return self._err(u2 / z2), (u2, z2, e_lead - e2[..., :n])
-
-    def protected(self, side, pieces, first):
-        """The error of `__call__`'s replacement with its first `first` (<= LEAD_TOKENS) tokens kept in fp16."""
-        if side == "v":
-            o2, diff = pieces  # (n_kv, rows, D), (n_kv, lead, D): V minus its replacement
-            return self._err(o2 + self.p[..., :first] @ diff[:, :first])
-        u2, z2, de = pieces  # de: exp of the reference logits minus the replaced ones', over the lead tokens
-        de = de[..., :first]
-        return self._err((u2 + de @ self.v32[:, :first]) / (z2 + de.sum(axis=-1, keepdims=True)))
-
-    def _err(self, o2):
-        return ((o2 - self.o) ** 2).sum() / self.norm
-
-
 def measurable(model, caches):
     """Raise CalibrationUnsupportedError unless calibration can walk this model's layers and caches."""
-    body_of(model)
+    body_of(text_model(model))
     check_plain(caches)
 
 
-def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progress=None):
+def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progress=None, held=None):
     """Measure every candidate (layer, side, tier) on this document (see the module docstring).
 
     Args:
         model (nn.Module): the mlx-lm model. tokenizer: its tokenizer wrapper. mode (str): prompt mode.
-        caches (list[KVCache]): the filled caches of the prefill of `tokens` (not modified).
+        caches (list): the filled KVCache / RotatingKVCache of the prefill of `tokens` (not modified).
         tokens (list[int]): the prefix tokens.
         candidates (tuple[str]): tiers to rate; must include REFERENCE_TIER. Default: CANDIDATES.
         progress (callable | None): progress(done, total) over the layers of the walk, from 0 (called with 0
             before the evaluation sequence is made).
+        held (dict | None): the window layers' K/V at the split (`sequence.hold_windows`), when the caches
+            went on past it. Default: None.
 
     Returns:
         Sensitivity
@@ -258,16 +237,19 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
             layer-by-layer forward differs from its own by more than FAITHFUL_KL.
     """
     t0, c0 = time.perf_counter(), time.process_time()
+    model = text_model(model)
     measurable(model, caches)
     if progress:  # from the start: the evaluation sequence's answer comes before the walk
         progress(0, len(model.model.layers))
     split = split_of(tokens)
-    kv = [tuple(fp16_rounded(a[..., :split, :]) for a in (c.keys, c.values)) for c in caches]
+    kv, windows = prefix_kv(caches, split, held)
+    kv = [tuple(fp16_rounded(a) for a in pair) for pair in kv]
     for pair in kv:
         mx.eval(pair)  # a layer at a time (Ctrl-C between), not inside the evaluation sequence's first forward
-    ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split)
+    ids, own = eval_sequence(model, tokenizer, mode, kv, tokens, split, windows=windows)
     x = mx.array(ids, dtype=mx.uint32)[None]
-    probe = Probe(split, x, kv, model.model.embed_tokens(x), start=scored(len(ids), len(tokens) - split))
+    probe = Probe(split, x, kv, first_layer_input(model, x), start=scored(len(ids), len(tokens) - split),
+                  windows=windows)
     out = Sensitivity(eval_tokens=len(ids), forwards=sequence.ANSWER_TOKENS * len(sequence.PROBES) + 1, probe=probe)
     t1, c1 = time.perf_counter(), time.process_time()
     try:
@@ -280,8 +262,8 @@ def measure(model, tokenizer, mode, caches, tokens, candidates=CANDIDATES, progr
         raise CalibrationUnsupportedError(f"calibration's layer-by-layer forward of this model differs from its "
                                           f"own (KL {faithful:.3g} nats, at most {FAITHFUL_KL} allowed)")
     t2, c2 = time.perf_counter(), time.process_time()
-    mass = mx.stack([e.mass() for e in errors]).mean(axis=0)  # (T,)
-    out.protect_first, out.lead_mass = heavy_hitters(mass)
+    full = [e.mass() for e, w in zip(errors, windows) if w is None]  # heavy hitters: of the layers storing them
+    out.protect_first, out.lead_mass = heavy_hitters(mx.stack(full).mean(axis=0)) if full else (0, 0.0)
     if out.protect_first:
         _protected_errors(out, errors, pieces)
     _scale(len(caches), candidates, out)
@@ -303,18 +285,19 @@ def wavefront(model, probe, candidates, out, progress=None):
         progress(0, len(layers))
     with route.watching(seen):
         for j, block in enumerate(layers):
-            k, v = probe.kv[j]
+            (k, v), window = probe.kv[j], probe.windows[j]
             k2, v2 = (round_trip(REFERENCE_TIER, a, j, s) for a, s in ((k, "k"), (v, "v")))
             opens = j % WALK_GROUP == 0  # a new row for the group; else one for this layer alone, run one layer
             h = mx.concatenate([h, h[:1]])  # (rows + 1, E, hidden)
-            h = block(h, "causal", cache=SharedPrefixCache(k, v, k2, v2, 1 if opens else 2))
+            cache = SharedPrefixCache(k, v, k2, v2, 1 if opens else 2, probe.split, window)
+            h = block(h, "causal", cache=cache)
             direct.append(((h[-1] - h[0])[probe.start:] ** 2).sum())  # layer j's own change of the residual
-            errors.append(AttentionError(probe.queries[j], k, v))
+            errors.append(AttentionError(probe.queries[j], k, v, cache.scale, window))
             lazy, layer_pieces = _layer_errors(errors[j], j, k, v, candidates, {"k": k2, "v": v2})
             mx.eval(h, lazy, layer_pieces, direct[-1])
             h = h if opens else h[:-1]
             out.attn_err.update({key: e.item() for key, e in lazy.items()})
-            pieces.update(layer_pieces)
+            pieces.update(layer_pieces if window is None else {})  # a window layer stores no leading tokens
             if progress:
                 progress(j + 1, len(layers))
     probe.logprobs, kls = walk_kl(model, h, probe.start)
@@ -359,8 +342,9 @@ def _scale(n_layers, candidates, out):
         for side in "kv":
             for name in candidates:
                 out.kl[(layer, side, name)] = scale * out.attn_err[(layer, side, name)]
-                if out.protect_first:
-                    out.kl_protected[(layer, side, name)] = scale * out.attn_err[(layer, side, name, "protected")]
+                if out.protect_first:  # a window layer's error is the same with leading tokens protected
+                    err = out.attn_err.get((layer, side, name, "protected"), out.attn_err[(layer, side, name)])
+                    out.kl_protected[(layer, side, name)] = scale * err
             out.kl[(layer, side, "fp16")] = 0.0
             if out.protect_first:
                 out.kl_protected[(layer, side, "fp16")] = 0.0

@@ -19,15 +19,23 @@ class SharedPrefixCache(PrefillCache):
     """One layer of the walk: a shared prefix (k, v), the last `replaced_rows` rows' replacement (k2, v2).
 
     Args:
-        k, v, k2, v2 (mx.array): (1, n_kv_heads, S, head_dim) each.
+        k, v, k2, v2 (mx.array): (1, n_kv_heads, S, head_dim) each: the K/V the layer stores, of positions
+            position - S .. position - 1.
         replaced_rows (int): the last rows attending over (k2, v2), at least 1 and fewer than the rows.
             Default: 1.
+        position (int | None): the position of the rows' first own token (RoPE's offset). Default: S.
+        window (int | None): a sliding-window layer's size (mlx-lm's `max_size`): a query at position p
+            attends the keys at p - window + 1 .. p only, as `create_causal_mask(window_size=)`. Default: None.
+
+    Attributes:
+        scale (float): the softmax scale of the layer's attention, once it has attended.
     """
 
-    def __init__(self, k, v, k2, v2, replaced_rows=1):
+    def __init__(self, k, v, k2, v2, replaced_rows=1, position=None, window=None):
         KVCache.__init__(self)  # not PrefillCache's: nothing to decode
         self.prefix, self.replaced, self.replaced_rows = (k, v), (k2, v2), replaced_rows
-        self.offset = self.prefix_tokens = k.shape[2]
+        self.window, self.scale = window, None
+        self.offset = self.prefix_tokens = k.shape[2] if position is None else position
 
     def update_and_fetch(self, keys, values):
         """Keep the rows' own K/V, (R, n_kv_heads, E, head_dim); the prefix is attended in `attention`."""
@@ -38,7 +46,8 @@ class SharedPrefixCache(PrefillCache):
         """Causal attention of queries (R, n_heads, E, head_dim) over the prefix of their row and their own
         keys/values (R, n_kv_heads, E, head_dim): (R, n_heads, E, head_dim) in the queries' dtype."""
         r, h, e, d = queries.shape
-        n_kv, n = keys.shape[1], self.replaced_rows
+        n_kv, n, s = keys.shape[1], self.replaced_rows, self.prefix[0].shape[2]
+        self.scale = scale
         q = (queries.astype(mx.float32) * scale).reshape(r, n_kv, h // n_kv * e, d)  # (R, n_kv, g * E, D)
         rows = q.shape[2]
         pre = mx.concatenate([_stacked(q[:-n], self.prefix[0].swapaxes(-1, -2)),
@@ -46,10 +55,19 @@ class SharedPrefixCache(PrefillCache):
         own = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (R, n_kv, g E, E)
         position = mx.arange(rows) % e  # query row g_i * E + i is at position i
         own = mx.where(mx.arange(e)[None] <= position[:, None], own, -mx.inf)
+        if self.window is not None:  # own key j is seen from i > j - window; prefix key m from i < m + window - S
+            own = mx.where(mx.arange(e)[None] > position[:, None] - self.window, own, -mx.inf)
+            pre = mx.where(window_visible(e, s, self.window)[position], pre, -mx.inf)
         (p_pre, p_own), sums = shifted_exp(pre, own)
         out_pre = mx.concatenate([_stacked(p_pre[:-n], self.prefix[1]), _stacked(p_pre[-n:], self.replaced[1])])
         out = (out_pre + p_own @ values.astype(mx.float32)) / (sums[0] + sums[1])
         return out.reshape(r, h, e, d).astype(queries.dtype)  # (R, n_kv, g, E, D) -> (R, n_heads, E, D)
+
+
+def window_visible(e, s, window):
+    """(E, S) bool: which of a window layer's S stored prefix keys (the positions just before E's first) each of
+    E's queries attends to: key m from query i when m > i + S - window (mlx-lm's sliding-window mask)."""
+    return mx.arange(s)[None] > mx.arange(e)[:, None] + s - window
 
 
 def _stacked(x, y):

@@ -20,7 +20,7 @@ from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
-from .report import agreement, fp16_ratio, inspect_dict, inspect_table, prompt_format
+from .report import agreement, fp16_ratio, inspect_dict, inspect_table, prompt_format, window_text
 from .serve import exit_if_served, serve
 
 
@@ -116,7 +116,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
                f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
     if r.calibration:
         c = r.calibration
-        click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16, predicted KL "
+        click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16{window_text(c)}, predicted KL "
                    f"{c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} nats/token, {agreement(c)}")
     click.echo(f"prompt format: {prompt_format(r.prompt_mode)}")
 

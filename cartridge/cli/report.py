@@ -6,7 +6,7 @@ from pathlib import Path
 from cartridge.format import keys as K
 from cartridge.format.kinds import KINDS
 from cartridge.tiers import TIERS
-from cartridge.tiers.schema import fold_tiers
+from cartridge.tiers.schema import fold_tiers, layer_runs
 
 
 def _versus_fp16(bpt, fp16):
@@ -107,8 +107,35 @@ def calibration(info):
 
 
 def fp16_ratio(c):
-    """'3.02x' of a calibration record: fp16's bytes/token over the chosen schema's."""
+    """'3.02x' of a calibration record: fp16's bytes/token over the chosen schema's, of the layers that store
+    every token (of the sliding-window layers in a model that has no other)."""
+    if not c["fp16_bytes_per_token"] and c.get("fp16_window_bytes_per_token"):
+        return f"{c['fp16_window_bytes_per_token'] / max(1, c['window_bytes_per_token']):.2f}x"
     return f"{c['fp16_bytes_per_token'] / max(1, c['bytes_per_token']):.2f}x"
+
+
+def window_text(c):
+    """', sliding-window layers 424 bytes per stored token (3.02x)' of a calibration record (version 4) that
+    measured window layers beside others; '' otherwise."""
+    if not c.get("window_layers") or not c["fp16_bytes_per_token"]:
+        return ""
+    w, fp16 = c["window_bytes_per_token"], c["fp16_window_bytes_per_token"]
+    return f", sliding-window layers {w:,} bytes per stored token ({fp16 / max(1, w):.2f}x)"
+
+
+def measured_text(c, n_layers):
+    """Which layers a calibration record measured (and how, when not by the walk): 'all 6 layers: 5 sliding-window
+    (0-4) on the tokens their window stores, 1 full-attention (5)'; before calibration version 4 every layer was
+    full attention."""
+    n = c.get("measured_layers", n_layers)
+    windows = c.get("window_layers")
+    if windows is None:
+        return f"all {n} layers (full attention; calibration version {c.get('calibration_version', 1)})"
+    full = [j for j in range(n) if j not in set(windows)]
+    kinds = [f"{len(windows)} sliding-window ({layer_runs(windows)}) on the tokens their window stores"] * bool(windows)
+    kinds += [f"{len(full)} full-attention ({layer_runs(full)})"] * bool(full)
+    how = "; by the model's own forward per layer-side" if c.get("method") == "forwards" else ""
+    return f"all {n} layers: {', '.join(kinds)}{how}"
 
 
 def budget_flags(target):
@@ -127,13 +154,15 @@ def agreement(c):
             f"(the document's last tokens, {probes})")
 
 
-def calibration_lines(c):
-    """The `inspect` lines of a calibration record (none when the schema was not measured)."""
+def calibration_lines(c, n_layers=None):
+    """The `inspect` lines of a calibration record (none when the schema was not measured): the choice, and
+    which layers were measured (`n_layers`: the cartridge's, for a record that does not say)."""
     if not c:
         return []
     return [f"calibrated    {budget_flags(c['target'])}: {c['bytes_per_token']:,} bytes/token ({fp16_ratio(c)} "
-            f"smaller than fp16), predicted KL {c['predicted_kl']:.4f}, measured KL {c['measured_kl']:.4f} "
-            f"nats/token, {agreement(c)}"]
+            f"smaller than fp16){window_text(c)}, predicted KL {c['predicted_kl']:.4f}, measured KL "
+            f"{c['measured_kl']:.4f} nats/token, {agreement(c)}",
+            f"measured      {measured_text(c, n_layers)}"]
 
 
 def _auto(info):
@@ -201,7 +230,7 @@ def inspect_table(d):
         f"also kept in fp16",
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
         f"preset        {d.get('preset') or '-'}",
-        *calibration_lines(d.get("calibration")),
+        *calibration_lines(d.get("calibration"), d["n_layers"]),
         f"attention     auto -> {d['attention']['auto']} on this {d['attention']['backend']} device: "
         f"{d['attention']['reason']}",
         _memory_line(d["attention"]["memory"]),

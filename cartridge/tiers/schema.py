@@ -90,7 +90,7 @@ def read_schema(schema):
 def _refuse_repeats(layers, what="schema"):
     twice = sorted({n for n in layers if layers.count(n) > 1})
     if twice:
-        raise InputError(f"{what} names layer {_runs(twice)} more than once (one row a layer)")
+        raise InputError(f"{what} names layer {layer_runs(twice)} more than once (one row a layer)")
 
 
 def check_layer_count(schema, n_layers, what="schema"):
@@ -107,12 +107,12 @@ def check_layer_count(schema, n_layers, what="schema"):
     missing = sorted(set(range(n_layers)) - set(layers))
     model = f"the model has {n_layers} layers (0..{n_layers - 1})"
     if beyond:
-        raise InputError(f"{what} names layer {_runs(beyond)}; {model}")
+        raise InputError(f"{what} names layer {layer_runs(beyond)}; {model}")
     if layers == list(range(len(layers))) and len(layers) != n_layers:
         raise InputError(f"{what} has {len(schema)} layer row{'' if len(schema) == 1 else 's'}; the model has "
                          f"{n_layers} layers")
     if missing:
-        raise InputError(f"{what} has no row for layer {_runs(missing)}; {model}")
+        raise InputError(f"{what} has no row for layer {layer_runs(missing)}; {model}")
 
 
 def check_schema(schema, n_layers, n_kv_heads, head_dim):
@@ -155,7 +155,7 @@ def _row(row, i):
     return {"layer": row["layer"], "k": row["k"], "v": row["v"]}
 
 
-def _runs(values):
+def layer_runs(values):
     """Compact '0-3, 5, 7-9' rendering of sorted integers (duplicates shown as given)."""
     out, start = [], None
     for i, v in enumerate(values):
