@@ -68,7 +68,7 @@ def _bar():
 @click.command("eval")
 @click.argument("corpus", nargs=-1, required=True)
 @click.option("--questions", "questions_path", required=True, help="JSONL: one {\"question\": ...} a line.")
-@click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
+@click.option("--model", default=None, help='"default" (SmolLM2-135M), "gemma3-270m", a GGUF file or an mlx-lm model directory.')
 @click.option("--tiers", default=None, help="Comma-separated entries: TIER, TIER:bpN, k=TIER:v=TIER[:bpN], "
               "...:pfN:plM (protected tokens), preset=NAME (e.g. fp16,mlx4g32:bp2,k=fp16:v=fp8). Default: every registered tier.")
 @click.option("--schemas", default=None, help="JSON file: label -> schema list or build keywords.")

