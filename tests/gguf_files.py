@@ -22,6 +22,9 @@ CONFIGS = {  # mlx-lm configs; 256-wide inputs so that k-quant rows (256 per blo
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
               "vocab_size": 258, "rope_theta": 10000.0, "max_position_embeddings": 512, "rope_traditional": False,
               "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 258,
+              "rope_theta": 1000000.0, "max_position_embeddings": 512, "tie_word_embeddings": True},  # q/k/v biases
     "qwen3": {"model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
               "vocab_size": 258, "rope_theta": 1000000.0, "max_position_embeddings": 512,
@@ -32,7 +35,7 @@ CONFIGS = {  # mlx-lm configs; 256-wide inputs so that k-quant rows (256 per blo
                "query_pre_attn_scalar": 128, "sliding_window": 8, "sliding_window_pattern": 6,
                "max_position_embeddings": 512},
 }
-ARCHS = {"llama": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3, "gemma3": MODEL_ARCH.GEMMA3}
+ARCHS = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3, "gemma3": MODEL_ARCH.GEMMA3}
 
 # GGUF tensor stem -> ggml type; the rest F32. "k-quants" needs `mx.load`-unreadable types, "mlx" only readable ones.
 RECIPES = {
@@ -159,10 +162,11 @@ def _write_config(writer, arch, c):
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_rope_freq_base(c["rope_theta"])
-    writer.add_key_length(c["head_dim"])
-    writer.add_value_length(c["head_dim"])
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     if arch == "llama":
-        writer.add_rope_dimension_count(c["head_dim"])
+        writer.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(c["sliding_window"])
         tokens, scores, types = sentencepiece_vocab()
@@ -180,7 +184,7 @@ def _write_config(writer, arch, c):
     else:
         tokens, types, merges = byte_level_vocab()
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2" if arch == "qwen3" else "llama-bpe")
+        writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
