@@ -67,3 +67,18 @@ def test_ask_and_inspect_agree_on_stored_and_resident_bytes(built, gemma3_dir):
     assert asked["stored_bytes"] == inspected["stored_bytes"] == stored  # the pages, as on disk
     window_dense = 2 * 2 * WINDOW * 2 * 32 * 4  # 2 window layers x K, V x 16 tokens x 2 heads x 32 float32
     assert asked["resident_bytes"] == inspected["resident_bytes"] >= stored + window_dense
+
+
+def test_eval_caption_says_which_layers_bytes_per_token_counts(built):
+    from cartridge.cli.eval_report import _per_token_caption
+
+    info, data = open_cartridge(built[0])
+    data.close()
+    split, fixed = info.per_token_split(), _window_payload(info)
+    assert split == {"per_token_layers": 2, "layers": 4, "fixed": {"window": {"layers": 2, "bytes": fixed}}}
+    assert fixed == info.fixed_bytes()
+    rows = [{"label": "fp16", "per_token_split": split}, {"label": "no cartridge"}]
+    assert _per_token_caption(rows) == [f"bytes/token: the 2 of 4 layers that store every token; the others "
+                                        f"(2 window layers) hold fixed bytes: fp16 {fixed:,}"]
+    every = {"per_token_layers": 4, "layers": 4, "fixed": {}}
+    assert _per_token_caption([{"label": "fp16", "per_token_split": every}]) == []

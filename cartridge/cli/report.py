@@ -17,33 +17,10 @@ def _versus_fp16(bpt, fp16):
     return f"{fp16 / bpt:.2f}x smaller)" if bpt < fp16 else f"{bpt / fp16:.2f}x larger)"
 
 
-def per_token_split(info):
-    """Which layers bytes/token counts, and the payload of the others (issue 47: a windowed model's bytes/token
-    counts only its full layers; its window layers hold a fixed payload).
-
-    Args:
-        info (CartridgeInfo): the header.
-
-    Returns:
-        dict: {"per_token_layers": caches that store every prefix token (bytes/token counts these),
-        "layers": all caches, "fixed": {kind: {"layers": caches, "bytes": payload bytes}} of the kinds whose
-        payload does not grow with the document (window, state)}.
-    """
-    units = dict(info.units())
-    fixed = {}
-    for path, unit in units.items():
-        if unit.kind_type.fixed:
-            fixed.setdefault(unit.kind, {"layers": 0, "bytes": 0})["layers"] += 1
-    for (path, _), extents in info.extents.items():
-        if units[path].kind_type.fixed:
-            fixed[units[path].kind]["bytes"] += sum(e.page_bytes * e.shape[0] for e in extents)
-    return {"per_token_layers": sum(1 for u in units.values() if u.stores_every_token), "layers": len(units),
-            "fixed": fixed}
-
-
 def per_token_text(bytes_per_token, split):
-    """'3,072 bytes/token', and where some layers do not store every token, which ones it counts and the fixed
-    bytes of the others: '3,072 bytes/token in 3 of 18 layers + 7,864,320 fixed bytes in 15 window layers'."""
+    """'3,072 bytes/token', and where some layers do not store every token (`CartridgeInfo.per_token_split`),
+    which ones it counts and the fixed bytes of the others: '3,072 bytes/token in 3 of 18 layers + 7,864,320
+    fixed bytes in 15 window layers' (issue 47)."""
     text = f"{bytes_per_token:,} bytes/token"
     if split["per_token_layers"] == split["layers"]:
         return text
@@ -101,7 +78,7 @@ def inspect_dict(info, path):
         "tier_formulas": tier_formulas(info.tiers, info.n_kv_heads, info.head_dim),
         "layers": layer_rows(info),
         "fixed_bytes": info.fixed_bytes(),
-        "per_token_split": per_token_split(info),
+        "per_token_split": info.per_token_split(),
         "protected": {"first": info.protect_first, "last": info.protect_last},
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
