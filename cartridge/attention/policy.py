@@ -135,10 +135,21 @@ def _prefill_layers(prefixes, choices, head_dims):
 
 
 def _held(layer):
-    """Bytes a loaded layer holds: its pages, and for a decoded layer kind also its dense K/V."""
+    """Bytes a loaded layer holds: its pages, and for a decoded layer kind (dense, window) also its dense K/V."""
     if isinstance(layer, LayerPrefix):
         return layer.nbytes
+    if hasattr(layer, "parts"):  # a ListLayer: its caches
+        return sum(_held(p) for p in layer.parts)
     return layer.nbytes + (layer.prefix.nbytes if hasattr(layer, "prefix") else 0)
+
+
+def _stored(layer):
+    """Bytes of a loaded layer's stored pages (or recurrent arrays) as the file holds them: not the dense K/V a
+    dense or window layer is decoded into at load (issue 47: `ask` counted a window layer's float32 decode as
+    stored)."""
+    if hasattr(layer, "parts"):
+        return sum(_stored(p) for p in layer.parts)
+    return layer.prefix.nbytes if hasattr(layer, "prefix") else layer.nbytes
 
 
 def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
@@ -264,7 +275,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             prefixes[i] = ListLayer(parts)
     choices = _choices(prefixes, policy, head_dims, entries=entries)
     sides = _sides(prefixes, choices, head_dims, dtype, unpack)
-    held = sum(_held(p) for p in prefixes)
+    held, stored = sum(_held(p) for p in prefixes), sum(_stored(p) for p in prefixes)
     limit = max_memory
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
@@ -293,7 +304,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
                              q.protected)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
-    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
+    return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, stored, resident, peak,
                         max(prefill.values(), default=0))
 
 
@@ -317,7 +328,7 @@ def _plan(sides, held, limit, layers, dtype):
     return decoded, packed, resident, max(peak, resident + most), prefill
 
 
-def _report(layers, sides, decoded, packed, limit, held, resident, peak, prefill=0):
+def _report(layers, sides, decoded, packed, limit, stored, resident, peak, prefill=0):
     names = {x["policy"] for x in layers if x}
     first = next((x for x in layers if x), None)
     reason = first["reason"] if first else "no page-attended layers"
@@ -333,7 +344,7 @@ def _report(layers, sides, decoded, packed, limit, held, resident, peak, prefill
         reason += f"; a question's prefill decodes each layer's pages for the call ({prefill / 1e6:,.1f} MB at most)"
     return {"policy": names.pop() if len(names) == 1 else ("mixed" if names else "none"), "reason": reason,
             "layers": layers,
-            "memory": {"budget_bytes": limit, "stored_bytes": held, "resident_bytes": resident,
+            "memory": {"budget_bytes": limit, "stored_bytes": stored, "resident_bytes": resident,
                        "planned_peak_bytes": peak}}
 
 
@@ -350,14 +361,16 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         max_memory (int | None): as in `place`. entries (list | None): the table (default: shipped + user).
 
     Returns:
-        dict: {"policy", "reason", "memory"} as in `place`'s report (held bytes: the stored pages only).
+        dict: {"policy", "reason", "memory"} as in `place`'s report (held: the stored pages, and the dense K/V
+        that dense and window layers are decoded into at load).
     """
     entries = calibration.merged_entries() if entries is None else entries
-    choices, sides, held, layers = [], [], 0, []
+    choices, sides, layers = [], [], []
+    stored_bytes = sum(e.page_bytes * e.shape[0] for ext in info.extents.values() for e in ext)
+    held = stored_bytes + sum(_decoded_at_load(unit, dtype) for _, unit in info.units())
     for i, meta in enumerate(info.layers):
         extents = {side: info.extents.get((i, side), []) for side in ("k", "v", "s")}
         stored = {side: sum(e.page_bytes * e.shape[0] for e in ex) for side, ex in extents.items()}
-        held += sum(stored.values())
         if meta.kind != "attention":
             choices.append(None)
             continue
@@ -377,5 +390,13 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
     decoded, packed, resident, peak, prefill = _plan(sides, held, limit, layers, dtype)
-    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, held, resident, peak,
+    return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, stored_bytes, resident, peak,
                    max(prefill.values(), default=0))
+
+
+def _decoded_at_load(unit, dtype):
+    """Bytes of the dense K/V a "dense" or "window" layer (`unit`, a LayerInfo) is decoded into at load
+    (`attention.layers.DenseLayer`), held beside its stored pages; 0 for the other kinds."""
+    if unit.kind not in ("dense", "window"):
+        return 0
+    return unit.count * (unit.k_shape[0] * unit.k_shape[1] + unit.v_shape[0] * unit.v_shape[1]) * dtype.size

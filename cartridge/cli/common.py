@@ -61,7 +61,7 @@ def check_output_file(path, option, force):
     return path
 
 
-MODEL_FORMS = '"default", a GGUF file, an mlx-lm model folder or a Hugging Face repo id (ORG/NAME)'
+MODEL_FORMS = '"default" (SmolLM2-135M), "gemma3-270m", a GGUF file, an mlx-lm model folder or a Hugging Face repo id (ORG/NAME)'
 
 
 def model_ref(model):

@@ -65,7 +65,21 @@ def _caption(report):
         f"{d['probe_tokens']:,}-token probe document",
         f"needles: {d['needles']} planted facts, exact-match recall, by depth {depths or '-'}; needles vs fp16: "
         "same = each found or missed as with the fp16 cartridge, else -lost +gained",
+        *_per_token_caption(report["rows"]),
     ]
+
+
+def _per_token_caption(rows):
+    """Where some layers do not store every token (a windowed model): which ones bytes/token counts, and the
+    fixed bytes of the others per row (issue 47)."""
+    split = next((r["per_token_split"] for r in rows if r.get("per_token_split")), None)
+    if split is None or split["per_token_layers"] == split["layers"]:
+        return []
+    kinds = ", ".join(f"{f['layers']} {kind}" for kind, f in split["fixed"].items())
+    fixed = "; ".join(f"{r['label']} {sum(f['bytes'] for f in r['per_token_split']['fixed'].values()):,}"
+                      for r in rows if r.get("per_token_split"))
+    return [f"bytes/token: the {split['per_token_layers']} of {split['layers']} layers that store every token; "
+            f"the others ({kinds} layers) hold fixed bytes: {fixed}"]
 
 
 def render_text(columns, rows, caption):

@@ -20,7 +20,7 @@ from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
-from .report import agreement, fp16_ratio, inspect_dict, inspect_table, prompt_format, window_text
+from .report import agreement, fp16_ratio, inspect_dict, inspect_table, per_token_text, prompt_format, window_text
 from .serve import exit_if_served, serve
 
 
@@ -111,9 +111,11 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     if r is None:  # a rank other than 0 under --parallel: rank 0 wrote and reports
         return
     tiers = tier_runs_text(r.schema)
+    info, data = cartridge.open_cartridge(r.path, verify="header")  # which layers bytes/token counts
+    data.close()
+    per_token = per_token_text(r.bytes_per_token, info.per_token_split())
     click.echo(f"built {r.path}: {r.tokens} tokens, {r.seconds:.1f} s (prefill {r.prefill_seconds:.1f} s, "
-               f"{r.tokens_per_second:.0f} tokens/s prefill), "
-               f"{r.bytes:,} bytes ({r.bytes_per_token:,} bytes/token; {tiers})")
+               f"{r.tokens_per_second:.0f} tokens/s prefill), {r.bytes:,} bytes ({per_token}; {tiers})")
     if r.calibration:
         c = r.calibration
         click.echo(f"calibrated in {c['seconds']:.1f} s: {fp16_ratio(c)} smaller than fp16{window_text(c)}, predicted KL "

@@ -17,6 +17,18 @@ def _versus_fp16(bpt, fp16):
     return f"{fp16 / bpt:.2f}x smaller)" if bpt < fp16 else f"{bpt / fp16:.2f}x larger)"
 
 
+def per_token_text(bytes_per_token, split):
+    """'3,072 bytes/token', and where some layers do not store every token (`CartridgeInfo.per_token_split`),
+    which ones it counts and the fixed bytes of the others: '3,072 bytes/token in 3 of 18 layers + 7,864,320
+    fixed bytes in 15 window layers' (issue 47)."""
+    text = f"{bytes_per_token:,} bytes/token"
+    if split["per_token_layers"] == split["layers"]:
+        return text
+    fixed = " + ".join(f"{f['bytes']:,} fixed bytes in {f['layers']} {kind} layer{'' if f['layers'] == 1 else 's'}"
+                       for kind, f in split["fixed"].items())
+    return f"{text} in {split['per_token_layers']} of {split['layers']} layers" + (f" + {fixed}" if fixed else "")
+
+
 def tier_formulas(tiers, n_kv_heads, head_dim):
     """{tier: {"formula", "bytes_per_token_per_layer_side"}} for every tier the schema uses, in first-use order."""
     used = dict.fromkeys(row[side] for row in tiers for side in ("k", "v") if row[side] is not None)
@@ -66,6 +78,7 @@ def inspect_dict(info, path):
         "tier_formulas": tier_formulas(info.tiers, info.n_kv_heads, info.head_dim),
         "layers": layer_rows(info),
         "fixed_bytes": info.fixed_bytes(),
+        "per_token_split": info.per_token_split(),
         "protected": {"first": info.protect_first, "last": info.protect_last},
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
@@ -211,6 +224,22 @@ def _conversation_lines(d):
             f"chat /save; continue it with ask; extend and compose take a bare document)"]
 
 
+def _per_token_layers(split):
+    """'' when every layer stores every token, else ' in the 3 of 18 layers that store every token'."""
+    if split["per_token_layers"] == split["layers"]:
+        return ""
+    return f" in the {split['per_token_layers']} of {split['layers']} layers that store every token"
+
+
+_FIXED_WHY = {"window": "each keeps only the last tokens of its window", "state": "recurrent state"}
+
+
+def _fixed_lines(split):
+    """inspect's line per kind of layer whose payload does not grow with the document (bytes/token leaves it out)."""
+    return [f"fixed         {f['bytes']:,} bytes in {f['layers']} {kind} layer{'' if f['layers'] == 1 else 's'} "
+            f"(not in bytes/token: {_FIXED_WHY.get(kind, 'a fixed payload')})" for kind, f in split["fixed"].items()]
+
+
 def inspect_table(d):
     """Human-readable rendering of `inspect_dict`."""
     lines = [
@@ -222,8 +251,9 @@ def inspect_table(d):
         *_conversation_lines(d),
         f"shape         {d['n_layers']} layers x {d['n_kv_heads']} kv heads x head_dim {d['head_dim']} "
         f"(kv_dim {d['kv_dim']}), computed as {d['source_dtype']}",
-        f"bytes/token   {d['bytes_per_token']:,} (fp16 would be {d['fp16_bytes_per_token']:,}; "
-        + _versus_fp16(d['bytes_per_token'], d['fp16_bytes_per_token']),
+        f"bytes/token   {d['bytes_per_token']:,}{_per_token_layers(d['per_token_split'])} (fp16 would be "
+        f"{d['fp16_bytes_per_token']:,}; " + _versus_fp16(d['bytes_per_token'], d['fp16_bytes_per_token']),
+        *_fixed_lines(d["per_token_split"]),
         f"on disk       {d['total_bytes']:,} bytes",
         *sources_lines(d["sources"]),
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "

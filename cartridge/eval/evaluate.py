@@ -168,6 +168,7 @@ class _Run:
             self.step(f"{spec.label}: {role} cartridge {'built' if built else 'reused'}")
         info = carts["qa"].info
         row.update(bytes_per_token=info.bytes_per_token(), fp16_bytes_per_token=info.fp16_bytes_per_token(),
+                   per_token_split=info.per_token_split(),
                    bytes_on_disk=sum(f.stat().st_size for f in carts["qa"].path.iterdir() if f.is_file()))
         row["compression"] = row["fp16_bytes_per_token"] / row["bytes_per_token"]
         calibration = info.records.get(CALIBRATION)  # format 1.8: the KL measured when the tiers were chosen

@@ -122,6 +122,26 @@ class CartridgeInfo:
         return sum(e.page_bytes * e.shape[0] for (p, _), ext in self.extents.items()
                    if kinds[p].kind_type.fixed for e in ext)
 
+    def per_token_split(self):
+        """Which caches `bytes_per_token` counts, and the payload of the others (a windowed model's bytes/token
+        counts only its full-attention layers; its window layers hold a fixed payload).
+
+        Returns:
+            dict: {"per_token_layers": caches that store every prefix token, "layers": all caches, "fixed":
+            {kind: {"layers": caches, "bytes": payload bytes}} of the kinds whose payload does not grow with
+            the document (window, state)}; the "bytes" add up to `fixed_bytes()`.
+        """
+        units = dict(self.units())
+        fixed = {}
+        for unit in units.values():
+            if unit.kind_type.fixed:
+                fixed.setdefault(unit.kind, {"layers": 0, "bytes": 0})["layers"] += 1
+        for (path, _), extents in self.extents.items():
+            if units[path].kind_type.fixed:
+                fixed[units[path].kind]["bytes"] += sum(e.page_bytes * e.shape[0] for e in extents)
+        return {"per_token_layers": sum(1 for u in units.values() if u.stores_every_token), "layers": len(units),
+                "fixed": fixed}
+
 
 def require_attention_layers(info, what):
     """Refuse a cartridge with a layer that is not "attention" of the global (n_kv_heads, head_dim).

