@@ -4,6 +4,8 @@
     cartridge.convert("doc.cart", "q4.cart", tier="mlx4g32")  # re-encode fp16 pages, no prefill
     cart = cartridge.load("doc.cart")                 # verify, map pages
     cartridge.extend("doc.cart", more_text)           # prefill only the new text
+    cartridge.import_prompt_cache("doc.safetensors", "doc.cart", document=text)  # an mlx_lm.cache_prompt file
+    cartridge.export_prompt_cache("doc.cart", "doc.safetensors")  # for mlx_lm.generate --prompt-cache-file
     mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("..."),
                     prompt_cache=cart.prompt_cache())
 
@@ -32,9 +34,12 @@ _EXPORTS = {
     "load": ".load", "Cartridge": ".load",
     "extend": ".extend", "ExtendResult": ".extend",
     "load_model": ".models.loader",
+    "import_prompt_cache": ".importer", "ImportResult": ".importer",
+    "export_prompt_cache": ".exporter", "ExportResult": ".exporter",
 }
 __all__ = ["build", "convert", "load", "load_model", "open_cartridge", "verify_cartridge", "Cartridge", "BuildResult",
-           "ConvertResult", "CartridgeError", "extend", "ExtendResult"]
+           "ConvertResult", "CartridgeError", "extend", "ExtendResult", "import_prompt_cache", "ImportResult",
+           "export_prompt_cache", "ExportResult"]
 
 
 class _Package(types.ModuleType):

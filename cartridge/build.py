@@ -307,15 +307,24 @@ def probe_plan(document, lm, options, reserve=0, system=None, page_size=DEFAULT_
         InputError: a cache kind a cartridge cannot store (`plan_layers`), a tier that cannot store a
             layer's shape, a bad schema, or a corpus longer than the model's context; before any prefill.
     """
-    tier, k_tier, v_tier, boundary_protect, _ = options
     mode = prompt_mode(lm.tokenizer)
     tokens = prefix_tokens(lm.tokenizer, document, mode, system=system)
     left = _check_context(lm, tokens, reserve)
     plans = plan_layers(lm.model, tokens)  # shapes and cache kinds from the model itself; refuses before prefill
+    return layers_schema(plans, options, page_size), plans, mode, tokens, left
+
+
+def layers_schema(plans, options, page_size):
+    """The schema of the tier `options` (tier, k_tier, v_tier, boundary_protect, schema) for layers of `plans`.
+
+    Raises:
+        InputError: a bad schema, a tier that cannot store a layer's shape, or a page size a tier cannot fill.
+    """
+    tier, k_tier, v_tier, boundary_protect, _ = options
     schema = read_tier_options(*options) or schema_for(len(plans), tier, k_tier, v_tier, boundary_protect)
     check_layer_tiers(plans, schema)
     check_page_size(schema, page_size)
-    return schema, plans, mode, tokens, left
+    return schema
 
 
 def check_page_size(schema, page_size):
@@ -393,12 +402,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    named = {} if preset is None else {K.PRESET: preset}
-    budget, preset = calibrate_mod.resolve_budget(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect,
-                                                  schema, protect_first, protect_last)
-    o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
-    options = tuple(o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect", "schema"))
-    protect.check_counts(o["protect_first"], o["protect_last"])
+    budget, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
+                                                        boundary_protect, schema, protect_first, protect_last)
     check_options(document, options, page_size, prefill_step, reserve)
     if system is not None:
         check_text(system, "the system message")
@@ -409,7 +414,6 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     if budget is not None and declined is None:
         calibrate_mod.check_reachable(budget, plans)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
-    kept = protect.clamp(o["protect_first"], o["protect_last"], len(tokens))
 
     t0 = time.perf_counter()
     holds = budget is not None and declined is None and any(p.kind == "window" for p in plans)
@@ -417,17 +421,58 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
-    if budget is not None:
-        schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, budget, plans,
-                                                                     declined, calibration_progress, held)
-        extras.update({} if record is None else {K.CALIBRATION: record})
-        check_layer_tiers(plans, schema)
-        kept = protect.clamp(*protected, len(tokens))
-    path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force, extras, kept)
+    path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras,
+                                           protected, (budget, declined, calibration_progress), held)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)
     result.prompt_mode = mode
     return result
+
+
+def resolve_options(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect, schema, protect_first,
+                    protect_last):
+    """`build`'s tier, preset and budget options resolved (arguments as `build` takes them).
+
+    Returns:
+        tuple: (budget Budget | None (a budget preset included), options (tier, k_tier, v_tier, boundary_protect,
+        schema), (protect_first, protect_last) before clamping, the `cartridge.preset` header key or {}).
+
+    Raises:
+        InputError: clashing options (a preset beside the options it sets, a budget without calibration).
+    """
+    named = {} if preset is None else {K.PRESET: preset}
+    budget, preset = calibrate_mod.resolve_budget(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect,
+                                                  schema, protect_first, protect_last)
+    o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
+    protect.check_counts(o["protect_first"], o["protect_last"])
+    options = tuple(o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect", "schema"))
+    return budget, options, (o["protect_first"], o["protect_last"]), named
+
+
+def measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras, protected,
+                      calibration=(None, None, None), held=None):
+    """Measure the schema where a budget asks for it (`calibrate.schema_or_fallback`), then `write_layers`.
+
+    Args:
+        output, lm, mode, tokens, caches, schema, plans, page_size, force: as `write_layers` takes them;
+            `caches` is a list (it is emptied layer by layer as each is written).
+        extras (dict): more header keys (`write_layers`'s `source`); a measured schema adds its record.
+        protected (tuple): (first, last) tokens to keep in fp16, before clamping.
+        calibration (tuple): (budget Budget | None, `calibrate.checked_model`'s reason, progress callable).
+        held (dict | None): window layers' K/V held at calibration's split (`prefill_holding`). Default: None.
+
+    Returns:
+        tuple: (Path of the cartridge, the schema written, (first, last) protected tokens as clamped).
+    """
+    budget, declined, progress = calibration
+    if budget is not None:
+        schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, budget, plans,
+                                                                     declined, progress, held)
+        extras.update({} if record is None else {K.CALIBRATION: record})
+        check_layer_tiers(plans, schema)
+    kept = protect.clamp(*protected, len(tokens))
+    path = write_layers(output, lm, tokens, _drain(caches), schema, plans, page_size, mode, force, extras, kept)
+    return path, schema, kept
 
 
 def header_extras(document, source_name, system):

@@ -103,3 +103,60 @@ def test_batch_and_state_restore_are_refused(cart):
         c.update_and_fetch(mx.zeros((2, 2, 1, 16)), mx.zeros((2, 2, 1, 16)))
     with pytest.raises(CartridgeError):
         c.state = ([], [])
+
+
+def test_save_prompt_cache_fails_at_once_pointing_at_save_and_export(cart, tmp_path):
+    from mlx_lm.models.cache import save_prompt_cache
+
+    cache = cart.prompt_cache()
+    mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Where?"), prompt_cache=cache, max_tokens=3)
+    with pytest.raises(ValueError, match=r"not serializable: .*cart\.save\(path, cache\).*`cartridge export`") as e:
+        save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # no file that nothing can read
+
+
+def test_trim_prompt_cache_trims_the_tail_as_a_kv_cache_and_never_the_prefix(cart):
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    n = cart.prefixes[0].n_tokens
+    first, second = cart.question_prompt("Where are claims sent?"), cart.tokenizer.encode(" And who pays?")
+    cache = cart.prompt_cache()
+    _logits(cart.model, first + second, cache)
+    assert can_trim_prompt_cache(cache)
+    assert trim_prompt_cache(cache, len(second)) == len(second)  # as a KVCache: the count trimmed
+    assert [c.offset for c in cache] == [n + len(first)] * len(cache)
+    again = _logits(cart.model, second, cache)
+    fresh = cart.prompt_cache()
+    _logits(cart.model, first, fresh)
+    np.testing.assert_allclose(np.array(again), np.array(_logits(cart.model, second, fresh)), rtol=1e-5, atol=1e-5)
+    assert trim_prompt_cache(cache, 10**6) == len(first) + len(second)  # the whole tail, no prefix token
+    assert [c.offset for c in cache] == [n] * len(cache)
+    assert trim_prompt_cache(cache, 5) == 0
+    kv = KVCache()  # mlx-lm's own KVCache of the same tokens: the same counts while tokens are left after the prefix
+    kv.update_and_fetch(mx.zeros((1, 2, n + 7, 16)), mx.zeros((1, 2, n + 7, 16)))
+    assert kv.trim(7) == 7 and kv.offset == n
+
+
+def test_a_dense_layers_cache_trims_its_tail_only_and_never_writes_the_shared_prefix():
+    from mlx_lm.models.cache import save_prompt_cache, trim_prompt_cache
+
+    from cartridge.attention.layers import DenseLayer, PrefixKVCache
+    from cartridge.attention.pages import make_prefix
+    from cartridge.tiers import get_tier
+
+    fp16 = get_tier("fp16")
+    k = mx.random.normal((2, 9, 16)).astype(mx.float16)
+    layer = DenseLayer(make_prefix(fp16, k, fp16, k, page_size=4), mx.float32)
+    before = np.array(layer.keys)
+    c = layer.cache()
+    assert isinstance(c, PrefixKVCache) and isinstance(c, KVCache)
+    c.update_and_fetch(mx.ones((1, 2, 3, 16)), mx.ones((1, 2, 3, 16)))
+    assert trim_prompt_cache([c], 100) == 3 and c.offset == 9
+    c.update_and_fetch(mx.full((1, 2, 2, 16), 7.0), mx.full((1, 2, 2, 16), 7.0))
+    assert trim_prompt_cache([c], 100) == 2 and c.offset == 9
+    c.update_and_fetch(mx.full((1, 2, 1, 16), 5.0), mx.full((1, 2, 1, 16), 5.0))
+    np.testing.assert_array_equal(np.array(layer.keys), before)
+    np.testing.assert_array_equal(np.array(c.keys[0, :, 9]), np.full((2, 16), 5.0))
+    with pytest.raises(ValueError, match="cart.save"):
+        save_prompt_cache("/nonexistent/never.safetensors", [c])

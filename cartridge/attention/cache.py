@@ -15,6 +15,26 @@ from .kernels import merge, prefix_partial, tail_partial
 from .prefix import LayerPrefix  # noqa: F401  (defined apart so that reading a header needs no mlx-lm)
 
 
+SAVE_HINT = ("a cache over a cartridge's shared prefix cannot go in an mlx-lm prompt-cache file (load_prompt_cache "
+             "knows only mlx-lm's own cache classes): save it with cart.save(path, cache), and write a file for "
+             "mlx_lm.generate --prompt-cache-file with `cartridge export` (Python: cartridge.export_prompt_cache)")
+
+
+class NotSaved:
+    """The last leaf of the `state` of a cache over a cartridge's shared prefix: mlx-lm's `save_prompt_cache`
+    cannot serialize it, so it fails at once, before any file is written, with ValueError("Model state is not
+    serializable: " + SAVE_HINT). A file it wrote would name a class mlx-lm's `load_prompt_cache` cannot
+    resolve (it looks class names up in its own module). `mx.eval` skips leaves that are not arrays."""
+
+    def __str__(self):
+        return SAVE_HINT
+
+    __repr__ = __str__
+
+
+NOT_SAVED = NotSaved()
+
+
 def sink_partial(sinks, n_kv, L, v_dim):
     """Attention sinks as one more partial (o, m, l) = (0, sink, 1) per query row: a logit with no value.
 
@@ -74,7 +94,7 @@ class CartridgeCache(_BaseCache):
         """Append new K/V (1, n_kv_heads, L, head_dim) to the tail.
 
         Returns:
-            tuple: the tail chunk lists (see `state`). Models hand them to the attention function,
+            tuple: the tail chunk lists (`tail_chunks`). Models hand them to the attention function,
             which reads prefix and tail from the cache itself; plain `mx.fast` attention refuses them.
         """
         if keys.shape[0] != 1:
@@ -83,7 +103,7 @@ class CartridgeCache(_BaseCache):
         self._write(self._k_chunks, keys, self.tail_len)
         self._write(self._v_chunks, values, self.tail_len)
         self.tail_len += keys.shape[2]
-        return self.state
+        return self.tail_chunks
 
     @property
     def tail_chunks(self):
@@ -181,8 +201,9 @@ class CartridgeCache(_BaseCache):
 
     @property
     def state(self):
-        """Tail chunks: ([k chunks], [v chunks]), each (1, n_kv_heads, chunk_size, head_dim)."""
-        return self._k_chunks, self._v_chunks
+        """([k chunks], [v chunks], NOT_SAVED): the tail chunks, each (1, n_kv_heads, chunk_size, head_dim), for
+        `mx.eval`; the marker makes mlx-lm's `save_prompt_cache` fail at once (`NotSaved`)."""
+        return self._k_chunks, self._v_chunks, NOT_SAVED
 
     @state.setter
     def state(self, v):
@@ -194,11 +215,12 @@ class CartridgeCache(_BaseCache):
         return str(self.prefix.n_tokens), str(self.tail_len), str(self.chunk_size)
 
     def is_trimmable(self):
-        """The tail can be trimmed; the shared prefix cannot."""
+        """The tail can be trimmed (mlx-lm's `can_trim_prompt_cache`); the shared prefix cannot."""
         return True
 
     def trim(self, n):
-        """Drop up to n tokens from the end of the tail; returns how many were dropped."""
+        """Drop up to n tokens from the end of the tail, never from the prefix (mlx-lm's `trim_prompt_cache`
+        calls it); returns how many were dropped, as mlx-lm's KVCache.trim does."""
         n = min(self.tail_len, n)
         self.tail_len -= n
         return n

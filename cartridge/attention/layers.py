@@ -18,7 +18,7 @@ shared arrays. The page-attended kind ("attention") is `cartridge.attention.cach
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from .cache import CartridgeCache, LayerPrefix
+from .cache import NOT_SAVED, CartridgeCache, LayerPrefix
 from .pages import decode_pages
 
 
@@ -52,15 +52,39 @@ class DenseLayer:
         mx.eval(self.keys, self.values)  # at load, before the next layer is decoded
 
     def cache(self):
-        """A fresh KVCache holding the prefix (its first update copies into new storage)."""
-        c = KVCache()
-        c.keys, c.values, c.offset = self.keys, self.values, self.keys.shape[2]
-        return c
+        """A fresh PrefixKVCache holding the prefix (its first update copies into new storage)."""
+        return PrefixKVCache(self.keys, self.values)
 
     @property
     def nbytes(self):
         """Bytes of the decoded K/V this layer keeps."""
         return self.keys.nbytes + self.values.nbytes
+
+
+class PrefixKVCache(KVCache):
+    """mlx-lm's KVCache over a dense layer's shared decoded prefix: as `CartridgeCache`, it trims its tail and
+    never the prefix (so every layer of a cartridge's prompt cache trims alike, and no write lands in the
+    shared arrays), and mlx-lm's `save_prompt_cache` refuses it at once (`NotSaved`).
+
+    Args:
+        keys, values (mx.array): the decoded prefix, (1, n_kv_heads, T, head_dim), shared and never written.
+    """
+
+    def __init__(self, keys, values):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.offset = self.prefix_tokens = keys.shape[2]
+
+    @property
+    def state(self):
+        """(keys, values, offset, NOT_SAVED): mlx-lm's KVCache state and the marker `save_prompt_cache` stops at."""
+        return self.keys, self.values, self.offset, NOT_SAVED
+
+    def trim(self, n):
+        """Drop up to n tokens from the end of the tail, never from the prefix; returns how many were dropped."""
+        n = min(self.offset - self.prefix_tokens, n)
+        self.offset -= n
+        return n
 
 
 class WindowLayer(DenseLayer):

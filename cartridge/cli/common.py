@@ -141,6 +141,40 @@ def tier_options(command):
     return command
 
 
+_BUDGET_OPTIONS = (
+    click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token."),
+    click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",
+                 help="Measured schema of at most N K+V bytes per token."),
+    click.option("--max-kl", default=None, type=click.FloatRange(0), metavar="NATS",
+                 help="Smallest measured schema whose predicted KL vs fp16 is at most NATS per token."),
+    click.option("--no-calibrate", is_flag=True, help="No measurement: presets are today's fixed recipes (no extra time)."),
+)
+
+
+def budget_options(command):
+    """Click decorator: build's measured-schema options (--target-ratio, --max-bytes-per-token, --max-kl,
+    --no-calibrate), passed as keywords of those names; `read_budget` reads them."""
+    for option in reversed(_BUDGET_OPTIONS):
+        command = option(command)
+    return command
+
+
+def read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
+    """The Budget of the budget options (None when none is given; a budget preset is resolved by build)."""
+    from cartridge.calibrate import Budget, parse_ratio
+
+    given = {"--target-ratio": target_ratio, "--max-bytes-per-token": max_bytes_per_token, "--max-kl": max_kl}
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) > 1 or (named and preset):
+        raise InputError(f"give one budget: {', '.join(named + (['--preset'] if preset else []))} were given")
+    if not named:
+        return None
+    if no_calibrate:
+        raise InputError(f"{named[0]} needs calibration; drop --no-calibrate")
+    ratio = parse_ratio(target_ratio) if target_ratio is not None else None
+    return Budget(target_ratio=ratio, max_bytes_per_token=max_bytes_per_token, max_kl=max_kl).check()
+
+
 def refuse_tier_clashes(preset, schema):
     """Refuse, naming the flags, tier options given beside the --preset or --schema that sets them (an option
     given on the command line clashes even at its default value, e.g. --tier fp16)."""

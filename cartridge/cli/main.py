@@ -1,4 +1,4 @@
-"""`cartridge` command: build, inspect, ask, serve. Thin: parse options, call the library, print.
+"""`cartridge` command: build, inspect, ask, serve, import/export of mlx-lm prompt caches. Thin: parse options, call the library, print.
 
 Every error the library raises on purpose (CartridgeError) and every usage error becomes one line on
 stderr and exit status 1 (2 for usage errors).
@@ -15,16 +15,18 @@ from cartridge.errors import CartridgeError, InputError
 from .ask import ask
 from .bench import bench as bench_command
 from .chat import chat
-from .common import (MODEL_FORMS, PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
+from .common import (MODEL_FORMS, PARALLEL_HELP, budget_options, launched_group, model_ref, progress_bar, read_budget,
+                     read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
 from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
 from .integrity import pack, unpack, verify
+from .interop import export_command, import_command
 from .report import agreement, fp16_ratio, inspect_dict, inspect_table, per_token_text, prompt_format, window_text
 from .serve import exit_if_served, serve
 
 
-WRITERS = ("build", "extend", "convert", "pack", "unpack")  # commands whose Ctrl-C leaves nothing written
+WRITERS = ("build", "extend", "convert", "pack", "unpack", "import", "export")  # commands whose Ctrl-C leaves nothing written
 CALIBRATING = "calibrating: measuring each layer's K/V tiers on the document (--no-calibrate skips it)"
 
 
@@ -56,12 +58,7 @@ def cli():
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
 @click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @tier_options
-@click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token.")
-@click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",
-              help="Measured schema of at most N K+V bytes per token.")
-@click.option("--max-kl", default=None, type=click.FloatRange(0), metavar="NATS",
-              help="Smallest measured schema whose predicted KL vs fp16 is at most NATS per token.")
-@click.option("--no-calibrate", is_flag=True, help="No measurement: presets are today's fixed recipes (no extra time).")
+@budget_options
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -81,7 +78,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
 
     from cartridge.tiers.schema import tier_runs_text
 
-    budget = _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
+    budget = read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
@@ -123,22 +120,6 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     click.echo(f"prompt format: {prompt_format(r.prompt_mode)}")
 
 
-def _budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
-    """The Budget of the budget options (None when none is given; a budget preset is resolved by build)."""
-    from cartridge.calibrate import Budget, parse_ratio
-
-    given = {"--target-ratio": target_ratio, "--max-bytes-per-token": max_bytes_per_token, "--max-kl": max_kl}
-    named = [k for k, v in given.items() if v is not None]
-    if len(named) > 1 or (named and preset):
-        raise InputError(f"give one budget: {', '.join(named + (['--preset'] if preset else []))} were given")
-    if not named:
-        return None
-    if no_calibrate:
-        raise InputError(f"{named[0]} needs calibration; drop --no-calibrate")
-    ratio = parse_ratio(target_ratio) if target_ratio is not None else None
-    return Budget(target_ratio=ratio, max_bytes_per_token=max_bytes_per_token, max_kl=max_kl).check()
-
-
 @cli.command()
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
@@ -159,6 +140,8 @@ cli.add_command(unpack)
 cli.add_command(eval_command)
 cli.add_command(convert_command)
 cli.add_command(serve)
+cli.add_command(import_command)
+cli.add_command(export_command)
 
 
 def main(argv=None):
