@@ -25,12 +25,12 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "build": ".build", "BuildResult": ".build",
-    "convert": ".convert", "ConvertResult": ".convert",
+    "build": ".write.build", "BuildResult": ".write.build",
+    "convert": ".write.convert", "ConvertResult": ".write.convert",
     "CartridgeError": ".errors",
     "open_cartridge": ".format.reader", "verify_cartridge": ".format.reader",
-    "load": ".load", "Cartridge": ".load",
-    "extend": ".extend", "ExtendResult": ".extend",
+    "load": ".read.load", "Cartridge": ".read.load",
+    "extend": ".grow.extend", "ExtendResult": ".grow.extend",
     "load_model": ".models.loader",
 }
 __all__ = ["build", "convert", "load", "load_model", "open_cartridge", "verify_cartridge", "Cartridge", "BuildResult",

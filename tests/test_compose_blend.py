@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_compose import DOC_A, DOC_B, Q, _logits
 
 from cartridge import blend
-from cartridge.compose import ComposedCache, compose
+from cartridge.compose.composed import ComposedCache, compose
 from cartridge.errors import InputError
 
 DOC_C = "Annex C. The deposit is two months of rent, returned within 14 days after the keys. " * 2
@@ -123,7 +123,7 @@ def test_part_mass_is_the_softmax_share_of_each_stored_token(carts):
     """Over every part of a composition, the masses and the other partials' shares add up to one per row and
     head; a skipped token gets none."""
     from cartridge.attention.kernels import tail_partial
-    from cartridge.compose import _part_partial
+    from cartridge.compose.composed import _part_partial
 
     c = compose(carts, recompute=2, recompute_ratio=0.0)
     parts, patches = c._layers[1], c._patches[1]

@@ -31,7 +31,7 @@ from cartridge.tiers import get_tier
 
 FAST = {"llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "lfm2",
         "mamba2", "falcon_h1", "minimax_m3_vl"}  # minimax_m3_vl: a CacheList of one cache
-build_module = importlib.import_module("cartridge.build")
+build_module = importlib.import_module("cartridge.write.build")
 RECORDED = {r["family"]: r for r in json.loads((ROOT / "docs" / "models.json").read_text())["families"]}
 
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import mlx_lm
 
-from ..blend import DEFAULT_SELECT_LAYER, DEFAULT_SELECTION, check_ratio
-from ..build import context_length
-from ..compose import compose
+from ..compose.blend import DEFAULT_SELECT_LAYER, DEFAULT_SELECTION, check_ratio
+from ..write.build import context_length
+from ..compose.composed import compose
 from ..errors import InputError
-from ..load import load
+from ..read.load import load
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import SEPARATOR, check_text, full_prompt_tokens, prefix_tokens, prompt_mode, question_tokens
 from .dataset import plant_needles

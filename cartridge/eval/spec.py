@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..build import build
+from ..write.build import build
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..calibrate import BUDGETS, CALIBRATION_VERSION

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..attention import route
-from ..attention.kinds import KINDS, plan_cache
+from ..storage.kinds import KINDS, plan_cache
 from ..errors import InputError
 
 SUPPORTED = "KVCache, RotatingKVCache (keep=0), ArraysCache and CacheLists of them"

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from ..build import context_length
+from ..write.build import context_length
 from ..errors import CartridgeError
 from .pool import Refused
 from .protocol import APIError, bad

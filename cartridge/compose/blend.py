@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 DEFAULT_SELECT_LAYER = 4  # the paper's is 1; on the default model 4 selects far better (docs/evaluation.md)
 CHUNK = 256  # tokens per forward pass of the selection and of the recompute

@@ -6,13 +6,13 @@ and `extend` share, below all three (none of them is imported here).
 
 import mlx.core as mx
 
-from .attention.cache import LayerPrefix
-from .attention.kinds import KINDS
-from .errors import ModelMismatchError
-from .format import keys as K
-from .format.header import SIDES
-from .models.loader import parameter_arrays
-from .tiers import DTYPES, TIERS, protect
+from ..attention.cache import LayerPrefix
+from ..storage.kinds import KINDS
+from ..errors import ModelMismatchError
+from ..format import keys as K
+from ..format.header import SIDES
+from ..models.loader import parameter_arrays
+from ..tiers import DTYPES, TIERS, protect
 
 
 def check_fingerprint(info, fp, path=None, model_ref=None):

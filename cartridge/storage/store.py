@@ -15,7 +15,7 @@ from ..format import keys as K
 from ..format.kinds import KINDS
 from ..tiers import get_tier, protect
 from ..tiers.schema import check_layer_count
-from .pages import encode_pages
+from ..attention.pages import encode_pages
 
 
 def check_layer_tiers(plans, schema):

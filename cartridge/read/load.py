@@ -11,13 +11,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .attention import budget
-from .attention.cache import LayerPrefix
-from .attention.policy import place, resolve
-from .errors import InputError
-from .format.reader import open_cartridge
+from ..attention import budget
+from ..attention.cache import LayerPrefix
+from ..attention.policy import place, resolve
+from ..errors import InputError
+from ..format.reader import open_cartridge
 from .loaded import Cartridge, PromptCache
-from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
+from ..models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
 from .stored import check_fingerprint, model_dtype, stored_layer
 
 __all__ = ["Cartridge", "PromptCache", "check_fingerprint", "load"]
@@ -82,7 +82,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 1):
         raise InputError(f"max_memory {max_memory!r}: give a positive whole number of bytes")
     if isinstance(path, (list, tuple)):
-        from .compose import compose  # compose builds on load
+        from ..compose.composed import compose  # compose builds on load
 
         carts = []
         if model is None and path:  # the first cartridge names the model the others are loaded with
@@ -91,7 +91,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         carts += [load(p, model, tokenizer, verify, attention, max_memory=max_memory) for p in path[len(carts):]]
         return compose(carts, recompute, **({} if recompute_ratio is None else {"recompute_ratio": recompute_ratio}))
     if group is not None:
-        from .distributed import load_sharded
+        from ..distributed.load import load_sharded
 
         return load_sharded(path, model, tokenizer, group, verify, attention)
     t0 = time.perf_counter()

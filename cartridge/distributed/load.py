@@ -22,20 +22,20 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention.cache import CartridgeCache
-from .attention.policy import place, resolve
-from .attention.shard import SliceData, slice_for
-from .build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options, fit_page_size,
-                    header_extras, kv_caches, plan, prefill, write_layers)
-from .errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError, name_cartridge
-from .format.container import check_index, open_snapshot
-from .format.header import parse_header, require_attention_layers
-from .format.pack import is_pack, open_packed
-from .format.writer import check_output_path, check_space
-from .loaded import Cartridge
-from .models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
-from .stored import check_fingerprint, layer_prefix, model_dtype
-from .tiers import DEFAULT_TIER
+from ..attention.cache import CartridgeCache
+from ..attention.policy import place, resolve
+from ..storage.shard import SliceData, slice_for
+from ..write.build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options,
+                           fit_page_size, header_extras, kv_caches, plan, prefill, write_layers)
+from ..errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError, name_cartridge
+from ..format.container import check_index, open_snapshot
+from ..format.header import parse_header, require_attention_layers
+from ..format.pack import is_pack, open_packed
+from ..format.writer import check_output_path, check_space
+from ..read.loaded import Cartridge
+from ..models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
+from ..read.stored import check_fingerprint, layer_prefix, model_dtype
+from ..tiers import DEFAULT_TIER
 
 MODES = ("tensor", "pipeline")
 RECORD_BYTES = 1024  # one rank's agreement record: 2 x 32-byte digests, status, message

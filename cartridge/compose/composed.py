@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from . import blend
-from .attention import route
-from .attention.cache import CartridgeCache, sink_partial
-from .attention.kernels import merge, tail_partial
-from .errors import CartridgeError, InputError
-from .format.header import require_attention_layers
-from .models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
+from ..attention import route
+from ..attention.cache import CartridgeCache, sink_partial
+from ..attention.kernels import merge, tail_partial
+from ..errors import CartridgeError, InputError
+from ..format.header import require_attention_layers
+from ..models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
 DEFAULT_RECOMPUTE_RATIO = 0.0  # 0.2 raised BLEU on two pairs, on one within noise (docs/evaluation.md)

@@ -1,0 +1,7 @@
+"""Cartridges under MLX distributed (`mlx.launch`): every rank maps only its slice, the ranks agree."""
+
+from .load import (MODES, ShardedCartridge, agree, build_sharded, load_sharded, load_sharded_model, recorded_model,
+                   shard_model)
+
+__all__ = ["MODES", "ShardedCartridge", "agree", "build_sharded", "load_sharded", "load_sharded_model",
+           "recorded_model", "shard_model"]
