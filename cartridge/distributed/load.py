@@ -6,7 +6,7 @@
     mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("..."), prompt_cache=cart.prompt_cache())
 
 A tensor-parallel rank (mlx-lm `Model.shard`) reads the bytes of its KV heads of every layer, a
-pipeline rank (mlx-lm `pipeline`) the pages of its layers (`cartridge.attention.shard`). Before any
+pipeline rank (mlx-lm `pipeline`) the pages of its layers (`cartridge.storage.shard`). Before any
 rank answers, one all_gather compares every rank's cartridge digest and model fingerprint and carries
 any rank's local failure, so every rank refuses with the same one-line `RankMismatchError`.
 `build_sharded` prefills on every rank; rank 0 gathers the K/V heads (or layers) and writes one

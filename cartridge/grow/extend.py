@@ -124,7 +124,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
         source_name (str | None): the file `text` came from, recorded (its last component) with the text's
             bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.5.1). Default: None.
-        reserve (int): warn (`cartridge.build.ContextWarning`) when fewer tokens than this are left of
+        reserve (int): warn (`cartridge.write.build.ContextWarning`) when fewer tokens than this are left of
             the model's context after the extended document, as `build` does. Default: 256.
 
     Returns:

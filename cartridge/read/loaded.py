@@ -144,7 +144,7 @@ class Cartridge:
             cache.tokens = []
 
     def save(self, path, cache, tokens=None, force=False):
-        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.extend.save`).
+        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.write.append.save`).
 
         Example:
             >>> cache = cart.prompt_cache()  # doctest: +SKIP

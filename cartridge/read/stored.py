@@ -75,7 +75,7 @@ def layer_prefix(info, data, layer, meta=None):
 
 def stored_layer(info, data, layer, meta=None):
     """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State/List layer (`attention.layers`),
-    as its kind loads it (`attention.kinds`).
+    as its kind loads it (`storage.kinds`).
 
     Args:
         info, data, layer, meta: as in `layer_prefix`.

@@ -2,7 +2,7 @@
 
 K/V go through the layer's tiers into pages (`write_kv`); recurrent arrays are stored as produced, one
 single-page extent per array (`write_state`). Which a layer takes, and how a "list" layer's caches are
-stored one after another, is its kind's `write` (`cartridge.attention.kinds`). Every shape written is
+stored one after another, is its kind's `write` (`cartridge.storage.kinds`). Every shape written is
 the shape the model wrote into its cache, checked against the probe's plan: a disagreement is
 refused, not written.
 """
