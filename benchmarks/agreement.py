@@ -60,7 +60,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from cartridge import blend
+from cartridge.compose import blend
 from cartridge.write.build import prefill
 from cartridge.calibrate import fitting, measure, search, sequence
 from cartridge.compose.composed import ComposedCartridge, Part, compose

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from test_compose import DOC_A, DOC_B, Q, _logits
 
-from cartridge import blend
+from cartridge.compose import blend
 from cartridge.compose.composed import ComposedCache, compose
 from cartridge.errors import InputError
 

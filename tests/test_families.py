@@ -19,7 +19,7 @@ from family_models import DOC, PAGE, WINDOW, _check, check_family, families, mak
 from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 
 import cartridge
-from cartridge.attention import kinds
+from cartridge.storage import kinds
 from cartridge.cli.report import inspect_dict, inspect_table, layer_rows
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.pages import make_prefix
