@@ -20,7 +20,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen2
 
 from cartridge.storage.shard import Slice, SliceData, slice_for
-from cartridge.distributed.load import RECORD_BYTES, _encode, _PipelineCache, agree, refusal
+from cartridge.distributed.agreement import RECORD_BYTES, _encode, agree, refusal
+from cartridge.distributed.load import _PipelineCache
 from cartridge.errors import ChecksumError, RankMismatchError
 from cartridge.format import keys as K
 from cartridge.format.container import check_index, open_snapshot

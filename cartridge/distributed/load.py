@@ -1,4 +1,5 @@
-"""Cartridges under MLX distributed (`mlx.launch`): every rank maps only its slice, the ranks agree.
+"""One rank's cartridge under MLX distributed (`mlx.launch`): the model sharded with mlx-lm, the rank's slice
+mapped, and the ranks' agreement before any of them answers.
 
     group = mx.distributed.init()
     lm = cartridge.distributed.load_sharded_model("model_dir", group, "tensor")   # or "pipeline"
@@ -8,88 +9,28 @@
 A tensor-parallel rank (mlx-lm `Model.shard`) reads the bytes of its KV heads of every layer, a
 pipeline rank (mlx-lm `pipeline`) the pages of its layers (`cartridge.storage.shard`). Before any
 rank answers, one all_gather compares every rank's cartridge digest and model fingerprint and carries
-any rank's local failure, so every rank refuses with the same one-line `RankMismatchError`.
-`build_sharded` prefills on every rank; rank 0 gathers the K/V heads (or layers) and writes one
-cartridge laid out exactly as a single-process build. docs/distributed.md has the details.
+any rank's local failure, so every rank refuses with the same one-line `RankMismatchError`
+(`agreement`). docs/distributed.md has the details.
 """
 
-import hashlib
-import struct
 import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..attention.cache import CartridgeCache
 from ..attention.policy import place, resolve
-from ..storage.shard import SliceData, slice_for
-from ..write.build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options,
-                           fit_page_size, header_extras, kv_caches, plan, prefill, write_layers)
 from ..errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError, name_cartridge
 from ..format.container import check_index, open_snapshot
 from ..format.header import parse_header, require_attention_layers
 from ..format.pack import is_pack, open_packed
-from ..format.writer import check_output_path, check_space
-from ..read.loaded import Cartridge
 from ..models.loader import DEFAULT_MODEL, LoadedModel, load_model, model_fingerprint
+from ..read.loaded import Cartridge
 from ..read.stored import check_fingerprint, layer_prefix, model_dtype
-from ..tiers import DEFAULT_TIER
+from ..storage.shard import SliceData, slice_for
+from .agreement import agree, digest_bytes
 
 MODES = ("tensor", "pipeline")
-RECORD_BYTES = 1024  # one rank's agreement record: 2 x 32-byte digests, status, message
-_HEAD = struct.Struct("<32s32sBH")
-
-
-def _encode(digests, error):
-    msg = (error or "").encode()[: RECORD_BYTES - _HEAD.size]
-    raw = _HEAD.pack(digests[0], digests[1], 0 if error else 1, len(msg)) + msg
-    return np.frombuffer(raw.ljust(RECORD_BYTES, b"\0"), dtype=np.uint8)
-
-
-def _decode(row):
-    a, b, ok, n = _HEAD.unpack_from(row)
-    return (a, b), (None if ok else row[_HEAD.size:_HEAD.size + n].decode(errors="replace"))
-
-
-def refusal(rows, names):
-    """The one message every rank raises, from the gathered records (None when all agree)."""
-    decoded = [_decode(bytes(r)) for r in rows]
-    failed = [(rank, err) for rank, (_, err) in enumerate(decoded) if err is not None]
-    if failed:
-        others = f" (ranks {', '.join(str(r) for r, _ in failed[1:])} failed too)" if len(failed) > 1 else ""
-        return f"rank {failed[0][0]} of {len(rows)} refused: {failed[0][1]}{others}"
-    differ = []
-    for i, name in enumerate(names):
-        values = [d[i].hex()[:16] for d, _ in decoded]
-        if len(set(values)) > 1:
-            differ.append(f"{name} differs ({', '.join(f'rank {r} {v}' for r, v in enumerate(values))})")
-    return f"ranks disagree: {'; '.join(differ)}" if differ else None
-
-
-def agree(group, names, digests, error=None):
-    """One all_gather: every rank's two digests and local error; all ranks raise the same error or none.
-
-    Args:
-        group (mx.distributed.Group): the ranks.
-        names (tuple[str, str]): what the digests are, for the message (e.g. ("cartridge", "model")).
-        digests (tuple[bytes, bytes]): 32 bytes each (zeros where unknown after a local failure).
-        error (str | None): this rank's local failure, one line. Default: None.
-
-    Raises:
-        RankMismatchError: on every rank, with one identical message, if any rank failed or any digest
-            differs between ranks.
-    """
-    mine = mx.array(_encode(digests, error))
-    rows = np.array(mx.distributed.all_gather(mine, group=group)).reshape(group.size(), RECORD_BYTES)
-    message = refusal(rows, names)
-    if message:
-        raise RankMismatchError(message)
-
-
-def _digest_bytes(hex_or_none):
-    return bytes.fromhex(hex_or_none) if hex_or_none else bytes(32)
 
 
 def shard_model(lm, group, mode):
@@ -203,14 +144,6 @@ def _open_slice(path, model, tokenizer, group, verify):
         raise
 
 
-def _require_kv_caches(model):
-    """Refuse a model whose cache is not mlx-lm's full-attention KVCache in every layer."""
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
-    if kinds:
-        raise InputError(f"model uses {', '.join(kinds)}; a sharded build stores full-attention KVCache models "
-                         f"only: build it with cartridge.build")
-
-
 def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", attention="auto"):
     """`cartridge.load` for one rank of `group`: map its slice, then agree with every other rank.
 
@@ -241,7 +174,7 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
     opened, error, digests = None, None, (bytes(32), bytes(32))
     try:
         opened = _open_slice(path, model, tokenizer, group, verify)
-        digests = (bytes.fromhex(opened[0].manifest["digest"]), _digest_bytes(opened[5]["id"]))
+        digests = (bytes.fromhex(opened[0].manifest["digest"]), digest_bytes(opened[5]["id"]))
     except (CartridgeError, OSError) as e:  # reported through the agreement, so no rank waits for this one
         error = str(name_cartridge(e, path) if isinstance(e, CartridgeError) else e).splitlines()[0]
     try:
@@ -260,113 +193,6 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
     cart.data = data  # MLX may wrap the slabs without a copy: keep them alive with the cartridge
     snap.data.close()
     return cart
-
-
-def _global_geometry(model):
-    """(n_layers, n_kv_heads, head_dim) of the whole model, from its args (a shard holds fewer)."""
-    args = model.args
-    attn = next(layer for layer in model.layers if layer is not None).self_attn
-    head_dim = getattr(attn, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    return int(args.num_hidden_layers), int(n_kv), int(head_dim)
-
-
-def _owners(part, group):
-    """Layer -> the rank that holds it, from every rank's [first, end) layer range (one all_gather)."""
-    ranges = np.array(mx.distributed.all_gather(mx.array(list(part.layers), dtype=mx.int32), group=group))
-    return {layer: r for r, (a, b) in enumerate(ranges.reshape(-1, 2)) for layer in range(a, b)}
-
-
-def _gather_layers(caches, part, geometry, n_tokens, group):
-    """Yield every layer's whole (keys, values), (1, n_kv_heads, T, head_dim), on every rank, in layer order.
-
-    Tensor: all_gather of each rank's heads (rank order is head order). Pipeline: all_gather of the
-    owner's K/V and zeros elsewhere, keeping the owner's row. Every rank evaluates each gather, so the
-    collectives stay in step whether or not the rank writes.
-    """
-    n_layers, n_kv, head_dim = geometry
-    owners = _owners(part, group) if part.mode == "pipeline" else None
-    dtype = caches[0].keys.dtype
-    for layer in range(n_layers):
-        local = layer - part.layers[0]
-        if part.mode == "pipeline":
-            held = 0 <= local < len(caches)
-            xs = ((caches[local].keys, caches[local].values) if held
-                  else (mx.zeros((1, n_kv, n_tokens, head_dim), dtype),) * 2)
-            # (N, n_kv, T, D) -> the owner's (1, n_kv, T, D)
-            out = [mx.distributed.all_gather(x[0, :, :n_tokens], group=group)
-                   .reshape(group.size(), n_kv, n_tokens, head_dim)[owners[layer]][None] for x in xs]
-        elif part.mode == "tensor":
-            c = caches[layer]
-            # (h, T, D) per rank -> (N * h, T, D): heads in rank order
-            out = [mx.distributed.all_gather(x[0, :, :n_tokens], group=group)[None] for x in (c.keys, c.values)]
-        else:
-            out = [caches[layer].keys[:, :, :n_tokens], caches[layer].values[:, :, :n_tokens]]
-        mx.eval(out)
-        if 0 <= local < len(caches):
-            caches[local] = None  # free this layer's dense K/V before the next
-        yield out[0], out[1]
-
-
-def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None,
-                  boundary_protect=0, schema=None, page_size=256, prefill_step=512, force=False, progress=None,
-                  source_name=None, reserve=DEFAULT_RESERVE, system=None):
-    """`cartridge.build` on every rank of `group` with a sharded model; rank 0 writes the cartridge.
-
-    Every rank prefills its shard (mlx-lm's sharded forward); rank 0 gathers all K/V heads (tensor) or
-    layers (pipeline), one layer at a time, and writes one cartridge with the single-process layout.
-
-    Args:
-        document (str): the corpus text (the same on every rank).
-        output (str | Path): cartridge directory rank 0 creates.
-        model (LoadedModel): this rank's model, sharded with `shard_model` (or whole).
-        group (mx.distributed.Group | None): the ranks; None means `mx.distributed.init()`.
-        tier, k_tier, v_tier, boundary_protect, schema, page_size, prefill_step, force, progress,
-            source_name, reserve, system: as `cartridge.build`.
-
-    Returns:
-        BuildResult | None: on rank 0; None on the other ranks.
-
-    Raises:
-        RankMismatchError: on every rank, with one message, when any rank refused the inputs (an
-            output that exists on rank 0, a bad tier ...) or the ranks' models or documents differ.
-    """
-    group = group or mx.distributed.init()
-    options = (tier, k_tier, v_tier, boundary_protect, schema)
-    error, tokens, fp = None, [], None
-    try:
-        if not isinstance(model, LoadedModel):
-            raise InputError("pass the model as a LoadedModel (cartridge.distributed.load_sharded_model)")
-        fp = model.fingerprint["id"]
-        if group.rank() == 0:
-            check_output_path(output, force)
-        check_options(document, options, page_size, prefill_step, reserve)
-        _require_kv_caches(model.model)
-        geometry = _global_geometry(model.model)
-        schema, mode, tokens, left = plan(document, model, geometry, options, reserve, system, page_size)
-        page_size = fit_page_size(page_size, len(tokens))
-        if group.rank() == 0:
-            check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))
-        part = slice_for(model.model, geometry[0], geometry[1], group.rank(), group.size())
-    except CartridgeError as e:
-        error = str(e).splitlines()[0] if str(e) else type(e).__name__
-    token_digest = hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes()).digest()
-    agree(group, ("model fingerprint", "document tokens"), (_digest_bytes(fp), token_digest), error)
-    t0 = time.perf_counter()
-    caches = prefill(model.model, tokens, prefill_step, progress)
-    t1 = time.perf_counter()
-    layers = _gather_layers(caches, part, geometry, len(tokens), group)
-    if group.rank() != 0:
-        for _ in layers:
-            pass
-        return None
-    try:
-        path = write_layers(output, model, tokens, kv_caches(layers), schema, attention_plans(geometry), page_size,
-                            mode, force, header_extras(document, source_name, system))
-    finally:
-        for _ in layers:  # a failed write still takes part in the remaining gathers
-            pass
-    return build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, attention_plans(geometry), left)
 
 
 def recorded_model(path):
