@@ -2,6 +2,7 @@
 `cartridge.eval.composed.evaluate_composed`, print its table (text or markdown)."""
 
 from cartridge.errors import InputError
+from cartridge.eval.dataset import load_questions
 
 from .eval_report import render_markdown, render_text
 
@@ -147,8 +148,7 @@ def markdown_table(report):
 def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, ratios, needles_in, common, progress,
                  reference="fresh"):
     """Load the questions, run `evaluate_composed`; the report with the document paths recorded."""
-    from cartridge.eval.composed import ComposeConfig, evaluate_composed, sources
-    from cartridge.eval.dataset import load_questions
+    from cartridge.eval.composed import ComposeConfig, evaluate_composed, sources  # (loads mlx-lm: not at CLI start)
 
     questions = load_questions(questions_path, sources(len(texts)))
     config = ComposeConfig(recompute=parse_recompute(recompute), ratios=parse_ratios(ratios), needles_in=needles_in,

@@ -63,7 +63,7 @@ def serve(paths, host, port, model, max_bytes, verify, attention, max_tokens, ma
 
     PATHS are cartridge directories, .cartz files, or folders holding them (default: the current folder).
     """
-    from cartridge.serve import serve as run
+    from cartridge.serve import serve as run  # (loads mlx-lm and uvicorn: not at CLI start)
 
     if model is not None and not model.strip():
         raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")
