@@ -13,3 +13,7 @@ def main():
         sys.exit(130)
     run()
     exit_if_served()
+
+
+if __name__ == "__main__":
+    main()
