@@ -27,7 +27,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
             (`cartridge.load_sharded`, docs/distributed.md). Default: None (one process).
         recompute (int): with a list: document tokens of each later cartridge prefilled again over
             the ones before it. Default: 16.
-        recompute_ratio (float | None): with a list: CacheBlend's budget, the fraction of each later document's
+        recompute_ratio (float | None): with a list: the fraction of each later document's
             tokens recomputed (`cartridge.compose`); None: compose's default. Default: None.
         max_memory (int | None): the most bytes the prefix may hold in memory, while loading and after
             (`cartridge.read.load.load`). Default: None.

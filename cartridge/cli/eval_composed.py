@@ -78,7 +78,7 @@ def _needles(nd):
 
 
 def setting_label(row):
-    """"recompute 16", or with a CacheBlend budget "recompute 16, ratio 0.15 (15.1% recomputed)"."""
+    """"recompute 16", or with a CacheBlend recompute ratio "recompute 16, ratio 0.15 (15.1% recomputed)"."""
     label = f"recompute {row['recompute']}"
     if row.get("recompute_ratio"):
         label += f", ratio {row['recompute_ratio']:g} ({100 * row['recomputed']['fraction']:.1f}% recomputed)"
