@@ -60,10 +60,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from cartridge import blend
-from cartridge.build import prefill
+from cartridge.compose import blend
+from cartridge.write.build import prefill
 from cartridge.calibrate import fitting, measure, search, sequence
-from cartridge.compose import ComposedCartridge, Part, compose
+from cartridge.compose.composed import ComposedCartridge, Part, compose
 from cartridge.eval.composed import by_class, sources, timed_greedy
 from cartridge.eval.dataset import load_questions
 from cartridge.eval.metrics import sentence_bleu

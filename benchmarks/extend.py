@@ -37,7 +37,7 @@ import cartridge  # noqa: I001  (first: it loads OpenBLAS before mlx; imported a
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from cartridge.extend import EXTEND_SEPARATOR
+from cartridge.grow.extend import EXTEND_SEPARATOR
 from cartridge.format.layout import DATA_NAME, INDEX_NAME
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,6 +3,7 @@
     cartridge.build(text, "doc.cart")                 # prefill once, write pages
     cartridge.convert("doc.cart", "q4.cart", tier="mlx4g32")  # re-encode fp16 pages, no prefill
     cart = cartridge.load("doc.cart")                 # verify, map pages
+    both = cartridge.load_many(["a.cart", "b.cart"])  # several documents in one context
     cartridge.extend("doc.cart", more_text)           # prefill only the new text
     cartridge.import_prompt_cache("doc.safetensors", "doc.cart", document=text)  # an mlx_lm.cache_prompt file
     cartridge.export_prompt_cache("doc.cart", "doc.safetensors")  # for mlx_lm.generate --prompt-cache-file
@@ -15,8 +16,6 @@ The public names are imported on first use: `import cartridge` does not load mlx
 
 import importlib
 import os
-import sys
-import types
 
 from ._blas import OPENBLAS  # noqa: F401  (must run before mlx is imported)
 
@@ -27,29 +26,19 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "build": ".build", "BuildResult": ".build",
-    "convert": ".convert", "ConvertResult": ".convert",
+    "build": ".write.build", "BuildResult": ".write.build",
+    "convert": ".write.convert", "ConvertResult": ".write.convert",
     "CartridgeError": ".errors",
     "open_cartridge": ".format.reader", "verify_cartridge": ".format.reader",
-    "load": ".load", "Cartridge": ".load",
-    "extend": ".extend", "ExtendResult": ".extend",
+    "load": ".api", "load_many": ".compose.load", "load_sharded": ".distributed.load", "Cartridge": ".read.loaded",
+    "extend": ".grow.extend", "ExtendResult": ".grow.extend",
     "load_model": ".models.loader",
-    "import_prompt_cache": ".importer", "ImportResult": ".importer",
-    "export_prompt_cache": ".exporter", "ExportResult": ".exporter",
+    "import_prompt_cache": ".promptcache.importer", "ImportResult": ".promptcache.importer",
+    "export_prompt_cache": ".promptcache.exporter", "ExportResult": ".promptcache.exporter",
 }
-__all__ = ["build", "convert", "load", "load_model", "open_cartridge", "verify_cartridge", "Cartridge", "BuildResult",
-           "ConvertResult", "CartridgeError", "extend", "ExtendResult", "import_prompt_cache", "ImportResult",
-           "export_prompt_cache", "ExportResult"]
-
-
-class _Package(types.ModuleType):
-    """The package module. Importing submodule `cartridge.build` makes Python set the package attribute
-    `build` to that module; the public `build` is the function, so a submodule never replaces a public name."""
-
-    def __setattr__(self, name, value):
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
+__all__ = ["build", "convert", "load", "load_many", "load_sharded", "load_model", "open_cartridge", "verify_cartridge",
+           "Cartridge", "BuildResult", "ConvertResult", "CartridgeError", "extend", "ExtendResult", "import_prompt_cache",
+           "ImportResult", "export_prompt_cache", "ExportResult"]
 
 
 def __getattr__(name):
@@ -64,5 +53,3 @@ def __getattr__(name):
 def __dir__():
     return sorted(set(globals()) | set(__all__))
 
-
-sys.modules[__name__].__class__ = _Package

@@ -75,7 +75,7 @@ def imported(name, path, known):
 
 
 def unit_of(name, package=PACKAGE):
-    """The unit a module belongs to: 'cartridge/__init__.py', 'cartridge/load.py' or 'cartridge/attention/'."""
+    """The unit a module belongs to: 'cartridge/__init__.py', 'cartridge/errors.py' or 'cartridge/attention/'."""
     parts = name.split(".")
     if len(parts) == 1:
         return f"{parts[0]}/__init__.py"

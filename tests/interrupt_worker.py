@@ -37,7 +37,7 @@ def pausing(progress):
 
 
 def pause_in_prefill():
-    build = importlib.import_module("cartridge.build")  # the module (`cartridge.build` is the function)
+    build = importlib.import_module("cartridge.write.build")  # the module (`cartridge.build` is the function)
     feed = build._feed
     build._feed = lambda model, tokens, step, progress, caches: feed(model, tokens, step, pausing(progress), caches)
 

@@ -10,8 +10,8 @@ from family_models import WINDOW, make_model
 from mlx_lm.models.base import create_causal_mask
 
 import cartridge
-from cartridge.attention.kinds import KINDS, kv_plan
-from cartridge.build import prefill_holding
+from cartridge.storage.kinds import KINDS, kv_plan
+from cartridge.write.build import prefill_holding
 from cartridge.calibrate import Budget, forwards, measure, search, sequence
 from cartridge.calibrate.attention_error import AttentionError
 from cartridge.cli.report import calibration_lines
@@ -179,7 +179,7 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
         tiny, tmp_path):
     from click.testing import CliRunner
 
-    from cartridge.build import kv_caches, prefill, write_layers
+    from cartridge.write.build import kv_caches, prefill, write_layers
     from cartridge.cli import main
     from cartridge.tiers import schema_for
 
@@ -202,7 +202,7 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
 
 
 def test_a_budget_below_the_window_layers_cheapest_schema_is_refused_before_the_prefill():
-    from cartridge.attention.kinds import LayerPlan
+    from cartridge.storage.kinds import LayerPlan
     from cartridge.calibrate import check_reachable
 
     plans = [LayerPlan("window", (2, 64), (2, 64), window=WINDOW)] * 2  # window layers only

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from cartridge.compose import compose, separator_tokens
+from cartridge.compose.composed import compose, separator_tokens
 from cartridge.errors import InputError
 from cartridge.models.prompt import SEPARATOR, encode_text, prompt_pieces, prefix_tokens
 
@@ -100,7 +100,7 @@ def test_load_list_composes(pair, tiny):
 def test_load_list_without_model_opens_each_cartridge_once(tiny_dir, tmp_path, monkeypatch):
     import importlib
 
-    load_module = importlib.import_module("cartridge.load")
+    load_module = importlib.import_module("cartridge.read.load")
     for name, doc in (("a", DOC_A), ("b", DOC_B)):
         cartridge.build(doc, tmp_path / f"{name}.cart", model=str(tiny_dir), page_size=16)
     opened, models = [], []

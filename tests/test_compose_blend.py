@@ -1,6 +1,6 @@
 """CacheBlend's selective recompute in composed cartridges (`cartridge.blend`, `compose(recompute_ratio=)`):
 the selected tokens are patched at their composed positions, all of them selected is a fresh prefill,
-ratio 0 is the boundary-only composition, bad budgets are refused."""
+ratio 0 is the boundary-only composition, bad recompute ratios are refused."""
 
 import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
 from dataclasses import replace
@@ -11,8 +11,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from test_compose import DOC_A, DOC_B, Q, _logits
 
-from cartridge import blend
-from cartridge.compose import ComposedCache, compose
+from cartridge.compose import blend
+from cartridge.compose.composed import ComposedCache, compose
 from cartridge.errors import InputError
 
 DOC_C = "Annex C. The deposit is two months of rent, returned within 14 days after the keys. " * 2
@@ -78,11 +78,11 @@ def test_ratio_zero_is_the_boundary_only_composition(carts, tiny):
         assert len(c._patches[0]) == 1 and c._patches[0][0][0].shape[1] == c.blended[0]["fresh"]
 
 
-def test_budget_counts_the_boundary():
-    assert blend.budget(0.0, 18, 100) == 0
-    assert blend.budget(0.1, 2, 100) == 8  # round(0.1 * 102) - 2
-    assert blend.budget(0.1, 18, 100) == 0  # the boundary alone exceeds it
-    assert blend.budget(1.0, 18, 100) == 100
+def test_recompute_count_counts_the_boundary():
+    assert blend.recompute_count(0.0, 18, 100) == 0
+    assert blend.recompute_count(0.1, 2, 100) == 8  # round(0.1 * 102) - 2
+    assert blend.recompute_count(0.1, 18, 100) == 0  # the boundary alone exceeds it
+    assert blend.recompute_count(1.0, 18, 100) == 100
 
 
 def test_select_takes_the_largest_deviations_in_order():
@@ -123,7 +123,7 @@ def test_part_mass_is_the_softmax_share_of_each_stored_token(carts):
     """Over every part of a composition, the masses and the other partials' shares add up to one per row and
     head; a skipped token gets none."""
     from cartridge.attention.kernels import tail_partial
-    from cartridge.compose import _part_partial
+    from cartridge.compose.composed import _part_partial
 
     c = compose(carts, recompute=2, recompute_ratio=0.0)
     parts, patches = c._layers[1], c._patches[1]
@@ -153,7 +153,7 @@ def test_attention_selection_weights_the_deviation_by_the_probe_mass(carts, tiny
     assert mass.shape == (b["read"],) and (mass > 0).all()
     assert all(c.record for c in caches)
     k = by["deviation"].blended[0]["selected"]
-    assert k == by["attention"].blended[0]["selected"] == blend.budget(0.3, b["fresh"], b["read"]) > 0
+    assert k == by["attention"].blended[0]["selected"] == blend.recompute_count(0.3, b["fresh"], b["read"]) > 0
     first = len(base.tokens) - b["read"]
     chosen = {s: [p - first for p in c.blended[0]["positions"]] for s, c in by.items()}
     dev = chosen_scores(tiny, carts, part)

@@ -19,8 +19,9 @@ from conftest import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen2
 
-from cartridge.attention.shard import Slice, SliceData, slice_for
-from cartridge.distributed import RECORD_BYTES, _encode, _PipelineCache, agree, refusal
+from cartridge.storage.shard import Slice, SliceData, slice_for
+from cartridge.distributed.agreement import RECORD_BYTES, _encode, agree, refusal
+from cartridge.distributed.load import _PipelineCache
 from cartridge.errors import ChecksumError, RankMismatchError
 from cartridge.format import keys as K
 from cartridge.format.container import check_index, open_snapshot
@@ -135,7 +136,7 @@ def test_slice_for_reads_the_sharding_off_the_model(smol_tokenizer):
 
 def test_pipeline_cache_keys_chain_onto_the_newest_tail_chunk(tmp_path):
     info, data = open_cartridge(write(tmp_path / "b.cart"))
-    from cartridge.stored import layer_prefix
+    from cartridge.read.stored import layer_prefix
 
     c = _PipelineCache(layer_prefix(info, data, 0), chunk_size=4)
     k = mx.ones((1, 2, 5, 8))

@@ -15,11 +15,11 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 from promptfiles import mlx_generate, save_model_dir
 
 from cartridge.errors import InputError, ModelMismatchError, OutputExistsError
-from cartridge.exporter import MlxLoadWarning
+from cartridge.promptcache.exporter import MlxLoadWarning
 from cartridge.format import keys as K
 from cartridge.format.reader import open_cartridge
 from cartridge.models.families import leaves
-from cartridge.promptfile import read_prompt_file
+from cartridge.promptcache.promptfile import read_prompt_file
 
 DOC = ("The ferry to Inishmore leaves Rossaveal at 10:30 and returns at 17:00 daily in summer. Tickets cost 30 "
        "euros return; bicycles travel free. ") * 3

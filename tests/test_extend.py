@@ -14,7 +14,7 @@ from cartfiles import forge_records
 from conftest import ROOT, make_tiny
 
 from cartridge.errors import InputError, OutputExistsError
-from cartridge.extend import EXTEND_SEPARATOR, token_sha256
+from cartridge.grow.extend import EXTEND_SEPARATOR, token_sha256
 from cartridge.tiers import TIERS
 
 OLD = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3 + "The end."

@@ -19,7 +19,7 @@ from family_models import DOC, PAGE, WINDOW, _check, check_family, families, mak
 from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 
 import cartridge
-from cartridge.attention import kinds
+from cartridge.storage import kinds
 from cartridge.cli.report import inspect_dict, inspect_table, layer_rows
 from cartridge.attention.cache import CartridgeCache
 from cartridge.attention.pages import make_prefix
@@ -31,7 +31,7 @@ from cartridge.tiers import get_tier
 
 FAST = {"llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "lfm2",
         "mamba2", "falcon_h1", "minimax_m3_vl"}  # minimax_m3_vl: a CacheList of one cache
-build_module = importlib.import_module("cartridge.build")
+build_module = importlib.import_module("cartridge.write.build")
 RECORDED = {r["family"]: r for r in json.loads((ROOT / "docs" / "models.json").read_text())["families"]}
 
 

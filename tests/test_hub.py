@@ -20,7 +20,7 @@ from cartridge.format import keys as K
 from cartridge.format.reader import open_cartridge
 from cartridge.models.hub import HubModel, is_repo_id, snapshot_of
 from cartridge.models.loader import load_model
-from cartridge.stored import load_recorded_model
+from cartridge.read.stored import load_recorded_model
 
 REPO, REV1, REV2 = "test-org/tiny", "1" * 40, "2" * 40
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"

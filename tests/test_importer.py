@@ -15,8 +15,8 @@ from promptfiles import cache_prompt, generate_module, mlx_generate, prefill_fil
 
 from cartridge.errors import InputError, ModelMismatchError, OutputExistsError
 from cartridge.format.reader import open_cartridge
-from cartridge.importer import cache_prompt_tokens, opening_tokens
-from cartridge.kvcheck import CHECK_TOKENS
+from cartridge.promptcache.importer import cache_prompt_tokens, opening_tokens
+from cartridge.promptcache.kvcheck import CHECK_TOKENS
 
 DOC = ("The lease runs from March 1, 2024 to February 28, 2026. The tenant pays 1,450 euros each month, due on "
        "the fifth day. Pets are allowed with a deposit of 300 euros. ") * 3

@@ -186,16 +186,16 @@ def private_attribute_reads():
 
 
 def test_the_private_checks_find_what_they_look_for(monkeypatch):
-    source = ("from cartridge import load\nfrom .build import _planted\n"
+    source = ("from cartridge.read import load\nfrom .write.build import _planted\n"
               "def f(cart):\n    return load._planted_too, cart._planted_attr, cart._own\n"
               "class C:\n    def __init__(self):\n        self._own = 1\n")
     monkeypatch.setitem(MODULES, "cartridge.planted", PACKAGE / "planted.py")
     monkeypatch.setitem(TREES, "cartridge.planted", ast.parse(source))
     monkeypatch.setitem(TREES, "cartridge.errors", ast.parse("class E:\n    _planted_attr = 1\n"))
     assert [r for r in private_imports() if r.startswith("cartridge.planted")] == [
-        "cartridge.planted:2: from cartridge.build import _planted"]
+        "cartridge.planted:2: from cartridge.write.build import _planted"]
     assert [r for r in private_attribute_reads() if r.startswith("cartridge.planted")] == [
-        "cartridge.planted:4: load._planted_too (cartridge.load)",
+        "cartridge.planted:4: load._planted_too (cartridge.read.load)",
         "cartridge.planted:4: cart._planted_attr (defined in cartridge.errors)"]
 
 

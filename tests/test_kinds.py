@@ -8,7 +8,7 @@ import pytest
 from cartfiles import forge_records
 
 import cartridge  # noqa: F401  (first: loads OpenBLAS before mlx)
-from cartridge.attention import kinds as cache_kinds
+from cartridge.storage import kinds as cache_kinds
 from cartridge.errors import FieldError
 from cartridge.format import keys as K
 from cartridge.format import kinds as header_kinds

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache
                                  load_prompt_cache, save_prompt_cache)
 
 from cartridge.errors import InputError
-from cartridge.promptfile import RECORD, read_prompt_file, read_record, write_prompt_file
+from cartridge.promptcache.promptfile import RECORD, read_prompt_file, read_record, write_prompt_file
 
 
 def _kv(tokens=5, batch=1, heads=2, dim=8, cls=KVCache, **kw):

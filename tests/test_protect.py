@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 
 import cartridge
 from cartridge.attention.policy import backend
-from cartridge.build import prefill
+from cartridge.write.build import prefill
 from cartridge.errors import FieldError, InputError
 from cartridge.format.container import read_index, read_manifest
 from cartridge.format.header import LayerInfo

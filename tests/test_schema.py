@@ -13,7 +13,7 @@ from cartridge.tiers.schema import check_layer_count, fold_tiers, tier_runs_text
 from cartridge.errors import InputError
 from cartridge.tiers import read_schema, schema_for
 
-build_module = importlib.import_module("cartridge.build")
+build_module = importlib.import_module("cartridge.write.build")
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 4
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from cartridge.errors import ModelMismatchError
 from cartridge.models import loader
-from cartridge.stored import model_dtype
+from cartridge.read.stored import model_dtype
 from conftest import make_tiny
 
 DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. "

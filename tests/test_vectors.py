@@ -29,7 +29,7 @@ from cartridge.format import keys as K
 from cartridge.format.container import PageData, read_index, read_manifest
 from cartridge.format.layout import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, PAGE_RECORD
 from cartridge.format.reader import open_cartridge, verify_cartridge
-from cartridge.load import check_fingerprint
+from cartridge.read.load import check_fingerprint
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
 sys.path.insert(0, str(VECTORS))

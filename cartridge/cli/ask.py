@@ -121,7 +121,7 @@ def check_room(cart, cache, prompt, max_tokens, what):
         InputError: the prompt does not fit, or prefix + cache tail + prompt + a given max_tokens exceed the
             model's context length.
     """
-    from cartridge.build import context_length
+    from cartridge.write.build import context_length
 
     from cartridge.attention.layers import cache_offset
 
@@ -266,7 +266,7 @@ class RecomputeRatioOption(click.Option):
     """--recompute-ratio, whose help shows compose's default; compose (it loads mlx-lm) is imported only for --help."""
 
     def get_help_record(self, ctx):
-        from cartridge.compose import DEFAULT_RECOMPUTE_RATIO
+        from cartridge.compose.composed import DEFAULT_RECOMPUTE_RATIO
 
         self.help = self.help.split("  [default:")[0] + f"  [default: {DEFAULT_RECOMPUTE_RATIO:g}]"
         return super().get_help_record(ctx)
@@ -314,7 +314,7 @@ def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, 
         raise InputError("--json needs --questions FILE (a .jsonl or .txt file of questions): it writes one "
                          "JSON row per answer; to ask one QUESTION, drop --json (the answer prints on stdout)")
     if recompute_ratio is not None:
-        from cartridge.blend import check_ratio
+        from cartridge.compose.blend import check_ratio
 
         check_ratio(recompute_ratio, "--recompute-ratio")
     if len(paths) == 1 and (recompute_ratio is not None or recompute != 16):
@@ -327,7 +327,7 @@ def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, 
         if line is not None:
             click.echo(line, err=True)
     if save_as is not None:  # a cartridge that cannot be saved is refused before the answer, not after it
-        from cartridge.append import require_per_token_tiers
+        from cartridge.write.append import require_per_token_tiers
         from cartridge.format.header import require_attention_layers
 
         require_attention_layers(cart.info, "save")

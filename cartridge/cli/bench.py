@@ -1,13 +1,20 @@
 """`cartridge bench`: attention and decode speed per context, tier and attention policy."""
 
 import json
+import os
 import re
 import sys
 
 import click
+import mlx.core as mx
 
+import cartridge
+from cartridge.attention import backends
+from cartridge.attention import calibration as C
+from cartridge.attention.policy import POLICIES
 from cartridge.errors import InputError
 from cartridge.format.atomic import write_file
+from cartridge.tiers import TIERS
 
 from .common import check_output_file
 
@@ -49,8 +56,6 @@ def _contexts(text, option, what="context"):
 
 def _policies(text, known, backend):
     """Comma-separated attention policies, each one of `known` (those of this backend)."""
-    from cartridge.attention.policy import POLICIES
-
     names = _split(text, "--policies", "policy", f"; known on this backend ({backend}): {', '.join(known)}")
     for p in names:
         if p == "auto":
@@ -77,10 +82,6 @@ def _check_memory(B, model, dtype, contexts):
     """Refuse end-to-end contexts whose dense baseline cache (K and V of every layer in `dtype`) cannot
     fit in 80% of the device's memory twice over: mlx-lm's KVCache holds it twice for a moment (its first
     update copies into a larger buffer). Out of memory there would end the run and lose its results."""
-    import os
-
-    import mlx.core as mx
-
     n_layers, n_kv, D = B.model_geometry(model)
     info = mx.device_info()  # Metal names the device's memory "memory_size", CUDA "total_memory"
     total = (info.get("memory_size") or info.get("total_memory")
@@ -128,7 +129,7 @@ def _table(result):
 
 def _gate_lines(result):
     """The gate: per context and tier, the fastest policy's time over dense and over a bare read of its bytes."""
-    from cartridge.eval.bench import gate
+    from cartridge.eval.bench import gate  # (loads mlx-lm: not at CLI start)
 
     rows = result.get("gate") or gate(result)
     if not rows:
@@ -147,7 +148,7 @@ def _gate_lines(result):
 
 
 def _check_lines(records):
-    from cartridge.attention.backends import proof
+    from cartridge.attention.backends import proof  # (loads mlx-lm: not at CLI start)
 
     return proof.lines(records)
 
@@ -155,8 +156,7 @@ def _check_lines(records):
 def _kernel_checks(tiers, shape, n_tokens, table_path):
     """With --calibrate, before timing: check every tier the device's kernel reads, where that kernel needs
     proof (`cartridge.attention.backends.proof`), at the run's shape and longest context."""
-    from cartridge.attention import backends
-    from cartridge.attention.backends import proof
+    from cartridge.attention.backends import proof  # (loads mlx-lm: not at CLI start)
 
     fused = backends.kernel(backends.device())
     if fused is None or not fused.needs_proof:
@@ -168,8 +168,6 @@ def _kernel_checks(tiers, shape, n_tokens, table_path):
 
 def _calibrate(result, table_path):
     """Write the table of `result` (`cartridge.attention.calibration`) and say where."""
-    from cartridge.attention import calibration as C
-
     table = C.table_from_bench(result)
     path = C.write_calibrated(table, table_path or C.user_table_path())
     click.echo(f"calibrate: {len(table['entries'])} measured cases written to {path}; cartridge.load(attention=\"auto\") "
@@ -236,10 +234,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
         raise InputError(f"--plot {plot_path}: the plot is a PNG; give a file name ending in .png")
     if json_path and plot_path and json_path.resolve() == plot_path.resolve():
         raise InputError(f"--json and --plot name the same file {json_path}; give two files")
-    import mlx.core as mx
-
-    from cartridge.eval import bench as B
-    from cartridge.tiers import TIERS
+    from cartridge.eval import bench as B  # (loads mlx-lm: not at CLI start)
 
     cuda = B.backend() == "cuda"
     default = [8192, 32768, 65536, 131072] if cuda else [2048, 8192]
@@ -261,8 +256,6 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
         if cuda:
             e2e = (B.random_model(e2e_shape), mx.float16)
         else:
-            import cartridge
-
             e2e = (cartridge.load_model().model, mx.float32)
         _check_memory(B, *e2e, e2e_ctx or ctx)
     checks = _kernel_checks(names, B.SHAPES[shape], max(ctx), table_path) if calibrate else []

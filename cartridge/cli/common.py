@@ -2,11 +2,14 @@
 options of build and convert, a progress bar."""
 
 import contextlib
+import os
 import sys
 import warnings
 from pathlib import Path
 
 import click
+import mlx.core as mx
+from tqdm import tqdm
 
 from cartridge.errors import InputError, OutputExistsError, WriteError
 from cartridge.format.writer import check_output_folder
@@ -74,8 +77,6 @@ def model_ref(model):
 @contextlib.contextmanager
 def warnings_as_lines():
     """Show the library's warnings as one "warning: ..." line on stderr each, when they happen."""
-    import click
-
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         # transformers' notes about a model's config (e.g. `rope_scaling` renamed) are for its developers
@@ -94,10 +95,6 @@ def launched_group(parallel):
     """The mlx.launch group for --parallel (None without it); ranks other than 0 print nothing on stdout."""
     if parallel is None:
         return None
-    import os
-
-    import mlx.core as mx
-
     group = mx.distributed.init()
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # one answer, from rank 0; errors still reach stderr
@@ -198,8 +195,6 @@ def progress_bar(unit, desc, intro=None, **options):
     Yields:
         callable: progress(done, total), the callback the library's long operations take.
     """
-    from tqdm import tqdm
-
     bars = []
 
     def progress(done, total):

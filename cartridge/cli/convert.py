@@ -2,6 +2,9 @@
 
 import click
 
+import cartridge
+from cartridge.tiers.schema import tier_runs_text
+
 from .common import progress_bar, refuse_tier_clashes, tier_options
 
 
@@ -13,10 +16,6 @@ from .common import progress_bar, refuse_tier_clashes, tier_options
 def convert(source, output, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last, preset,
             force):
     """Re-encode the fp16 or bf16 cartridge SOURCE into other tiers (no model, no prefill)."""
-    import cartridge
-
-    from cartridge.tiers.schema import tier_runs_text
-
     refuse_tier_clashes(preset, schema)
     with progress_bar("layer", "convert") as progress:
         r = cartridge.convert(source, output, tier=tier, k_tier=k_tier, v_tier=v_tier,

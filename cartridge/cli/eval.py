@@ -7,10 +7,14 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
+from tqdm import tqdm
 
 from cartridge.errors import InputError
+from cartridge.eval.dataset import load_needles, load_questions
 from cartridge.format.atomic import write_file
 from cartridge.format.writer import check_utf8_path
+from cartridge.tiers import TIERS
 
 from .common import MODEL_FORMS, check_output_file, read_corpus
 from .eval_composed import check_options, run_composed
@@ -22,8 +26,7 @@ SAMPLE_NEEDLES = Path(__file__).resolve().parents[1] / "samples" / "needles.json
 
 
 def _specs(tiers, schemas):
-    from cartridge.eval.spec import load_schemas, parse_tiers
-    from cartridge.tiers import TIERS
+    from cartridge.eval.spec import load_schemas, parse_tiers  # (loads mlx-lm: not at CLI start)
 
     if tiers is not None and not tiers.strip(" ,"):
         raise InputError("--tiers is empty: name at least one tier (leave the option out for every tier)")
@@ -38,8 +41,6 @@ def _specs(tiers, schemas):
 
 
 def _needles(value):
-    from cartridge.eval.dataset import load_needles
-
     if value == "none":
         return []
     if value is None:
@@ -52,8 +53,6 @@ def _needles(value):
 
 def _bar():
     """A progress callback drawing one tqdm bar on stderr, made at its first call; and a closer."""
-    from tqdm import tqdm
-
     bars = []
 
     def progress(done, total, what):
@@ -107,8 +106,6 @@ def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, he
     The --json and --plot files are checked before any work (their folder must exist; an existing file
     is replaced only with --force) and written atomically, mode 0666 minus the umask.
     """
-    from click.core import ParameterSource
-
     given = {k for k in ctx.params if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
     check_options(len(corpus), given)
     json_path = check_output_file(json_path, "--json", force)
@@ -141,8 +138,7 @@ def eval_command(ctx, corpus, questions_path, model, tiers, schemas, needles, he
 def _single(text, questions_path, model, tiers, schemas, needles, heldout, heldout_fraction, max_tokens, no_fresh,
             work_dir, rebuild, page_size, progress):
     """One document: every tier/schema against the fp16 cartridge (`cartridge.eval.evaluate`)."""
-    from cartridge.eval.dataset import load_questions
-    from cartridge.eval.evaluate import EvalConfig, evaluate
+    from cartridge.eval.evaluate import EvalConfig, evaluate  # (loads mlx-lm: not at CLI start)
 
     questions = load_questions(questions_path)
     specs = _specs(tiers, schemas)

@@ -2,6 +2,7 @@
 `cartridge.eval.composed.evaluate_composed`, print its table (text or markdown)."""
 
 from cartridge.errors import InputError
+from cartridge.eval.dataset import load_questions
 
 from .eval_report import render_markdown, render_text
 
@@ -77,7 +78,7 @@ def _needles(nd):
 
 
 def setting_label(row):
-    """"recompute 16", or with a CacheBlend budget "recompute 16, ratio 0.15 (15.1% recomputed)"."""
+    """"recompute 16", or with a CacheBlend recompute ratio "recompute 16, ratio 0.15 (15.1% recomputed)"."""
     label = f"recompute {row['recompute']}"
     if row.get("recompute_ratio"):
         label += f", ratio {row['recompute_ratio']:g} ({100 * row['recomputed']['fraction']:.1f}% recomputed)"
@@ -147,8 +148,7 @@ def markdown_table(report):
 def run_composed(corpora, texts, questions_path, lm_ref, needles, recompute, ratios, needles_in, common, progress,
                  reference="fresh"):
     """Load the questions, run `evaluate_composed`; the report with the document paths recorded."""
-    from cartridge.eval.composed import ComposeConfig, evaluate_composed, sources
-    from cartridge.eval.dataset import load_questions
+    from cartridge.eval.composed import ComposeConfig, evaluate_composed, sources  # (loads mlx-lm: not at CLI start)
 
     questions = load_questions(questions_path, sources(len(texts)))
     config = ComposeConfig(recompute=parse_recompute(recompute), ratios=parse_ratios(ratios), needles_in=needles_in,

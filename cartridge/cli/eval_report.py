@@ -122,7 +122,7 @@ def _series(report):
 
 def write_plot(report, path):
     """PNG: fidelity against bytes/token, one point per cartridge (BLEU, first-token, needle recall)."""
-    import matplotlib
+    import matplotlib  # (1.5-2 s with pyplot on this machine: not at CLI start, only for --plot)
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

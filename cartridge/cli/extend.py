@@ -2,6 +2,8 @@
 
 import click
 
+import cartridge
+
 from .common import model_ref, progress_bar, read_corpus, warnings_as_lines
 
 
@@ -19,8 +21,6 @@ from .common import model_ref, progress_bar, read_corpus, warnings_as_lines
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
 def extend(path, more, output, model, separator, prefill_step, reserve, force):
     """Extend the document of the cartridge at PATH with MORE (a UTF-8 text file, or - for stdin)."""
-    import cartridge
-
     model_ref(model)
     text = read_corpus(more, "text")
     sep = separator.replace("\\n", "\n").replace("\\t", "\t")

@@ -8,6 +8,10 @@ import sys
 
 import click
 
+from cartridge.format.pack import pack as pack_cartridge
+from cartridge.format.pack import unpack as unpack_cartridge
+from cartridge.format.reader import verify_cartridge
+
 from .common import progress_bar
 
 
@@ -24,8 +28,6 @@ def verify(path, as_json):
 
     Exits 1 naming the first bad page (layer, side, component, page) or check.
     """
-    from cartridge.format.reader import verify_cartridge
-
     report = verify_cartridge(path)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
@@ -47,8 +49,6 @@ def verify(path, as_json):
 @click.option("--force", is_flag=True, help="Replace an existing OUTPUT file.")
 def pack(path, output, level, force):
     """Verify the cartridge at PATH and write it as one streamable .cartz file."""
-    from cartridge.format.pack import pack as pack_cartridge
-
     with _progress("pack") as progress:
         r = pack_cartridge(path, output, level=level, force=force, progress=progress)
     click.echo(f"packed {path} -> {r['path']}: {r['bytes_in']:,} -> {r['bytes_out']:,} bytes "
@@ -61,8 +61,6 @@ def pack(path, output, level, force):
 @click.option("--force", is_flag=True, help="Replace an existing cartridge at OUTPUT.")
 def unpack(file, output, force):
     """Restore the packed cartridge FILE to a directory, verify it, and move it into place."""
-    from cartridge.format.pack import unpack as unpack_cartridge
-
     with _progress("unpack") as progress:
         dest = unpack_cartridge(file, output, force=force, progress=progress)
     click.echo(f"unpacked {file} -> {dest} (verified)")

@@ -11,6 +11,9 @@ import click
 
 import cartridge
 from cartridge.errors import CartridgeError, InputError
+from cartridge.format.writer import check_output_path
+from cartridge.tiers import check_tier_options, presets
+from cartridge.tiers.schema import tier_runs_text
 
 from .ask import ask
 from .bench import bench as bench_command
@@ -73,11 +76,6 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
           target_ratio, max_bytes_per_token, max_kl, no_calibrate, prefill_step, page_size, reserve, system, force,
           parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
-    from cartridge.format.writer import check_output_path
-    from cartridge.tiers import check_tier_options, presets
-
-    from cartridge.tiers.schema import tier_runs_text
-
     budget = read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
@@ -100,7 +98,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
                                 calibrate=not no_calibrate, calibration_progress=calibration_progress,
                                 **options)
         else:
-            from cartridge.distributed import build_sharded, load_sharded_model
+            from cartridge.distributed import build_sharded, load_sharded_model  # (loads mlx-lm: not at CLI start)
 
             lm = load_sharded_model(model, group, parallel)
             r = build_sharded(text, output, lm, group, progress=progress if group.rank() == 0 else None,

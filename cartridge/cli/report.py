@@ -3,9 +3,12 @@
 import json
 from pathlib import Path
 
+import mlx.core as mx
+
+from cartridge.attention.policy import backend, plan_header
 from cartridge.format import keys as K
 from cartridge.format.kinds import KINDS
-from cartridge.tiers import TIERS
+from cartridge.tiers import DTYPES, TIERS
 from cartridge.tiers.schema import fold_tiers, layer_runs
 
 
@@ -180,11 +183,6 @@ def calibration_lines(c, n_layers=None):
 
 def _auto(info):
     """What `auto` does with this cartridge on this device (model dtype: float32 on CPU, else as computed)."""
-    import mlx.core as mx
-
-    from cartridge.attention.policy import backend, plan_header  # (loads mlx-lm: imported for inspect only)
-    from cartridge.tiers import DTYPES
-
     dtype = mx.float32 if backend() == "cpu" else DTYPES[info.source_dtype]
     plan = plan_header(info, dtype)
     return {"backend": backend(), "auto": plan["policy"], "reason": plan["reason"], "memory": plan["memory"],

@@ -163,7 +163,7 @@ def serve(paths, host, port, model, max_bytes, prompt_cache_size, verify, attent
 
     PATHS are cartridge directories, .cartz files, or folders holding them (default: the current folder).
     """
-    from cartridge.serve import serve as run
+    from cartridge.serve import serve as run  # (loads mlx-lm and uvicorn: not at CLI start)
     from cartridge.serve.protocol import Sampling
 
     if model is not None and not model.strip():

@@ -9,11 +9,16 @@ import statistics
 import time
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..attention import backends
-from ..attention.cache import CartridgeCache
+from ..attention.cache import CartridgeCache, LayerPrefix
 from ..attention.pages import make_prefix
 from ..attention.policy import backend, dequantize, kernel_for
+from ..attention.route import install
 from ..attention.timing import timeit
 from ..tiers import TIERS
 
@@ -62,8 +67,6 @@ def layer_cache(prefix, policy, dtype, head_dim):
     kernel = kernel_for(policy, p, head_dim)
     if policy == "fused" and kernel is None:
         return None
-    from ..attention.cache import LayerPrefix
-
     return CartridgeCache(LayerPrefix(p.k_codec, p.k_parts, p.v_codec, p.v_parts, p.n_tokens,
                                       p.k_params, p.v_params, kernel))
 
@@ -220,7 +223,6 @@ def gate(result):
 
 
 def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     row = {"kind": "baseline", "tier": "mlx-lm q4g32", "policy": "mlx-lm-quantized", "context": n_tokens,
            "us": None, "prefix_bytes": None, "error": None}
@@ -241,7 +243,6 @@ def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
 def random_model(shape_name, dtype=mx.float16, seed=0):
     """A random-weight mlx-lm llama of a real model's shape (weights do not change decode speed):
     "llama3.2-1b" (head_dim 64) or "llama3-8b" (head_dim 128)."""
-    from mlx_lm.models import llama
 
     configs = {
         "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
@@ -266,7 +267,6 @@ def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
     (n_tokens + 1 tokens a round, so every round runs with the same short tail). Not the best round: on an H100 the
     first round of an mlx-lm KVCache at 32K tokens read 186.9 tokens/s, faster than the bytes of a step allow at
     the card's bandwidth, and every later round ~104 (docs/performance.md, 2026-12-06)."""
-    from mlx_lm.generate import generate_step
 
     prompt = mx.array([1], dtype=mx.uint32)
     start, rates = [c.offset for c in caches], []
@@ -296,7 +296,6 @@ def dense_caches(model, n_tokens, dtype):
     Returns:
         tuple: (caches, their bytes).
     """
-    from mlx_lm.models.cache import KVCache
 
     n_layers, n_kv, D = model_geometry(model)
     caches = []
@@ -319,7 +318,6 @@ def cartridge_caches(model, n_tokens, tier, policy, dtype):
     Raises:
         RuntimeError: "fused" without a fused kernel for this tier here.
     """
-    from ..attention.route import install
 
     install()
     n_layers, n_kv, D = model_geometry(model)
@@ -338,7 +336,6 @@ def cartridge_caches(model, n_tokens, tier, policy, dtype):
 def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
     """Decode tokens/s and peak memory with a dense fp16 KVCache, mlx-lm's QuantizedKVCache, and cartridge
     caches of every tier and policy, all with a prefix of `n_tokens` synthetic tokens."""
-    from mlx_lm.models.cache import QuantizedKVCache
 
     n_layers, n_kv, D = model_geometry(model)
     rows = []
@@ -413,7 +410,7 @@ def speedups(rows):
 
 def plot(result, path):
     """Attention microseconds vs context: one colour per tier, one line style per policy; PNG at `path`."""
-    import matplotlib
+    import matplotlib  # (matplotlib.use must come before pyplot's import; only for --plot)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import mlx_lm
 
-from ..blend import DEFAULT_SELECT_LAYER, DEFAULT_SELECTION, check_ratio
-from ..build import context_length
-from ..compose import compose
+from ..compose.blend import DEFAULT_SELECT_LAYER, DEFAULT_SELECTION, check_ratio
+from ..write.build import context_length
+from ..compose.composed import compose
 from ..errors import InputError
-from ..load import load
+from ..read.load import load
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import SEPARATOR, check_text, full_prompt_tokens, prefix_tokens, prompt_mode, question_tokens
 from .dataset import plant_needles
@@ -50,7 +50,7 @@ class ComposeConfig:
     Attributes:
         recompute (tuple[int, ...]): the settings: tokens of each later document prefilled again.
             Default: (0, 16, 64).
-        ratios (tuple[float, ...]): CacheBlend budgets (`compose(recompute_ratio=)`), each run with every
+        ratios (tuple[float, ...]): CacheBlend recompute ratios (`compose(recompute_ratio=)`), each run with every
             `recompute` setting. Default: (0.0,) (the boundary only).
         max_tokens (int): greedy tokens per answer. Default: 50.
         needles_in (str | None): letter of the document the needles are planted in; None is the last.
@@ -198,7 +198,7 @@ class _Run:
         return self.ask(rows, comp.question_prompt, comp.prompt_cache, what), seconds
 
     def setting(self, n, ratio, carts, needle_carts, reference):
-        """Compose with `n` recomputed tokens and budget `ratio`; measure answers, single-cartridge TTFT, needles."""
+        """Compose with `n` recomputed tokens and recompute ratio `ratio`; measure answers, single-cartridge TTFT, needles."""
         t0 = time.perf_counter()
         comp = compose(carts, recompute=n, recompute_ratio=ratio)
         row = {"recompute": n, "recompute_ratio": ratio, "compose_seconds": time.perf_counter() - t0,

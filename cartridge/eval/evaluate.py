@@ -23,10 +23,10 @@ import mlx.core as mx
 import mlx_lm
 
 from .. import __version__
-from ..build import context_length, prefill
+from ..write.build import context_length, prefill
 from ..errors import InputError
 from ..format.keys import CALIBRATION
-from ..load import load
+from ..read.load import load
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import SEPARATOR, full_prompt_tokens, prefix_tokens
 from .dataset import plant_needles, split_heldout

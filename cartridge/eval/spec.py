@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..build import build
+from ..write.build import build
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..calibrate import BUDGETS, CALIBRATION_VERSION
-from ..tiers import get_tier, presets
+from ..tiers import TIERS, get_tier, presets
 from ..tiers.schema import check_layer_count
 
 BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last", "preset")
@@ -81,8 +81,6 @@ def _field(options, part, entry):
     elif re.fullmatch(r"[A-Za-z0-9_]+(\+rot)?", part):
         key, value = "tier", _tier_name(part, where)
     else:
-        from ..tiers import TIERS
-
         raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN or preset=NAME "
                          f"(known tiers: {', '.join(TIERS)})")
     if key in options:

@@ -8,7 +8,7 @@
 
 Every class has the same methods, and nothing outside them asks which kind a layer is. This module holds
 the header side of a kind: parsing and checking its records, the extents it stores, how `inspect`
-describes it. `cartridge.attention.kinds` extends each class with the cache side (plan, store, load).
+describes it. `cartridge.storage.kinds` extends each class with the cache side (plan, store, load).
 """
 
 from dataclasses import dataclass

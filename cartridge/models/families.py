@@ -11,7 +11,7 @@ arrive) with those caches, and records for every layer:
   computes attention itself, latent attention multiplies the cached latent, gemma4's KV-shared layers
   attend over an earlier layer's K/V) the layer is loaded back into mlx-lm's own cache ("dense").
 
-Kinds (spec/FORMAT.md section 5.5; one class each in `cartridge.attention.kinds`, which plans, stores and
+Kinds (spec/FORMAT.md section 5.5; one class each in `cartridge.storage.kinds`, which plans, stores and
 restores them):
     attention   KVCache, attention routed: pages, attended by `CartridgeCache`.
     dense       KVCache, attention computed by the model: pages, decoded into an mlx-lm KVCache.
@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..attention import route
-from ..attention.kinds import KINDS, plan_cache
+from ..storage.kinds import KINDS, plan_cache
 from ..errors import InputError
 
 SUPPORTED = "KVCache, RotatingKVCache (keep=0), ArraysCache and CacheLists of them"

@@ -20,9 +20,9 @@ from ..errors import CartridgeError, InputError
 from ..format.pack import is_pack
 from ..format.reader import open_cartridge
 from ..format.writer import is_cartridge_dir
-from ..load import load
+from ..read.load import load
 from ..models.loader import DEFAULT_MODEL, default_gguf_path
-from ..stored import check_fingerprint
+from ..read.stored import check_fingerprint
 from .shelf import SAVED, PrefixIndex
 
 SUFFIXES = (".cartz", ".cart")

@@ -19,8 +19,8 @@ import warnings
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
-from .build import prefill
-from .errors import ModelMismatchError
+from ..write.build import prefill
+from ..errors import ModelMismatchError
 from .promptfile import leaf_caches
 
 CHECK_TOKENS = 16

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .attention.pages import encode_pages
-from .attention.store import to_numpy
+from ..attention.pages import encode_pages
+from ..storage.store import to_numpy
 from .build import cartridge_bytes, tier_keys
-from .errors import InputError
-from .format import keys as K
-from .format.header import SIDES, require_attention_layers
-from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
-from .format.reader import open_cartridge
-from .format.writer import CartridgeWriter, check_output_path, check_space
-from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
+from ..errors import InputError
+from ..format import keys as K
+from ..format.header import SIDES, require_attention_layers
+from ..format.layout import FORMAT_MAJOR, FORMAT_MINOR
+from ..format.reader import open_cartridge
+from ..format.writer import CartridgeWriter, check_output_path, check_space
+from ..tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
 
 LOSSLESS_SOURCES = ("fp16", "bf16")  # tiers that hold the model's K/V closely enough to re-encode
 

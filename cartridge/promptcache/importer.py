@@ -19,20 +19,20 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from . import calibrate as calibrate_mod
-from .append import token_sha256
-from .build import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, build_result, check_reserve, context_length, fit_page_size,
+from .. import calibrate as calibrate_mod
+from ..write.append import token_sha256
+from ..write.build import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, build_result, check_reserve, context_length, fit_page_size,
                     layers_bytes, layers_schema, measure_and_write, resolve_options, warn_context_left)
-from .errors import InputError, ModelLoadError, ModelMismatchError
-from .format import keys as K
-from .format.source import FIELDS, source_keys
-from .format.writer import check_output_path, check_space
+from ..errors import InputError, ModelLoadError, ModelMismatchError
+from ..format import keys as K
+from ..format.source import FIELDS, source_keys
+from ..format.writer import check_output_path, check_space
 from .kvcheck import check_kv
-from .models.families import plan_layers
-from .models.loader import LoadedModel, load_model
-from .models.prompt import CHAT, SEPARATOR, check_text, prompt_mode
+from ..models.families import plan_layers
+from ..models.loader import LoadedModel, load_model
+from ..models.prompt import CHAT, SEPARATOR, check_text, prompt_mode
 from .promptfile import read_prompt_file, read_record
-from .tiers import DEFAULT_TIER
+from ..tiers import DEFAULT_TIER
 
 
 @dataclass

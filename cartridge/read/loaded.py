@@ -2,11 +2,11 @@
 conversation over it (`PromptCache`). `cartridge.load` makes them; `distributed` subclasses `Cartridge`.
 """
 
-from .append import save
-from .attention import route
-from .attention.layers import cache_offset, fresh_cache, trimmable, trims
-from .errors import InputError
-from .models.prompt import conversation_tokens, followup_tokens, question_tokens
+from ..write.append import save
+from ..attention import route
+from ..attention.layers import cache_offset, fresh_cache, trimmable, trims
+from ..errors import InputError
+from ..models.prompt import conversation_tokens, followup_tokens, question_tokens
 
 
 class Cartridge:
@@ -144,7 +144,7 @@ class Cartridge:
             cache.tokens = []
 
     def save(self, path, cache, tokens=None, force=False):
-        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.extend.save`).
+        """Write this cartridge's prefix + the turns `cache` holds as a new cartridge (`cartridge.write.append.save`).
 
         Example:
             >>> cache = cart.prompt_cache()  # doctest: +SKIP

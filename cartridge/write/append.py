@@ -13,20 +13,20 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .attention.cache import CartridgeCache
-from .attention.pages import encode_pages
-from .attention.store import to_numpy
+from ..attention.cache import CartridgeCache
+from ..attention.pages import encode_pages
+from ..storage.store import to_numpy
 from .build import DEFAULT_PREFILL_STEP, prefill
-from .errors import InputError
-from .format import keys as K
-from .format.source import FIELDS
-from .format.container import check_index, open_snapshot
-from .format.header import SIDES, require_attention_layers
-from .format.layout import FORMAT_MINOR
-from .format.pack import is_pack
-from .format.verify import verify_directory
-from .format.writer import CartridgeWriter, check_output_path
-from .tiers import TIERS
+from ..errors import InputError
+from ..format import keys as K
+from ..format.source import FIELDS
+from ..format.container import check_index, open_snapshot
+from ..format.header import SIDES, require_attention_layers
+from ..format.layout import FORMAT_MINOR
+from ..format.pack import is_pack
+from ..format.verify import verify_directory
+from ..format.writer import CartridgeWriter, check_output_path
+from ..tiers import TIERS
 
 WRITER = "cartridge 0.1.0"
 

@@ -20,8 +20,8 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
                                  save_prompt_cache)
 
-from .errors import InputError
-from .format.atomic import write_file
+from ..errors import InputError
+from ..format.atomic import write_file
 
 CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList)}
 TAKEN = "KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache and CacheLists of them"

@@ -28,15 +28,15 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from .attention.layers import DenseLayer, ListLayer, decode_prefix, is_paged
-from .errors import InputError, OutputExistsError
-from .format.reader import open_cartridge
-from .format.writer import check_output_folder
-from .models.gguf import is_gguf
-from .models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from ..attention.layers import DenseLayer, ListLayer, decode_prefix, is_paged
+from ..errors import InputError, OutputExistsError
+from ..format.reader import open_cartridge
+from ..format.writer import check_output_folder
+from ..models.gguf import is_gguf
+from ..models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from .promptfile import RECORD, SUFFIX, write_prompt_file
-from .stored import check_fingerprint, stored_layer
-from .tiers.affine import AffineCodec
+from ..read.stored import check_fingerprint, stored_layer
+from ..tiers.affine import AffineCodec
 
 MLX_AFFINE_BITS = (4, 8)  # affine tiers mlx-lm's QuantizedKVCache takes as stored (mlx4g32, int8)
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from . import blend
-from .attention import route
-from .attention.cache import CartridgeCache, sink_partial
-from .attention.kernels import merge, tail_partial
-from .errors import CartridgeError, InputError
-from .format.header import require_attention_layers
-from .models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
+from ..attention import route
+from ..attention.cache import CartridgeCache, sink_partial
+from ..attention.kernels import merge, tail_partial
+from ..errors import CartridgeError, InputError
+from ..format.header import require_attention_layers
+from ..models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
 DEFAULT_RECOMPUTE_RATIO = 0.0  # 0.2 raised BLEU on two pairs, on one within noise (docs/evaluation.md)
@@ -270,7 +270,7 @@ class ComposedCartridge:
     Attributes:
         model, tokenizer: what to generate with. carts (list[Cartridge]): the parts.
         tokens (list[int]): the composed context's token ids. recompute (int): N.
-        recompute_ratio (float): CacheBlend's budget. select_layer (int): the layer whose deviation selects.
+        recompute_ratio (float): CacheBlend's recomputed fraction. select_layer (int): the layer whose deviation selects.
         selection (str): "attention" (deviation x the probe's attention mass) or "deviation" (`compose`).
         blended (list[dict]): per later document: "fresh" (separator + boundary tokens prefilled), "read"
             (tokens read from its pages), "selected" (of those, recomputed), "positions" (their composed
@@ -309,7 +309,7 @@ class ComposedCartridge:
         self.tokens += fresh + read
         t0 = time.perf_counter()
         selected = self._select(caches, cart, Part(cart.prefixes[self.select_layer], shift, start),
-                                blend.budget(self.recompute_ratio, len(fresh), len(read)))
+                                blend.recompute_count(self.recompute_ratio, len(fresh), len(read)))
         select_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         positions = [start + shift + i for i in selected]

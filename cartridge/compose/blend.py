@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 DEFAULT_SELECT_LAYER = 4  # the paper's is 1; on the default model 4 selects far better (docs/evaluation.md)
 CHUNK = 256  # tokens per forward pass of the selection and of the recompute
@@ -70,7 +70,7 @@ def ropes(model):
 
 
 def check_ratio(ratio, name="recompute_ratio"):
-    """Refuse a budget that is not a fraction in [0, 1].
+    """Refuse a recompute ratio that is not a fraction in [0, 1].
 
     Raises:
         InputError: a bool, a non-number, NaN, or a value outside [0, 1].
@@ -80,7 +80,7 @@ def check_ratio(ratio, name="recompute_ratio"):
         raise InputError(f"{name} is {ratio!r}; it must be a fraction of the tokens between 0 and 1")
 
 
-def budget(ratio, n_fresh, n_read):
+def recompute_count(ratio, n_fresh, n_read):
     """Stored tokens to select: `ratio` of the document's composed tokens, the boundary's `n_fresh` counted in.
 
     Args:

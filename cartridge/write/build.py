@@ -14,18 +14,18 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import calibrate as calibrate_mod
-from .attention.kinds import KINDS, LayerPlan
-from .attention.store import check_layer_tiers
-from .errors import InputError
-from .format import keys as K
-from .format.layout import FORMAT_MAJOR, FORMAT_MINOR
-from .format.source import source_keys
-from .format.writer import CartridgeWriter, check_output_path, check_space
-from .models.families import plan_layers
-from .models.loader import LoadedModel, architecture_config, load_model
-from .models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
-from .tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
+from .. import calibrate as calibrate_mod
+from ..storage.kinds import KINDS, LayerPlan
+from ..storage.store import check_layer_tiers
+from ..errors import InputError
+from ..format import keys as K
+from ..format.layout import FORMAT_MAJOR, FORMAT_MINOR
+from ..format.source import source_keys
+from ..format.writer import CartridgeWriter, check_output_path, check_space
+from ..models.families import plan_layers
+from ..models.loader import LoadedModel, architecture_config, load_model
+from ..models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
+from ..tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .attention import budget
-from .attention.cache import LayerPrefix
-from .attention.policy import place, resolve
-from .errors import InputError
-from .format.reader import open_cartridge
+from ..attention import budget
+from ..attention.cache import LayerPrefix
+from ..attention.policy import place, resolve
+from ..errors import InputError
+from ..format.reader import open_cartridge
 from .loaded import Cartridge, PromptCache
-from .models.loader import LoadedModel, load_model, model_fingerprint
+from ..models.loader import LoadedModel, load_model, model_fingerprint
 from .stored import check_fingerprint, load_recorded_model, model_dtype, stored_layer
 
-__all__ = ["Cartridge", "PromptCache", "check_fingerprint", "load"]
+__all__ = ["Cartridge", "PromptCache", "check_fingerprint", "check_max_memory", "load"]
 
 
 def _head_dims(meta):
@@ -36,12 +36,18 @@ def _start_decodes(prefixes):
     mx.async_eval([a for p in prefixes if isinstance(p, LayerPrefix) for a in (*p.k_parts.values(), *p.v_parts.values())])
 
 
-def load(path, model=None, tokenizer=None, verify="pages", attention="auto", group=None, recompute=16,
-         max_memory=None, recompute_ratio=None):
-    """Load a cartridge, or several laid out one after another (`cartridge.compose`).
+def check_max_memory(max_memory):
+    """Refuse a `max_memory` that is not None or a positive whole number of bytes (InputError)."""
+    if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 1):
+        raise InputError(f"max_memory {max_memory!r}: give a positive whole number of bytes")
+
+
+def load(path, model=None, tokenizer=None, verify="pages", attention="auto", max_memory=None):
+    """Load one cartridge: verify it, check the model's fingerprint, map the pages. `cartridge.load` (a list,
+    `group=`) forwards here for one cartridge in one process.
 
     Args:
-        path (str | Path | list): cartridge directory; a list of them composes the documents in order.
+        path (str | Path): cartridge directory (or .cartz).
         model (str | nn.Module | LoadedModel | None): the model to answer with: a model reference
             ("default", a GGUF file, an mlx-lm folder, a Hugging Face repo id "ORG/NAME"), a loaded model,
             or None for the one the cartridge records (by its repo id where it has one, format 1.10).
@@ -50,13 +56,6 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
         verify (str): "pages" checks every page checksum (default); "header" skips them.
         attention (str): "auto" (default), "fused", "portable" or "dequantize-once"
             (`cartridge.attention.policy`).
-        group (mx.distributed.Group | None): under `mlx.launch`, the ranks; each maps only the KV heads
-            or layers its sharded model runs and all agree before answering
-            (`cartridge.distributed.load_sharded`, docs/distributed.md). Default: None (one process).
-        recompute (int): with a list: document tokens of each later cartridge prefilled again over
-            the ones before it. Default: 16.
-        recompute_ratio (float | None): with a list: CacheBlend's budget, the fraction of each later document's
-            tokens recomputed (`cartridge.compose`); None: compose's default. Default: None.
         max_memory (int | None): the most bytes the prefix may hold in memory, while loading and after
             (stored pages, pages decoded to dense, one decode's buffers). Layers whose policy is
             dequantize-once decode only the sides that fit; the rest read their stored pages. None: for
@@ -69,32 +68,14 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", gro
     loading a second cartridge with the same model does not compute it again.
 
     Returns:
-        Cartridge (ComposedCartridge for a list)
+        Cartridge
 
     Raises:
         CartridgeError subclasses: a failed check, a model whose fingerprint differs
-        (ModelMismatchError), a model that cannot be loaded (ModelLoadError).
-
-    Example:
-        >>> cart = cartridge.load("gpl.cart")  # doctest: +SKIP
-        >>> mlx_lm.generate(cart.model, cart.tokenizer, cart.question_prompt("Who may copy it?"),
-        ...                 prompt_cache=cart.prompt_cache(), max_tokens=50)  # doctest: +SKIP
+            (ModelMismatchError), a model that cannot be loaded (ModelLoadError); InputError: a bad
+            `max_memory`, `attention` or `verify`.
     """
-    if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 1):
-        raise InputError(f"max_memory {max_memory!r}: give a positive whole number of bytes")
-    if isinstance(path, (list, tuple)):
-        from .compose import compose  # compose builds on load
-
-        carts = []
-        if model is None and path:  # the first cartridge names the model the others are loaded with
-            carts.append(load(path[0], verify=verify, attention=attention, max_memory=max_memory))
-            model, tokenizer = carts[0].model, carts[0].tokenizer
-        carts += [load(p, model, tokenizer, verify, attention, max_memory=max_memory) for p in path[len(carts):]]
-        return compose(carts, recompute, **({} if recompute_ratio is None else {"recompute_ratio": recompute_ratio}))
-    if group is not None:
-        from .distributed import load_sharded
-
-        return load_sharded(path, model, tokenizer, group, verify, attention)
+    check_max_memory(max_memory)
     t0 = time.perf_counter()
     policy = resolve(attention)
     info, data = open_cartridge(path, verify)

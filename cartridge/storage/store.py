@@ -2,7 +2,7 @@
 
 K/V go through the layer's tiers into pages (`write_kv`); recurrent arrays are stored as produced, one
 single-page extent per array (`write_state`). Which a layer takes, and how a "list" layer's caches are
-stored one after another, is its kind's `write` (`cartridge.attention.kinds`). Every shape written is
+stored one after another, is its kind's `write` (`cartridge.storage.kinds`). Every shape written is
 the shape the model wrote into its cache, checked against the probe's plan: a disagreement is
 refused, not written.
 """
@@ -15,7 +15,7 @@ from ..format import keys as K
 from ..format.kinds import KINDS
 from ..tiers import get_tier, protect
 from ..tiers.schema import check_layer_count
-from .pages import encode_pages
+from ..attention.pages import encode_pages
 
 
 def check_layer_tiers(plans, schema):

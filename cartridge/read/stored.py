@@ -6,14 +6,14 @@ and `extend` share, below all three (none of them is imported here).
 
 import mlx.core as mx
 
-from .attention.cache import LayerPrefix
-from .attention.kinds import KINDS
-from .errors import ModelLoadError, ModelMismatchError
-from .format import keys as K
-from .format.header import SIDES
-from .models.hub import HubModel, recorded_ref
-from .models.loader import load_model, parameter_arrays
-from .tiers import DTYPES, TIERS, protect
+from ..attention.cache import LayerPrefix
+from ..storage.kinds import KINDS
+from ..errors import ModelLoadError, ModelMismatchError
+from ..format import keys as K
+from ..format.header import SIDES
+from ..models.hub import HubModel, recorded_ref
+from ..models.loader import load_model, parameter_arrays
+from ..tiers import DTYPES, TIERS, protect
 
 
 def built_with(info):
@@ -109,7 +109,7 @@ def layer_prefix(info, data, layer, meta=None):
 
 def stored_layer(info, data, layer, meta=None):
     """One layer as stored: a LayerPrefix ("attention") or a Dense/Window/State/List layer (`attention.layers`),
-    as its kind loads it (`attention.kinds`).
+    as its kind loads it (`storage.kinds`).
 
     Args:
         info, data, layer, meta: as in `layer_prefix`.

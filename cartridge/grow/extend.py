@@ -13,19 +13,20 @@ import os
 import time
 from dataclasses import replace
 
-from .append import ExtendResult, destination, grown_header, require_per_token_tiers, save, token_sha256, write_grown
-from .attention import route
-from .attention.cache import CartridgeCache
-from .attention.prefill import PrefillCache
-from .build import (DEFAULT_PREFILL_STEP, DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length,
-                    prefill, warn_context_left)
-from .errors import InputError
-from .format.header import require_attention_layers
-from .format.source import source_entry
-from .load import load
-from .models.loader import load_model
-from .models.prompt import prompt_pieces, check_text, prefix_tokens
-from .stored import model_dtype
+from ..write.append import (ExtendResult, destination, grown_header, require_per_token_tiers, save, token_sha256,
+                            write_grown)
+from ..attention import route
+from ..attention.cache import CartridgeCache
+from ..attention.prefill import PrefillCache
+from ..write.build import (DEFAULT_PREFILL_STEP, DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length,
+                           prefill, warn_context_left)
+from ..errors import InputError
+from ..format.header import require_attention_layers
+from ..format.source import source_entry
+from ..read.load import load
+from ..models.loader import load_model
+from ..models.prompt import prompt_pieces, check_text, prefix_tokens
+from ..read.stored import model_dtype
 
 __all__ = ["EXTEND_SEPARATOR", "ExtendResult", "document_text", "extend", "extended_tokens", "save", "token_sha256"]
 
@@ -123,7 +124,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
         source_name (str | None): the file `text` came from, recorded (its last component) with the text's
             bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.5.1). Default: None.
-        reserve (int): warn (`cartridge.build.ContextWarning`) when fewer tokens than this are left of
+        reserve (int): warn (`cartridge.write.build.ContextWarning`) when fewer tokens than this are left of
             the model's context after the extended document, as `build` does. Default: 256.
 
     Returns:

@@ -19,8 +19,8 @@ from ..format import kinds as header
 from ..format.keys import HEAD_RECORD_BYTES
 from ..format.layout import ALIGN, PAGE_RECORD
 from ..tiers import get_tier
-from .layers import DenseLayer, ListLayer, StateLayer, WindowLayer, fresh_cache
-from .pages import make_prefix
+from ..attention.layers import DenseLayer, ListLayer, StateLayer, WindowLayer, fresh_cache
+from ..attention.pages import make_prefix
 from .store import write_kv, write_state
 
 

@@ -1,0 +1,1 @@
+"""Growing a cartridge past its stored pages by more document text (`extend`)."""

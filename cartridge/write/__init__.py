@@ -1,0 +1,1 @@
+"""Writing a cartridge: prefill and write (`build`), re-encode (`convert`), write one grown by a tail (`append`)."""
