@@ -104,9 +104,9 @@ def test_load_list_without_model_opens_each_cartridge_once(tiny_dir, tmp_path, m
     for name, doc in (("a", DOC_A), ("b", DOC_B)):
         cartridge.build(doc, tmp_path / f"{name}.cart", model=str(tiny_dir), page_size=16)
     opened, models = [], []
-    real_open, real_model = load_module.open_cartridge, load_module.load_model
+    real_open, real_model = load_module.open_cartridge, load_module.load_recorded_model
     monkeypatch.setattr(load_module, "open_cartridge", lambda p, *a: opened.append(p) or real_open(p, *a))
-    monkeypatch.setattr(load_module, "load_model", lambda *a: models.append(a) or real_model(*a))
+    monkeypatch.setattr(load_module, "load_recorded_model", lambda *a: models.append(a) or real_model(*a))
     c = cartridge.load([tmp_path / "a.cart", tmp_path / "b.cart"], recompute=4)
     assert opened == [tmp_path / "a.cart", tmp_path / "b.cart"] and len(models) == 1
     assert [cart.path for cart in c.carts] == [tmp_path / "a.cart", tmp_path / "b.cart"]
