@@ -1,4 +1,4 @@
-"""Run the family matrix (tests/family_models.py) and write what it found: docs/models.json (the rows
+"""Run the family matrix (tests/helpers/family_models.py) and write what it found: docs/models.json (the rows
 tests/test_families.py compares against), docs/models.md and the table in README.md's "## Models".
 
     python scripts/family_table.py                 # every family of the installed mlx-lm
@@ -26,7 +26,7 @@ KIND_WORDS = {"attention": "full attention", "dense": "own attention (dense)", "
 def run(names):
     """Check each family; rows in name order."""
     import mlx.core as mx
-    from family_models import check_family
+    from helpers.family_models import check_family
 
     from cartridge.models.gguf import tokenizer_from_metadata
     from cartridge.models.loader import default_gguf_path
@@ -102,7 +102,7 @@ def render(doc):
 
 def main(argv):
     import mlx_lm
-    from family_models import families
+    from helpers.family_models import families
 
     if argv == ["--render"]:
         doc = json.loads(JSON.read_text())

@@ -6,16 +6,15 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-from cartfiles import pages, write
+from helpers import HELPERS, ROOT
+from helpers.cartfiles import pages, write
 
 from cartridge.format.atomic import STALE_NEW_SECONDS, TempDir, clean_stale
 from cartridge.format.layout import DATA_NAME
 from cartridge.format.reader import open_cartridge
 
-HERE = Path(__file__).resolve().parent
 
 
 def test_clean_stale_removes_only_dead_writers_temporaries(tmp_path):
@@ -62,7 +61,7 @@ import sys, types
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 pkg = types.ModuleType("cartridge"); pkg.__path__ = [{pkg!r}]; sys.modules["cartridge"] = pkg
-from cartfiles import write
+from helpers.cartfiles import write
 for i in range({n}):
     write({dest!r}, force=True, seed=i % 2, n_layers=4, n_tokens=40)
 """
@@ -71,7 +70,7 @@ for i in range({n}):
 def test_readers_during_repeated_rebuilds_see_one_whole_cartridge(tmp_path):
     dest = write(tmp_path / "a.cart", seed=0, n_layers=4, n_tokens=40)
     want = {seed: pages(3, "v", 10, seed=seed) for seed in (0, 1)}
-    code = REBUILDER.format(tests=str(HERE), pkg=str(HERE.parent / "cartridge"), n=200, dest=str(dest))
+    code = REBUILDER.format(tests=str(HELPERS.parent), pkg=str(ROOT / "cartridge"), n=200, dest=str(dest))
     writer = subprocess.Popen([sys.executable, "-c", code])
     seen, opens = set(), 0
     while writer.poll() is None:

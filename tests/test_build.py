@@ -121,7 +121,7 @@ def test_model_folder_without_tokenizer_files_is_refused_in_one_line(tiny_dir, s
     import json
 
     import mlx.core as mx
-    from family_models import make_model, tiny_config
+    from helpers.family_models import make_model, tiny_config
     from mlx.utils import tree_flatten
 
     from cartridge.errors import ModelLoadError

@@ -194,7 +194,7 @@ FALLBACK = {  # family -> why calibration declines it (the fixed recipe is built
 def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenizer, tmp_path):
     import warnings
 
-    from family_models import make_model
+    from helpers.family_models import make_model
 
     from cartridge.calibrate import CalibrationFallbackWarning
     from cartridge.tiers import presets
@@ -219,7 +219,7 @@ def test_a_preset_build_never_fails_because_of_calibration(family, smol_tokenize
 
 
 def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before_the_prefill(smol_tokenizer, tmp_path):
-    from family_models import make_model
+    from helpers.family_models import make_model
 
     from cartridge.errors import CalibrationUnsupportedError
 

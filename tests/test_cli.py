@@ -5,8 +5,9 @@ import json
 import sys
 
 import pytest
-from clirun import run_process
-from clirun import run_inprocess as run  # the other modules' `run` too (tests/clirun.py says which stay real)
+from helpers.clirun import run_process
+from helpers.clirun import run_inprocess as run  # the other modules' `run` too (tests/helpers/clirun.py says which stay real)
+from helpers import VECTORS
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 
@@ -53,9 +54,7 @@ def test_build_system_message_is_shown_and_refused_blank(built, tiny_dir, tmp_pa
 
 
 def test_inspect_of_a_format_1_0_cartridge_shows_dashes():
-    from pathlib import Path
-
-    vector = Path(__file__).resolve().parent / "vectors" / "tiny.cart"  # written before the source keys
+    vector = VECTORS / "tiny.cart"  # written before the source keys
     r = run("inspect", vector)
     assert r.returncode == 0, r.stderr.decode()
     assert "document      -, -, sha256 -\nfirst line    -" in r.stdout.decode()

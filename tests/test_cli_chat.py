@@ -1,6 +1,6 @@
 """`cartridge chat` and Ctrl-C (issue 31): Ctrl-C during an answer stops it and the conversation goes on
 with the part shown as the answer; Ctrl-C or Ctrl-D at the prompt leaves with status 0. stdin is a pty
-(so chat prompts as for a person); the answers are slowed by tests/interrupt_worker.py so SIGINT lands
+(so chat prompts as for a person); the answers are slowed by tests/helpers/interrupt_worker.py so SIGINT lands
 during one. Also: a turn refused for want of room leaves the cache as it was."""
 
 import os
@@ -128,7 +128,7 @@ def test_ctrl_c_at_the_prompt_after_an_answer_leaves_and_ctrl_d_after_it_is_harm
 
 
 def test_piped_chat_echoes_each_question(built):
-    from clirun import run_process
+    from helpers.clirun import run_process
     from test_cli import run
 
     out, _ = built

@@ -3,7 +3,7 @@ conversation, and one clear line for bad input."""
 
 import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
-from clirun import run_inprocess, run_process
+from helpers.clirun import run_inprocess, run_process
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 MORE = "Pets are allowed with a deposit of 200 euros.\n"

@@ -10,7 +10,7 @@ import sys
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
-from clirun import run_inprocess as run
+from helpers.clirun import run_inprocess as run
 from conftest import TINY_CONFIG, hub_snapshot, make_scripted, save_model_dir
 
 from cartridge.models.prompt import PLAIN, question_tokens

@@ -1,6 +1,6 @@
 """Ctrl-C (SIGINT) during `build`, `extend` and `convert` (issue 31): one line, exit status 130, no
 traceback, no temporary left and an existing cartridge kept as it was. The command runs in
-tests/interrupt_worker.py, which pauses at a stage (after the first prefill chunk, or after the first
+tests/helpers/interrupt_worker.py, which pauses at a stage (after the first prefill chunk, or after the first
 extent written into the temporary directory) so the signal lands there."""
 
 import os
@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import HELPERS
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 
-WORKER = Path(__file__).resolve().parent / "interrupt_worker.py"
+WORKER = HELPERS / "interrupt_worker.py"
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 LINE = "error: interrupted; nothing was written"
 

@@ -7,21 +7,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import HELPERS
 
 import cartridge
 from cartridge.format.reader import verify_cartridge
 
-HERE = Path(__file__).resolve().parent
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month, due monthly. " * 3
 OTHER = "Section 2. The landlord repairs the roof; the tenant waters the garden every week. " * 4
 QUESTION = "How much is the rent?"
 
 
 def _answer(cart):
-    return [sys.executable, str(HERE / "answer_worker.py"), str(cart), QUESTION, "12"]
+    return [sys.executable, str(HELPERS / "answer_worker.py"), str(cart), QUESTION, "12"]
 
 
 def _builder(text_path, output, tiny_dir, stop):
@@ -40,7 +39,7 @@ def _builder(text_path, output, tiny_dir, stop):
 def test_readers_while_another_build_writes_the_folder(tiny_dir, tmp_path, n_readers):
     """The cartridge and the single-process answer are made in the test's own process (fewer interpreters
     importing mlx-lm on a 2-core machine); the readers and the builder are separate processes."""
-    from answer_worker import answer
+    from helpers.answer_worker import answer
 
     folder = tmp_path / "shelf"
     folder.mkdir()

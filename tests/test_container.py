@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 import pytest
-from cartfiles import pages, write
+from helpers.cartfiles import pages, write
 
 from cartridge.errors import (
     ChecksumError,

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from helpers import HELPERS
 from conftest import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 
@@ -75,7 +76,7 @@ def test_resumed_in_another_process_is_token_identical(conversation, fp16_model)
     d, cart, cache, _, saved = conversation
     follow = fp16_model.tokenizer.encode("\nAnd the rent?", add_special_tokens=False)
     here = _generate(cart, follow, cache)
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "resume_worker.py"), saved.path, "8",
+    run = subprocess.run([sys.executable, str(HELPERS / "resume_worker.py"), saved.path, "8",
                           *map(str, follow)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     there = json.loads(run.stdout)

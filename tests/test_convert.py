@@ -141,7 +141,7 @@ def test_bad_tier_options_refused(tiny32, tmp_path):
 
 
 def test_cli_convert_and_one_line_refusal(tiny32, tmp_path):
-    from clirun import run_inprocess, run_process
+    from helpers.clirun import run_inprocess, run_process
 
     def run(*args):
         return run_inprocess("convert", *args)

@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from cartfiles import files, write
-from clirun import run_inprocess
+from helpers.cartfiles import files, write
+from helpers.clirun import run_inprocess
+from helpers import HELPERS
 
 import cartridge
 from cartridge.format.atomic import CRASH_ENV
 from cartridge.format.reader import verify_cartridge
 
-HERE = Path(__file__).resolve().parent
-WRITER = HERE / "crash_writer.py"
+WRITER = HELPERS / "crash_writer.py"
 BEFORE_SWAP = ["temp-created", "extent-written", "data-synced", "index-written", "manifest-written",
                "before-publish"]
 AFTER_SWAP = ["after-exchange", "published"]

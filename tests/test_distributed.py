@@ -14,7 +14,8 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
-from cartfiles import flip, forge_records, write
+from helpers.cartfiles import flip, forge_records, write
+from helpers import HELPERS
 from conftest import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen2
@@ -29,7 +30,7 @@ from cartridge.format.layout import DATA_NAME
 from cartridge.format.reader import open_cartridge
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+WORKER = HELPERS / "distributed_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 # qwen2: mlx-lm shards it both ways (Model.shard and PipelineMixin); untied head, so greedy answers vary
 QWEN = {**{k: v for k, v in TINY_CONFIG.items() if k != "head_dim"}, "model_type": "qwen2",
@@ -198,8 +199,7 @@ def _launch(out, *args, timeout=300):
 
 
 def _one_process(cart, model_dir):
-    sys.path.insert(0, str(WORKER.parent))
-    from distributed_worker import _answer
+    from helpers.distributed_worker import _answer
 
     args = Namespace(cart=str(cart), model=str(model_dir), mode="single", other_cart=None, other_model=None,
                      max_tokens=12)

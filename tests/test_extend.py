@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from cartfiles import forge_records
+from helpers.cartfiles import forge_records
 from conftest import ROOT, make_tiny
 
 from cartridge.errors import InputError, OutputExistsError
@@ -342,7 +342,7 @@ def test_extend_in_place_killed_at_stage_leaves_a_whole_cartridge(tiny_dir, tmp_
     import subprocess
     import sys
 
-    from cartfiles import files
+    from helpers.cartfiles import files
 
     from cartridge.format.atomic import CRASH_ENV
 

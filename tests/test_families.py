@@ -1,5 +1,5 @@
 """Every text family of the installed mlx-lm (issue 17): passes the matrix against a fresh mlx-lm
-prefill (tests/family_models.py) or is refused before any prefill with one line. The families named in
+prefill (tests/helpers/family_models.py) or is refused before any prefill with one line. The families named in
 the issue run by default; the rest are marked `families` (`make test-families`: `make test` leaves them out
 to stay under 15 minutes). docs/models.json (written by
 scripts/family_table.py from the same checks) must agree with what each family does now.
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ROOT
-from family_models import DOC, PAGE, WINDOW, _check, check_family, families, make_model
+from helpers.family_models import DOC, PAGE, WINDOW, _check, check_family, families, make_model
 from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 
 import cartridge

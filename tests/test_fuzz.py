@@ -1,9 +1,9 @@
-"""Seeded fuzz of every parser of hostile input (see tests/fuzz_parsers.py): no crash, no hang, no
+"""Seeded fuzz of every parser of hostile input (see tests/helpers/fuzz_parsers.py): no crash, no hang, no
 exception other than CartridgeError. CI runs 200 inputs per target; `--fuzz-iterations 2000` is the
 10,000-input run."""
 
 import pytest
-from fuzz_parsers import TARGETS, Corpus, run
+from helpers.fuzz_parsers import TARGETS, Corpus, run
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from cartfiles import peak_bytes
+from helpers.cartfiles import peak_bytes
 
 import cartridge.models.gguf as gguf_module
 from cartridge.errors import ModelLoadError

@@ -5,7 +5,7 @@ import os
 import struct
 
 import pytest
-from cartfiles import flip, forge_index_bytes, forge_records, pages, peak_bytes, redigest_manifest, write
+from helpers.cartfiles import flip, forge_index_bytes, forge_records, pages, peak_bytes, redigest_manifest, write
 
 import cartridge.format.container as container
 from cartridge.errors import (

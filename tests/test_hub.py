@@ -9,9 +9,9 @@ import shutil
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
-from cartfiles import forge_records, redigest_manifest
-from clirun import run_inprocess as run
-from clirun import run_process
+from helpers.cartfiles import forge_records, redigest_manifest
+from helpers.clirun import run_inprocess as run
+from helpers.clirun import run_process
 from conftest import hub_snapshot, make_tiny, save_model_dir
 from huggingface_hub import constants
 

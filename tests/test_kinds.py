@@ -5,7 +5,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cartfiles import forge_records
+from helpers.cartfiles import forge_records
+from helpers import VECTORS
 
 import cartridge  # noqa: F401  (first: loads OpenBLAS before mlx)
 from cartridge.attention import kinds as cache_kinds
@@ -14,7 +15,6 @@ from cartridge.format import keys as K
 from cartridge.format import kinds as header_kinds
 from cartridge.format.reader import open_cartridge
 
-VECTORS = Path(__file__).resolve().parent / "vectors"
 HEADER_METHODS = ("parse", "units", "stored_tokens", "components", "describe", "holds")
 CACHE_METHODS = ("plan", "unrouted", "write", "load", "restore", "planned_bytes")
 ATTRIBUTES = ("tiered", "stores_every_token", "fixed", "tier_label", "cache_type")

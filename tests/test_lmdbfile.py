@@ -185,7 +185,7 @@ def test_crafted_base_file_is_valid(deep):
 
 
 def test_liblmdb_never_reads_a_cartridge(tmp_path, monkeypatch):
-    from cartfiles import write
+    from helpers.cartfiles import write
 
     from cartridge.format.reader import open_cartridge, verify_cartridge
 

@@ -1,4 +1,4 @@
-"""The Metal kernels RUN on the CPU by tests/metal_emulator.py, through the product's host code (MetalAttention),
+"""The Metal kernels RUN on the CPU by tests/helpers/metal_emulator.py, through the product's host code (MetalAttention),
 against the float64 reference of test_kernels.py. This checks what the compile check cannot (indexing, each tier's
 decode of its stored bytes, the online softmax, the merges, rotation, sinks, protected tokens), on Linux; it does
 not check Apple's Metal compiler or GPU (tests/test_metal_kernels.py runs there)."""
@@ -12,8 +12,8 @@ import pytest
 
 from cartridge.attention.kernels import metal
 from cartridge.tiers import TIERS
-import metal_emulator
-import metal_source
+from helpers import metal_emulator
+from helpers import metal_source
 import test_metal_kernels as tm
 from test_kernels import _check
 

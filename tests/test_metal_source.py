@@ -1,8 +1,8 @@
 """Every Metal kernel source cartridge hands to mx.fast.metal_kernel compiles (on Linux, no Mac needed).
 
 Each variant of `metal.sources()` (tiers x head_dims x rotation x query dtypes x query rows, and the finish) is
-assembled exactly as MLX assembles a custom kernel (tests/metal_source.py) and compiled with the system C++
-compiler against tests/metal_shim.h, which declares only the Metal Shading Language names the kernels use: an
+assembled exactly as MLX assembles a custom kernel (tests/helpers/metal_source.py) and compiled with the system C++
+compiler against tests/helpers/metal_shim.h, which declares only the Metal Shading Language names the kernels use: an
 undeclared name, a type mismatch or a syntax error fails. What this cannot show: that the kernels run, or run
 correctly, on Apple silicon (tests/test_metal_kernels.py does that there).
 """
@@ -14,7 +14,7 @@ import os
 import pytest
 
 from cartridge.attention.kernels import metal
-import metal_source
+from helpers import metal_source
 
 pytestmark = pytest.mark.skipif(metal_source.compiler() is None, reason="no C++ compiler (g++, clang++ or c++)")
 

@@ -7,12 +7,12 @@ import resource
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import zstandard
-from cartfiles import files, flip, write
-from clirun import run_inprocess, run_process
+from helpers.cartfiles import files, flip, write
+from helpers.clirun import run_inprocess, run_process
+from helpers import HELPERS, ROOT
 
 import cartridge
 from cartridge.errors import (
@@ -28,7 +28,6 @@ from cartridge.format import pack as P
 from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_SIZE
 from cartridge.format.reader import open_cartridge
 
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -248,7 +247,7 @@ print(len(info.tokens))
 
 def test_concurrent_first_opens_share_one_cache_entry(packed, cache):
     _, cartz = packed
-    code = CONCURRENT_OPEN.format(tests=str(HERE), pkg=str(HERE.parent / "cartridge"), cartz=str(cartz))
+    code = CONCURRENT_OPEN.format(tests=str(HELPERS.parent), pkg=str(ROOT / "cartridge"), cartz=str(cartz))
     env = dict(os.environ)
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(4)]

@@ -24,7 +24,7 @@ LATE_IMPORT = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from conftest import make_tiny
-    from family_models import make_model
+    from helpers.family_models import make_model
     from cartridge.attention import route
     from cartridge.models.gguf import tokenizer_from_metadata
     from cartridge.models.loader import default_gguf_path

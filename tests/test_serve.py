@@ -19,7 +19,7 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from clirun import run_inprocess, run_process
+from helpers.clirun import run_inprocess, run_process
 from conftest import TINY_CONFIG, make_tiny
 
 openai = pytest.importorskip("openai")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from cartfiles import write
+from helpers.cartfiles import write
 
 import cartridge
 from cartridge.cli.common import check_output_file, read_corpus

@@ -9,7 +9,7 @@ RMSE ~ 0.095 / 0.183 / 0.338) plus fp16 norm rounding.
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiers_reference as ref
+from helpers import tiers_reference as ref
 
 from cartridge.errors import CorruptCartridgeError, InputError
 from cartridge.tiers import TIERS, bitpack

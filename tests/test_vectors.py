@@ -1,4 +1,4 @@
-"""Golden vectors (STYLE.md 9-10): the committed tests/vectors/tiny.cart pins the writer's exact bytes,
+"""Golden vectors (STYLE.md 9-10): the committed tests/helpers/vectors/tiny.cart pins the writer's exact bytes,
 parses to known values, and is the base of a table of handcrafted corruptions, each expecting exactly
 one exception class."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cartfiles import files, flip, forge_index_bytes, forge_records, redigest_manifest
+from helpers.cartfiles import files, flip, forge_index_bytes, forge_records, redigest_manifest
+from helpers import VECTORS
 
 from cartridge.errors import (
     CartridgeError,
@@ -31,7 +32,6 @@ from cartridge.format.layout import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME,
 from cartridge.format.reader import open_cartridge, verify_cartridge
 from cartridge.load import check_fingerprint
 
-VECTORS = Path(__file__).resolve().parent / "vectors"
 sys.path.insert(0, str(VECTORS))
 from make_vectors import (  # noqa: E402
     FINGERPRINT,
@@ -168,7 +168,7 @@ def test_list_layer_corruption_raises_field_error(tmp_path, case):
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_round_trip_through_every_read_path(tmp_path, seed):
     """Random geometry -> write -> read back through the mmap view, copied bytes, and a .cartz trip."""
-    from cartfiles import pages, write
+    from helpers.cartfiles import pages, write
 
     from cartridge.format.pack import pack, unpack
 

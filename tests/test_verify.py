@@ -5,8 +5,8 @@ import json
 import os
 
 import pytest
-from cartfiles import flip, forge_records, write
-from clirun import run_inprocess, run_process
+from helpers.cartfiles import flip, forge_records, write
+from helpers.clirun import run_inprocess, run_process
 
 import cartridge
 from cartridge.errors import ChecksumError, FieldError

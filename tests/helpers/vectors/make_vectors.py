@@ -1,8 +1,8 @@
-"""Regenerate tests/vectors/tiny-1.5.cart (tiny-1.0.cart, tiny.cart (format 1.2) and tiny-1.4.cart are kept
+"""Regenerate tests/helpers/vectors/tiny-1.5.cart (tiny-1.0.cart, tiny.cart (format 1.2) and tiny-1.4.cart are kept
 as written then). Running this is a deliberate format change: the committed bytes
-pin the writer (tests/test_vectors.py), so review the diff and bump the spec if they move.
+pin the writer (tests/format/test_vectors.py), so review the diff and bump the spec if they move.
 
-    python tests/vectors/make_vectors.py
+    python tests/helpers/vectors/make_vectors.py
 """
 
 import shutil
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[2]))
+sys.path.insert(0, str(HERE.parents[1]))  # tests/
 
-from cartfiles import header  # noqa: E402
+from helpers.cartfiles import header  # noqa: E402
 
 from cartridge.format import keys as K  # noqa: E402
 

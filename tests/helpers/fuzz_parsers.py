@@ -5,8 +5,8 @@ Every generated input must either parse or raise a `CartridgeError`: any other e
 an input taking over `HANG_SECONDS` is a failure. Seeded, so a failure is replayed by its
 (target, seed, iteration).
 
-    python tests/fuzz_parsers.py --iterations 2000          # 5 targets x 2000 = 10,000 inputs
-    python -m pytest tests/test_fuzz.py --fuzz-iterations 2000   # the same through pytest
+    python tests/helpers/fuzz_parsers.py --iterations 2000          # 5 targets x 2000 = 10,000 inputs
+    python -m pytest tests/format/test_fuzz.py --fuzz-iterations 2000   # the same through pytest
 """
 
 import argparse
@@ -23,11 +23,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zstandard  # noqa: E402
-from cartfiles import forge_index_bytes, redigest_manifest, write  # noqa: E402
+from helpers.cartfiles import forge_index_bytes, redigest_manifest, write  # noqa: E402
 
 from cartridge.errors import CartridgeError  # noqa: E402
 from cartridge.format.container import parse_manifest, read_index, read_manifest  # noqa: E402

@@ -1,7 +1,7 @@
-"""Subprocess of tests/test_concurrency.py: load a cartridge (with the model it records) and print the
+"""Subprocess of tests/system/test_concurrency.py: load a cartridge (with the model it records) and print the
 greedy answer's token ids as JSON on stdout (the test also calls `answer` in its own process).
 
-    python tests/answer_worker.py CART QUESTION MAX_TOKENS
+    python tests/helpers/answer_worker.py CART QUESTION MAX_TOKENS
 """
 
 import json

@@ -1,7 +1,7 @@
-"""Subprocess of tests/test_conversation.py: load a conversation cartridge (with the model it records),
+"""Subprocess of tests/write/test_conversation.py: load a conversation cartridge (with the model it records),
 feed the given next-turn token ids and print the greedy continuation and its log-probabilities as JSON.
 
-    python tests/resume_worker.py CART MAX_TOKENS ID [ID ...]
+    python tests/helpers/resume_worker.py CART MAX_TOKENS ID [ID ...]
 """
 
 import json

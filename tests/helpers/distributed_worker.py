@@ -1,7 +1,7 @@
-"""Run by tests/test_distributed.py under `mlx.launch` (or alone, as the one-process reference).
+"""Run by tests/distributed/test_distributed.py under `mlx.launch` (or alone, as the one-process reference).
 
-    python tests/distributed_worker.py answer OUT_DIR CART MODEL_DIR MODE [--other-cart C] [--other-model M]
-    python tests/distributed_worker.py build OUT_DIR DOC MODEL_DIR MODE CART
+    python tests/helpers/distributed_worker.py answer OUT_DIR CART MODEL_DIR MODE [--other-cart C] [--other-model M]
+    python tests/helpers/distributed_worker.py build OUT_DIR DOC MODEL_DIR MODE CART
 
 Each rank writes OUT_DIR/rank{r}.json: the answer's token ids (answer) and what it mapped, or the one-line
 error it raised. --other-* give rank 1 a different cartridge or model (the refusal tests).

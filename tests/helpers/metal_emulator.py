@@ -1,4 +1,4 @@
-"""Run cartridge's generated Metal kernels on the CPU (tests/metal_emu.h), in place of `mx.fast.metal_kernel`.
+"""Run cartridge's generated Metal kernels on the CPU (tests/helpers/metal_emu.h), in place of `mx.fast.metal_kernel`.
 
 `EmulatedKernel(name, input_names, output_names, source, header)` is called like the object metal_kernel returns
 (inputs=, grid=, threadgroup=, output_shapes=, output_dtypes=): the source is assembled as MLX assembles it
@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_source import ATTRIBUTES, TYPE_STRINGS, assemble, compiler
+from helpers.metal_source import ATTRIBUTES, TYPE_STRINGS, assemble, compiler
 
 EMU = Path(__file__).with_name("metal_emu.h")
 BUILD = Path("/tmp") / "cartridge-metal-emu"

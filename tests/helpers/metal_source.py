@@ -1,5 +1,5 @@
 """The full source of a Metal kernel as `mx.fast.metal_kernel` assembles it (MLX 0.32: `write_signature` in
-mlx/backend/metal/custom_kernel.cpp), and its compile with the system C++ compiler against tests/metal_shim.h.
+mlx/backend/metal/custom_kernel.cpp), and its compile with the system C++ compiler against tests/helpers/metal_shim.h.
 
 MLX writes: its utils text (here the shim stands in for it), the header, then
 `[[kernel]] void NAME(` + one line per input `const device|constant TYPE* NAME [[buffer(i)]],` (`constant` for an

@@ -1,7 +1,7 @@
 """Issue 31 item 0 harness (not collected by pytest): ONE cache of a real cartridge, 12 turns of N-token questions
 (default 45) and 12 greedy tokens through mlx_lm.generate.generate_step, each turn against a fresh mlx-lm prefill of
 the token stream the cache has seen (one prefill after the last turn: a position's logits do not depend on later
-tokens). Usage: python tests/generate_turns_real.py CART [N] (9-13 minutes on the shared 2-core CPU, load 13-25)."""
+tokens). Usage: python tests/helpers/generate_turns_real.py CART [N] (9-13 minutes on the shared 2-core CPU, load 13-25)."""
 import importlib.metadata
 import sys
 

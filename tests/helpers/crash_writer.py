@@ -1,7 +1,7 @@
-"""Subprocess used by tests/test_crash.py: write a synthetic cartridge, printing "ready" once imports
+"""Subprocess used by tests/system/test_crash.py: write a synthetic cartridge, printing "ready" once imports
 are done so the parent can time a kill. Exits 1 with one "error: ..." line on a CartridgeError.
 
-    python tests/crash_writer.py DEST --seed S [--force] [--layers N --tokens T --kv H --dim D --page P]
+    python tests/helpers/crash_writer.py DEST --seed S [--force] [--layers N --tokens T --kv H --dim D --page P]
 """
 
 import argparse
@@ -9,15 +9,15 @@ import sys
 import types
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
 # Load cartridge's container modules without running cartridge/__init__ (which imports mlx-lm, 2 s):
 # the writer needs only numpy, hashlib and lmdb, and the crash tests start this script dozens of times.
 _pkg = types.ModuleType("cartridge")
-_pkg.__path__ = [str(HERE.parent / "cartridge")]
+_pkg.__path__ = [str(TESTS.parent / "cartridge")]
 sys.modules["cartridge"] = _pkg
 
-from cartfiles import write  # noqa: E402
+from helpers.cartfiles import write  # noqa: E402
 
 from cartridge.errors import CartridgeError  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""Subprocess used by tests/test_cli_interrupt.py: run the `cartridge` command line with a pause at one
+"""Subprocess used by tests/system/test_cli_interrupt.py: run the `cartridge` command line with a pause at one
 stage, so the parent can send SIGINT there. At the pause it writes "ready" to the file $INTERRUPT_FLAG.
 
-    python tests/interrupt_worker.py prefill|calibrate|write|answer|first|none cartridge-arguments...
+    python tests/helpers/interrupt_worker.py prefill|calibrate|write|answer|first|none cartridge-arguments...
 
 prefill: after the first prefill chunk (build, extend; give a small --prefill-step). calibrate: after the
 first layer of calibration's walk (build with a budget preset). write: after the
