@@ -128,10 +128,9 @@ def make_scripted(tokenizer, after, text, seed=0):
 
 @pytest.fixture(scope="session")
 def built(tiny_dir, tmp_path_factory):
-    """The CLI tests' cartridge (tests/test_cli.py's DOC x 3, page 16), built once by a real `cartridge build`
+    """The CLI tests' cartridge (tests/helpers/clirun.py's DOC x 3, page 16), built once by a real `cartridge build`
     process for every CLI test module: (its path, the build's CompletedProcess). The tests only read it."""
-    from helpers.clirun import run_process
-    from test_cli import DOC
+    from helpers.clirun import DOC, run_process
 
     folder = tmp_path_factory.mktemp("cli")
     corpus = folder / "doc.txt"

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
+from helpers.dense_caches import _decoded_kv_cache, _logits
 
 from cartridge.attention.cache import CartridgeCache
 from cartridge.errors import CartridgeError
@@ -25,25 +25,6 @@ def cart(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("c") / "doc.cart"
     cartridge.build(DOC, path, model=tiny, page_size=64, prefill_step=100)
     return cartridge.load(path, model=tiny)
-
-
-def _decoded_kv_cache(cart):
-    """Dense mlx-lm caches holding exactly what the cartridge pages decode to."""
-    caches = []
-    for prefix in cart.prefixes:
-        c = KVCache()
-        for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
-                                           ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
-            x = codec.decode(parts, params)  # (n_pages, n_kv, P, D)
-            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[None, :, : prefix.n_tokens]
-            setattr(c, "keys" if side == "k" else "values", x)
-        c.offset = prefix.n_tokens
-        caches.append(c)
-    return caches
-
-
-def _logits(model, tokens, cache):
-    return model(mx.array(tokens)[None], cache=cache)[0]
 
 
 def test_attention_matches_dense_cache_of_decoded_pages(cart):

@@ -8,8 +8,7 @@ import pytest
 from helpers.clirun import run_process
 from helpers.clirun import run_inprocess as run  # the other modules' `run` too (tests/helpers/clirun.py says which stay real)
 from helpers import VECTORS
-
-DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
+from helpers.clirun import DOC
 
 
 def test_build_summary_and_inspect_json(built, tiny_dir):

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_cli import run
+from helpers.clirun import run_inprocess as run
 
 
 def test_ask_reads_the_question_from_stdin(built):

@@ -14,7 +14,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import numpy as np
 import pytest
-from test_cli_interrupt import start, wait_for
+from helpers.interrupts import start, wait_for
 
 from cartridge.cli.chat import Turn
 
@@ -80,7 +80,7 @@ def test_ctrl_c_stops_the_answer_and_the_conversation_goes_on(built, terminal, t
 def test_ctrl_c_before_the_first_token_shows_nothing_of_it(built, terminal, tmp_path):
     """Ctrl-C while the first token is computed: no text of that answer, the question dropped, and the next
     question answered as the conversation's first."""
-    from test_cli import run
+    from helpers.clirun import run_inprocess as run
 
     out, _ = built
     master, slave = terminal
@@ -129,7 +129,7 @@ def test_ctrl_c_at_the_prompt_after_an_answer_leaves_and_ctrl_d_after_it_is_harm
 
 def test_piped_chat_echoes_each_question(built):
     from helpers.clirun import run_process
-    from test_cli import run
+    from helpers.clirun import run_inprocess as run
 
     out, _ = built
     r = run_process("chat", out, "--max-tokens", "4", stdin=f"{Q1}\n\n{Q2}\n".encode())

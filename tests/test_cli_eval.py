@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_cli import run
+from helpers.clirun import run_inprocess as run
 
 DOC = "".join(f"Clause {i}: the tenant pays {100 + i} euros on day {i}.\n\n" for i in range(1, 9))
 

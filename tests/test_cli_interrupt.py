@@ -7,34 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import HELPERS
+from helpers.interrupts import start, wait_for
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 
-WORKER = HELPERS / "interrupt_worker.py"
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
 LINE = "error: interrupted; nothing was written"
-
-
-def start(stage, *args, flag, stdin=subprocess.DEVNULL):
-    """The worker running `cartridge ARGS...` with a pause at `stage`; it writes `flag` when there."""
-    env = dict(os.environ, INTERRUPT_FLAG=str(flag))
-    return subprocess.Popen([sys.executable, str(WORKER), stage, *map(str, args)], env=env, stdin=stdin,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def wait_for(flag, proc, timeout=120):
-    """Wait until the worker reached its pause (`flag` written), then remove the flag."""
-    end = time.monotonic() + timeout
-    while not flag.exists():
-        assert proc.poll() is None, proc.communicate()[1].decode()
-        assert time.monotonic() < end, "the worker never reached its pause"
-        time.sleep(0.02)
-    flag.unlink()
 
 
 def interrupt(stage, *args, flag):

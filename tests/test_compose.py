@@ -5,15 +5,12 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.compose_cases import DOC_A, DOC_B, Q, _logits
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cartridge.compose import compose, separator_tokens
 from cartridge.errors import InputError
 from cartridge.models.prompt import SEPARATOR, encode_text, prompt_pieces, prefix_tokens
-
-DOC_A = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3
-DOC_B = "Annex B. Rent is due on the first day of each month, payable by bank transfer to the lessor. " * 2
-Q = "When is rent due?"
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +19,6 @@ def pair(tiny, tmp_path_factory):
     cartridge.build(DOC_A, d / "a.cart", model=tiny, page_size=16)
     cartridge.build(DOC_B, d / "b.cart", model=tiny, page_size=16)
     return [cartridge.load(d / n, model=tiny) for n in ("a.cart", "b.cart")]
-
-
-def _logits(model, ids, cache):
-    return np.array(model(mx.array(ids)[None], cache=cache)[0, -1])
 
 
 def _stored(prefix, side):

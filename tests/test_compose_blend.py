@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_compose import DOC_A, DOC_B, Q, _logits
+from helpers.compose_cases import DOC_A, DOC_B, Q, _logits
 
 from cartridge import blend
 from cartridge.compose import ComposedCache, compose
@@ -103,7 +103,7 @@ def test_bad_select_layer_refused(carts):
 
 
 def test_load_and_cli_take_the_ratio(tiny_dir, tmp_path):
-    from test_cli import run
+    from helpers.clirun import run_inprocess as run
 
     from cartridge.cli.ask import load_cartridge
 

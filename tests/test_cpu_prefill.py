@@ -93,7 +93,7 @@ def test_prefill_cache_with_nothing_fed_has_no_tail():
 def test_question_prefill_over_pages_matches_float64(tier, protected):
     """A question's prefill over a layer's pages decoded for the call (`cpu.QuestionPrefill`), stored and K
     unpacked: odd prefix length, tail over two chunks, GQA 4, with and without protected tokens."""
-    from test_kernels import _cache, _case, _check, protected_reference, with_protected
+    from helpers.kernel_cases import _cache, _case, _check, protected_reference, with_protected
 
     from cartridge.attention import unpacked
     from cartridge.attention.cache import LayerPrefix
@@ -119,7 +119,7 @@ def test_question_prefill_over_pages_matches_float64(tier, protected):
 
 
 def test_question_prefill_leaves_decode_steps_and_sinks_to_the_portable_path():
-    from test_kernels import _cache, _case
+    from helpers.kernel_cases import _cache, _case
 
     prefix, q, tk, tv = _case("int8+rot", (8, 2, 64, 300, 64, 9, 1), seed=2)
     rows = cpu.PREFILL_MIN_ROWS // 4  # GQA 4: fewer rows per KV head than the threshold
@@ -137,7 +137,7 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     """`auto` on the CPU (default memory budget: K unpacked, the question's prefill over pages decoded per
     call) against the portable path over the stored pages: the question's logits (L > 1) and a decode step's."""
     from conftest import make_tiny
-    from test_tier_attention import DOC
+    from helpers.dense_caches import DOC
 
     from cartridge.attention.kernels import dense
     from cartridge.attention.policy import plan_header

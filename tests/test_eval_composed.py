@@ -5,7 +5,7 @@ import json
 import re
 
 import pytest
-from test_cli import run
+from helpers.clirun import run_inprocess as run
 
 from cartridge.cli.eval_composed import parse_ratios, setting_label
 from cartridge.errors import InputError

@@ -6,20 +6,25 @@ attention arithmetic and their reading of the stored bytes are compared; tail sl
 NaN, so a kernel that over-reads fails. Every tier of the registry (the +rot tiers included) x decode shapes of
 GQA 1/3/4/8, head_dim 64/96/128/256, odd lengths and page boundaries +-1; sinks; protected tokens; float32 pages
 beside a compressed side. The kernel is called directly, so a None (the portable fallback) fails the test.
-The tests at the end (not marked) check `supported` and run anywhere.
+The tests after them (not marked) check `supported` and run anywhere. The last ones RUN the same kernels on the
+CPU by tests/helpers/metal_emulator.py, through the product's host code (MetalAttention): what the compile check
+(test_metal_source.py) cannot see (indexing, each tier's decode of its stored bytes, the online softmax, the
+merges, rotation, sinks, protected tokens), on Linux; not Apple's Metal compiler or GPU.
 """
 
 import itertools
+import os
 from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import metal_emulator, metal_source
+from helpers.kernel_cases import TOL, TOL_FP16, _cache, _case, _check, _seed, protected_reference, with_protected
 
 from cartridge.attention.kernels import metal
 from cartridge.attention.policy import dequantize
 from cartridge.tiers import TIERS
-from test_kernels import TOL, TOL_FP16, _cache, _case, _check, _seed, protected_reference, with_protected
 
 HAS_METAL = mx.metal.is_available()
 NO_METAL = "needs Apple silicon (mx.metal.is_available() is False)"
@@ -137,3 +142,66 @@ def test_decode_rows_beyond_eight_per_kv_head_are_not_taken():
     kernel = metal.MetalAttention(prefix)
     assert kernel(_cache(prefix, tk, tv, mx.float32), mx.array(q), 0.125) is None
     assert kernel._plans == {}
+
+
+# ---- on the CPU: the same kernels run by tests/helpers/metal_emulator.py (no Mac needed) ----
+
+NEEDS_COMPILER = pytest.mark.skipif(metal_source.compiler() is None, reason="no C++ compiler (g++, clang++ or c++)")
+
+
+def _emulated(kind, consts):
+    name, inputs, outputs, body = metal.kernel_spec(kind, consts)
+    return metal_emulator.EmulatedKernel(name, inputs, outputs, body, metal.header())
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setattr(metal, "_kernel", _emulated)
+
+
+# Each variant takes seconds to build (cached in /tmp/cartridge-metal-emu): by default one shape per tier family and
+# a few more; CARTRIDGE_METAL_EMULATE=all runs every tier at two shapes (GQA 3 / head_dim 64 at a page boundary - 1, and
+# GQA 3 x 2 query tokens / head_dim 96 / 511 tokens) and each shape of SHAPES for mlx4g32.
+ALL = os.environ.get("CARTRIDGE_METAL_EMULATE") == "all"
+# by default one tier of each decode family (fp16/bf16 pages, affine 8/6/4-bit, FP8, block FP4, TurboQuant, kivi,
+# rotation), keeping `make test` short; every tier with CARTRIDGE_METAL_EMULATE=all
+DEFAULT_TIERS = ("bf16", "int8", "int6+rot", "mlx4g32+rot", "fp8", "nvfp4", "mxfp4+rot", "turbo3", "kivi4")
+CASES = (list(itertools.product(sorted(TIERS), [SHAPES[1], SHAPES[5]])) +
+         [("mlx4g32", s) for s in SHAPES] if ALL else [(t, SHAPES[1]) for t in DEFAULT_TIERS])
+
+
+@NEEDS_COMPILER
+@pytest.mark.parametrize("tier, shape", CASES)
+def test_emulated_metal_matches_float64(tier, shape, emulate):
+    prefix, q, tk, tv = _make(tier, shape, 1)
+    _check(prefix, q, tk, tv, _kernel_out(prefix, q, tk, tv), f"emulated metal {tier} {shape}")
+
+
+# the queries are read into float registers before, and the sinks merged after, the per-tier decode (which the test
+# above runs for every decode family): make test runs each for one tier, ~7 s an emulated case; the others under slow
+_SLOW = pytest.mark.slow
+
+
+@NEEDS_COMPILER
+@pytest.mark.parametrize("tier, shape", [("mlx4g32+rot", SHAPES[3]),
+                                         pytest.param("turbo4", SHAPES[1], marks=_SLOW)])
+def test_emulated_metal_sinks_match_float64(tier, shape, emulate):
+    test_metal_sinks_match_float64(tier, shape)  # the marked test's body, on the emulator
+
+
+@NEEDS_COMPILER
+@pytest.mark.parametrize("tier, shape, first, last", [("int8", SHAPES[4], 33, 40), ("kivi4", SHAPES[5], 2, 2)])
+def test_emulated_metal_protected_tokens_match_float64(tier, shape, first, last, emulate):
+    test_metal_protected_tokens_match_float64(tier, shape, first, last)  # on the emulator
+
+
+@NEEDS_COMPILER
+def test_emulated_metal_float32_pages_beside_mxfp4(emulate):
+    test_metal_float32_pages_beside_a_compressed_side("mxfp4")
+
+
+@NEEDS_COMPILER
+@pytest.mark.parametrize("tier", ["mlx4g32", pytest.param("turbo4", marks=_SLOW),
+                                  pytest.param("nvfp4+rot", marks=_SLOW)])
+def test_emulated_metal_fp16_queries_match_float64(tier, emulate):
+    test_metal_matches_float64(tier, SHAPES[3])  # float32 and fp16 queries, 8 rows, on the emulator

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny
-from mlx_lm.models.cache import KVCache
+from helpers.dense_caches import dense_reference
 
 import cartridge
 from cartridge.attention.policy import backend
@@ -26,25 +26,6 @@ DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purc
 @pytest.fixture(scope="module")
 def tiny64(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=0, head_dim=64)
-
-
-def dense_reference(cart):
-    """mlx-lm caches of the decoded pages with the protected positions set to the stored fp16 copies."""
-    info, caches = cart.info, []
-    n, first, last = len(info.tokens), info.protect_first, info.protect_last
-    for layer, prefix in enumerate(cart.prefixes):
-        c = KVCache()
-        for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
-                                           ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
-            x = np.array(codec.decode(parts, params))  # (n_pages, n_kv, P, D)
-            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[:, :n].copy()  # (n_kv, T, D)
-            if first or last:  # (a preset may protect nothing)
-                kept = info.protected[(layer, side)].astype(np.float32)
-                x[:, :first], x[:, n - last:] = kept[:, :first], kept[:, first:]
-            setattr(c, "keys" if side == "k" else "values", mx.array(x)[None])
-        c.offset = n
-        caches.append(c)
-    return caches
 
 
 def test_protected_copies_are_the_models_kv_in_fp16(tiny64, tmp_path):

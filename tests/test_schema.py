@@ -6,7 +6,7 @@ import json
 import pytest
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 from conftest import make_tiny
-from test_cli import run
+from helpers.clirun import run_inprocess as run
 
 from cartridge.cli.report import inspect_dict, inspect_table
 from cartridge.tiers.schema import check_layer_count, fold_tiers, tier_runs_text

@@ -13,49 +13,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny
-from test_cache import _decoded_kv_cache, _logits
+from helpers.dense_caches import DOC, _decoded_kv_cache, _logits
+from helpers.page_cases import HEAD_DIM, N_KV, SHAPES, layer, reference
 
-from cartridge.attention.cache import LayerPrefix
 from cartridge.attention.kernels import merge, prefix_partial
 from cartridge.tiers import TIERS
 
-# (tokens, page size): one token; a page - 1, exactly one page, a page + 1; several pages, odd tail
-SHAPES = [(1, 16), (15, 16), (16, 16), (17, 16), (75, 32)]
 GQA = [1, 3, 4]
 QUERY_TOKENS = [1, 5]
-N_KV, HEAD_DIM = 2, 64
-
-
-def pages_of(codec, x, params, page_size):
-    """Encode x (n_kv, T, D), zero-padded to whole pages, into {component: (n_pages, n_kv, P, W)}."""
-    n_kv, t, d = x.shape
-    pad = -t % page_size
-    x = mx.pad(x, [(0, 0), (0, pad), (0, 0)])
-    n_pages = x.shape[1] // page_size
-    parts = codec.encode(x, params)
-    # (n_kv, n_pages * P, W) -> (n_pages, n_kv, P, W)
-    return {k: v.reshape(n_kv, n_pages, page_size, -1).transpose(1, 0, 2, 3) for k, v in parts.items()}
-
-
-def reference(q, k_pages, v_pages, n_tokens):
-    """float64 softmax(q k^T) v over the first n_tokens decoded tokens: (n_kv, R, D)."""
-    def flat(p):  # (n_pages, n_kv, P, D) -> (n_kv, n_pages * P, D)
-        p = np.array(p).astype(np.float64)
-        return p.transpose(1, 0, 2, 3).reshape(p.shape[1], -1, p.shape[-1])[:, :n_tokens]
-    k, v = flat(k_pages), flat(v_pages)
-    s = np.array(q).astype(np.float64) @ k.swapaxes(-1, -2)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
-
-
-def layer(name, n_tokens, page_size, seed):
-    rng = np.random.default_rng(seed)
-    k = mx.array(rng.standard_normal((N_KV, n_tokens, HEAD_DIM)).astype(np.float32) * 1.5)
-    v = mx.array(rng.standard_normal((N_KV, n_tokens, HEAD_DIM)).astype(np.float32))
-    codec = TIERS[name]
-    kp, vp = codec.make_params(k, 1, "k"), codec.make_params(v, 1, "v")
-    kparts, vparts = pages_of(codec, k, kp, page_size), pages_of(codec, v, vp, page_size)
-    return LayerPrefix(codec, kparts, codec, vparts, n_tokens, kp, vp)
 
 
 @pytest.mark.parametrize("name, shape, gqa, L", list(itertools.product(TIERS, SHAPES, GQA, QUERY_TOKENS)))
@@ -91,10 +56,6 @@ def test_turbo_pages_are_processed_in_bounded_blocks(name, monkeypatch):
 def tiny64(smol_tokenizer):
     """A tiny llama with head_dim 64 (GQA 2): every tier can store it."""
     return make_tiny(smol_tokenizer, seed=0, head_dim=64)
-
-
-DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. "
-       "Claims are sent to Kettle Co, 12 Harbour Road. ") * 8
 
 
 @pytest.mark.parametrize("policy", ["portable", "dequantize-once"])

@@ -9,7 +9,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_tier_attention import SHAPES, layer, reference
+from helpers.page_cases import SHAPES, layer, reference
 
 from cartridge.attention import unpacked
 from cartridge.attention.cache import LayerPrefix
@@ -104,9 +104,7 @@ def _unpacking_limit(cart):
     {"k_tier": "mlx4g32+rot", "v_tier": "mxfp4", "protect_first": 4, "protect_last": 9},  # protected tokens
 ])
 def test_a_budget_that_unpacks_generates_like_a_dense_cache(options, tiny64, tmp_path):
-    from test_cache import _decoded_kv_cache, _logits
-    from test_protect import dense_reference
-    from test_tier_attention import DOC
+    from helpers.dense_caches import DOC, _decoded_kv_cache, _logits, dense_reference
 
     if mx.default_device() != mx.cpu:
         pytest.skip("K sides are unpacked on the CPU only")

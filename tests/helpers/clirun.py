@@ -12,6 +12,9 @@ import sys
 
 from click.testing import CliRunner
 
+# the CLI tests' document: the `built` fixture (tests/conftest.py) builds DOC x 3 with a real `cartridge build`
+DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
+
 
 def run_process(*args, stdin=None, text=False, timeout=300, **kw):
     """`cartridge ARGS` as a real process: a subprocess.CompletedProcess (stdout/stderr bytes, or str if text)."""
