@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "architecture_check.py"
 _spec = importlib.util.spec_from_file_location("architecture_check", SCRIPT)
 check = importlib.util.module_from_spec(_spec)

@@ -29,7 +29,7 @@ from cartridge.format.header import parse_header
 from cartridge.format.layout import DATA_NAME
 from cartridge.format.reader import open_cartridge
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = HELPERS / "distributed_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 # qwen2: mlx-lm shards it both ways (Model.shard and PipelineMixin); untied head, so greedy answers vary

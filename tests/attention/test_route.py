@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 OWN_FAMILY = "from mlx_lm.models.base import scaled_dot_product_attention\n"  # a user's model file
 

@@ -18,7 +18,7 @@ from cartridge.attention.policy import DEQUANTIZED
 from cartridge.errors import InputError
 from cartridge.tiers import TIERS, layout as L
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -47,7 +47,7 @@ def test_weights_stay_quantized_until_dequantized():
 
 # --- Structural check before mx.load: a damaged GGUF is refused with ModelLoadError, never a crash ---
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _s(text):

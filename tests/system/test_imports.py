@@ -10,7 +10,7 @@
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "cartridge"
+PACKAGE = Path(__file__).resolve().parents[2] / "cartridge"
 
 
 def module_name(path):

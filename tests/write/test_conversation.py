@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from cartridge.errors import InputError
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 3 + "The end."
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
