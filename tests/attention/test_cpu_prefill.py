@@ -136,7 +136,7 @@ def test_question_prefill_leaves_decode_steps_and_sinks_to_the_portable_path():
 def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol_tokenizer, monkeypatch):
     """`auto` on the CPU (default memory budget: K unpacked, the question's prefill over pages decoded per
     call) against the portable path over the stored pages: the question's logits (L > 1) and a decode step's."""
-    from conftest import make_tiny
+    from helpers.tiny_models import make_tiny
     from helpers.dense_caches import DOC
 
     from cartridge.attention.kernels import dense

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 

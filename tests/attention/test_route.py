@@ -23,7 +23,7 @@ LATE_IMPORT = textwrap.dedent("""
     import own_family  # imported before any install: it holds mlx-lm's original
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from conftest import make_tiny
+    from helpers.tiny_models import make_tiny
     from helpers.family_models import make_model
     from cartridge.attention import route
     from cartridge.models.gguf import tokenizer_from_metadata

@@ -11,7 +11,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 from mlx_lm.models.cache import KVCache
 
 from cartridge.attention.policy import backend

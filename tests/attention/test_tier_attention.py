@@ -12,7 +12,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 from helpers.dense_caches import DOC, _decoded_kv_cache, _logits
 from helpers.page_cases import HEAD_DIM, N_KV, SHAPES, layer, reference
 

@@ -86,7 +86,7 @@ def test_unpacked_pages_split_over_cpu_streams_equal_one_pass():
 
 @pytest.fixture(scope="module")
 def tiny64(smol_tokenizer):
-    from conftest import make_tiny
+    from helpers.tiny_models import make_tiny
 
     return make_tiny(smol_tokenizer, seed=0, head_dim=64)
 

@@ -1,7 +1,7 @@
 """Schemas chosen by measurement at build (`cartridge.calibrate`, spec/FORMAT.md 4.7, issue 33)."""
 
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 
 import cartridge
 from cartridge.calibrate import BUDGETS, Budget, parse_ratio, search

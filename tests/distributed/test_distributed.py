@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers.cartfiles import flip, forge_records, write
 from helpers import HELPERS
-from conftest import TINY_CONFIG, make_tiny
+from helpers.tiny_models import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen2
 

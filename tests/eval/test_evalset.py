@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from conftest import QUESTIONS, ROOT
+from helpers import ROOT
+from helpers.samples import QUESTIONS
 
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_needles, load_questions, paragraph_starts, plant_needles, split_heldout

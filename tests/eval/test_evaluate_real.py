@@ -4,7 +4,7 @@ cartridge answers exactly like a fresh prefill of the full prompt. Needle recall
 measured by the `make eval` run (docs/evaluation.md)."""
 
 import pytest
-from conftest import SAMPLE, sample_questions
+from helpers.samples import SAMPLE, sample_questions
 
 from cartridge.eval.evaluate import FRESH, EvalConfig, evaluate
 from cartridge.eval.spec import Spec

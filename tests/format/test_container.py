@@ -140,7 +140,7 @@ def test_header_matches_json_schema(tmp_path):
     import json
 
     import jsonschema
-    from conftest import ROOT
+    from helpers import ROOT
 
     path = write(tmp_path / "a.cart")
     records = read_index(path, read_manifest(path))

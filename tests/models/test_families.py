@@ -14,7 +14,7 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from helpers.family_models import DOC, PAGE, WINDOW, _check, check_family, families, make_model
 from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 

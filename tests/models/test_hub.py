@@ -12,7 +12,7 @@ import pytest
 from helpers.cartfiles import forge_records, redigest_manifest
 from helpers.clirun import run_inprocess as run
 from helpers.clirun import run_process
-from conftest import hub_snapshot, make_tiny, save_model_dir
+from helpers.tiny_models import hub_snapshot, make_tiny, save_model_dir
 from huggingface_hub import constants
 
 from cartridge.errors import FieldError, ModelLoadError, ModelMismatchError

@@ -10,7 +10,7 @@ import pytest
 from cartridge.errors import ModelMismatchError
 from cartridge.models import loader
 from cartridge.stored import model_dtype
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 
 DOC = ("The warranty on the Model 7 kettle lasts 24 months from the date of purchase. "
        "Claims are sent to Kettle Co, 12 Harbour Road. ") * 6

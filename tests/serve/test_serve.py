@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from helpers.clirun import run_inprocess, run_process
-from conftest import TINY_CONFIG, make_tiny
+from helpers.tiny_models import TINY_CONFIG, make_tiny
 
 openai = pytest.importorskip("openai")
 

@@ -60,7 +60,7 @@ def test_markdown_and_reuse(files, tiny_dir, first_run):
 def tiny64_dir(smol_tokenizer, tmp_path_factory):
     """The tiny model at head_dim 64 (the rotated 4-bit tiers of preset balanced need whole groups of 32)."""
     import mlx.core as mx
-    from conftest import TINY_CONFIG, make_tiny
+    from helpers.tiny_models import TINY_CONFIG, make_tiny
     from mlx.utils import tree_flatten
 
     path, lm = tmp_path_factory.mktemp("tiny64-model"), make_tiny(smol_tokenizer, head_dim=64)

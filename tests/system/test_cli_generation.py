@@ -1,7 +1,7 @@
 """mlx-lm's generation flags on `ask` and `chat` (`cartridge.cli.generation`: --prompt, --system-prompt, --temp,
 --top-p, --top-k, --min-p, --seed, -m), and a base model (no chat template): its answers end before the plain
 prompt's next "Question:" line, `ask` and `chat` say once that the model has no template, `build` and `inspect`
-name the prompt format. The base model is scripted (`conftest.make_scripted`): after "Answer:" it writes
+name the prompt format. The base model is scripted (`helpers.tiny_models.make_scripted`): after "Answer:" it writes
 ANSWER and then the next turn, so an answer that does not stop there runs on to --max-tokens."""
 
 import json
@@ -11,7 +11,7 @@ import sys
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
 from helpers.clirun import run_inprocess as run
-from conftest import TINY_CONFIG, hub_snapshot, make_scripted, save_model_dir
+from helpers.tiny_models import TINY_CONFIG, hub_snapshot, make_scripted, save_model_dir
 
 from cartridge.models.prompt import PLAIN, question_tokens
 

@@ -74,7 +74,7 @@ def tiny64_dir(smol_tokenizer, tmp_path_factory):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from conftest import TINY_CONFIG, make_tiny
+    from helpers.tiny_models import TINY_CONFIG, make_tiny
 
     path = tmp_path_factory.mktemp("tiny64-model")
     (path / "config.json").write_text(json.dumps({**TINY_CONFIG, "head_dim": 64}))

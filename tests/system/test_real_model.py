@@ -7,7 +7,7 @@ token, what mlx-lm generates from the full prompt (document + question) with no 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import pytest
-from conftest import SAMPLE, sample_questions
+from helpers.samples import SAMPLE, sample_questions
 
 from cartridge.models.prompt import full_prompt_tokens
 

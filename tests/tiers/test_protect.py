@@ -8,7 +8,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 from helpers.dense_caches import dense_reference
 
 import cartridge
@@ -171,7 +171,7 @@ def test_safe_preset_is_int8_rot_k_int6_rot_v_in_a_valid_1_6_header(tiny64, tmp_
     import json
 
     import jsonschema
-    from conftest import ROOT
+    from helpers import ROOT
 
     from cartridge.format import keys as K
     from cartridge.format.container import read_index, read_manifest

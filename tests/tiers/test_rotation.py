@@ -132,6 +132,6 @@ def test_rotated_cartridge_records_its_rotation_and_an_unaware_reader_refuses(ti
 
 @pytest.fixture(scope="module")
 def tiny64(smol_tokenizer):
-    from conftest import make_tiny
+    from helpers.tiny_models import make_tiny
 
     return make_tiny(smol_tokenizer, seed=0, head_dim=64)

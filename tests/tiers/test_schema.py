@@ -5,7 +5,7 @@ import json
 
 import pytest
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 from helpers.clirun import run_inprocess as run
 
 from cartridge.cli.report import inspect_dict, inspect_table
@@ -230,7 +230,7 @@ def _records(path):
 
 def test_quantized_headers_match_the_json_schema(tiny64, tmp_path):
     import jsonschema
-    from conftest import ROOT
+    from helpers import ROOT
 
     spec = json.loads((ROOT / "spec" / "header.schema.json").read_text())
     rows = [{"layer": 0, "k": "turbo4", "v": "turbo2"}, {"layer": 1, "k": "nvfp4", "v": "mxfp4"},

@@ -325,7 +325,7 @@ def test_check_params_accepts_what_make_params_writes(name):
 @pytest.mark.parametrize("name", list(FORMULAS))
 def test_formula_string_is_the_spec_row_and_evaluates_exactly(name):
     """`inspect` prints codec.formula: it must be spec/FORMAT.md's and give bytes_per_token."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     codec = TIERS[name]
     row = next(line for line in (ROOT / "spec" / "FORMAT.md").read_text().splitlines()

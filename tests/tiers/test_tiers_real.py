@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import SAMPLE, sample_questions
+from helpers.samples import SAMPLE, sample_questions
 
 from cartridge.build import prefill
 from cartridge.models.prompt import prefix_tokens, prompt_mode

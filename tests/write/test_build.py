@@ -4,7 +4,7 @@ import shutil
 import warnings
 
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 
 import cartridge
 from cartridge.build import PageSizeWarning, fit_page_size

@@ -12,7 +12,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from helpers import HELPERS
-from conftest import TINY_CONFIG, make_tiny
+from helpers.tiny_models import TINY_CONFIG, make_tiny
 from mlx.utils import tree_flatten
 
 from cartridge.errors import InputError

@@ -5,7 +5,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny
+from helpers.tiny_models import make_tiny
 
 from cartridge.errors import InputError, OutputExistsError
 from cartridge.format.layout import DATA_NAME, INDEX_NAME, MANIFEST_NAME

@@ -11,7 +11,8 @@ import mlx_lm
 import numpy as np
 import pytest
 from helpers.cartfiles import forge_records
-from conftest import ROOT, make_tiny
+from helpers import ROOT
+from helpers.tiny_models import make_tiny
 
 from cartridge.errors import InputError, OutputExistsError
 from cartridge.extend import EXTEND_SEPARATOR, token_sha256

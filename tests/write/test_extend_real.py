@@ -5,7 +5,7 @@ the whole sample, and answers 5 sample questions token for token like it (50 gre
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx_lm
 import pytest
-from conftest import SAMPLE, sample_questions
+from helpers.samples import SAMPLE, sample_questions
 
 
 pytestmark = pytest.mark.slow
