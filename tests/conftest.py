@@ -99,4 +99,4 @@ def pytest_collection_modifyitems(items):
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-iterations", type=int, default=200,
-                     help="inputs per target for tests/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")
+                     help="inputs per target for tests/format/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")

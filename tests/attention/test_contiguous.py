@@ -1,7 +1,7 @@
 """The CUDA backend's path for dense pages (`kernels/contiguous.py`: MLX's SDPA over one buffer per layer with room
 for the tail) gives what the portable path gives, through trims, caches taking turns on one layer's buffer, growth
 of the room and sinks; it runs on any device, so these run on the CPU. Chunk boundaries and mlx-lm's generate loops
-over it: tests/test_tail_boundaries.py and tests/test_generate_loop.py ("contiguous")."""
+over it: tests/attention/test_tail_boundaries.py and tests/attention/test_generate_loop.py ("contiguous")."""
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 from dataclasses import replace

@@ -4,7 +4,7 @@ Each variant of `metal.sources()` (tiers x head_dims x rotation x query dtypes x
 assembled exactly as MLX assembles a custom kernel (tests/helpers/metal_source.py) and compiled with the system C++
 compiler against tests/helpers/metal_shim.h, which declares only the Metal Shading Language names the kernels use: an
 undeclared name, a type mismatch or a syntax error fails. What this cannot show: that the kernels run, or run
-correctly, on Apple silicon (tests/test_metal_kernels.py does that there).
+correctly, on Apple silicon (tests/attention/test_metal_kernels.py does that there).
 """
 
 import concurrent.futures

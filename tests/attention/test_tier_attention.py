@@ -1,7 +1,7 @@
 """Portable attention over compressed pages equals float64 attention over the decoded pages, for every tier.
 
 This separates the attention path's error (tight: rel err < 1e-3) from the tier's quantization error
-(tests/test_tiers.py), as mlx's test_qmm separates kernel error from quantization error. Then every
+(tests/tiers/test_tiers.py), as mlx's test_qmm separates kernel error from quantization error. Then every
 tier, built by `cartridge.build` on a tiny model, generates like a dense mlx-lm cache of its decoded
 pages.
 """

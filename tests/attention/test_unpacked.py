@@ -1,6 +1,6 @@
 """Affine pages with their codes unpacked to bytes (cartridge/attention/unpacked.py): the same values as the
 stored tier, and attention over them equals float64 attention over the decoded pages (the portable path's
-bound, tests/test_tier_attention.py), on odd lengths, page boundaries, GQA 1/3/4 and 1, 5 or 11 query tokens
+bound, tests/attention/test_tier_attention.py), on odd lengths, page boundaries, GQA 1/3/4 and 1, 5 or 11 query tokens
 (up to 32 query rows take block-diagonal queries, more the decoded values)."""
 
 import itertools

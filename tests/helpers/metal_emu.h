@@ -1,5 +1,5 @@
 // A CPU emulator of the few Metal Shading Language features cartridge's kernels use, so that the generated
-// sources can be RUN on Linux (tests/metal_emulator.py): one std::thread per GPU thread of a threadgroup,
+// sources can be RUN on Linux (tests/helpers/metal_emulator.py): one std::thread per GPU thread of a threadgroup,
 // threadgroups one after another (so the body's `threadgroup` arrays, turned into statics, are shared by the
 // threads of one threadgroup), simd_sum and threadgroup_barrier by std::barrier. half and bfloat are 16-bit
 // storage types converted exactly (round to nearest even). Semantics, not speed, and not Apple's compiler.

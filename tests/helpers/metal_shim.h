@@ -1,7 +1,7 @@
 // A small stand-in for the Metal Shading Language, so that the kernel sources cartridge hands to
 // mx.fast.metal_kernel can be compiled on Linux by the system C++ compiler (-fsyntax-only): it declares the MSL
 // types and functions those sources use, and nothing else, so an undeclared name or a syntax error fails the
-// compile (tests/test_metal_source.py). It stands in for the text MLX prepends to every custom kernel
+// compile (tests/attention/test_metal_source.py). It stands in for the text MLX prepends to every custom kernel
 // (metal::utils(): <metal_stdlib>, MLX's bfloat16_t). Declarations only: nothing here is run.
 #pragma once
 #define kernel

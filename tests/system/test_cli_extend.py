@@ -64,7 +64,7 @@ def test_ask_over_two_cartridges(tiny_dir, tmp_path):
 
 
 def test_extend_warns_when_little_context_is_left(tiny_dir, tmp_path):
-    """As build does (tests/test_cli.py): the tiny model's context is 512 tokens; the extended document ~440."""
+    """As build does (tests/system/test_cli.py): the tiny model's context is 512 tokens; the extended document ~440."""
     cart = tmp_path / "doc.cart"
     cartridge.build(DOC * 4, cart, model=str(tiny_dir))
     (tmp_path / "more.txt").write_text(DOC * 12)

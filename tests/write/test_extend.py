@@ -334,7 +334,7 @@ def test_bad_lineage_keys_refused(carts, tmp_path, name, change, match):
         cartridge.open_cartridge(_forged(ext.path, tmp_path, change))
 
 
-@pytest.mark.parametrize("stage", ["before-publish", "after-exchange"])  # every stage: tests/test_crash.py
+@pytest.mark.parametrize("stage", ["before-publish", "after-exchange"])  # every stage: tests/system/test_crash.py
 def test_extend_in_place_killed_at_stage_leaves_a_whole_cartridge(tiny_dir, tmp_path, stage):
     """SIGKILL during an in-place extend: the path holds the old cartridge (byte for byte) before the
     swap and the verified extended one after it; the next extend removes the dead writer's temporary."""
