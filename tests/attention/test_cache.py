@@ -11,6 +11,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from helpers.dense_caches import _decoded_kv_cache, _logits
+from mlx_lm.models.cache import KVCache
 
 from cartridge.attention.cache import CartridgeCache
 from cartridge.errors import CartridgeError
