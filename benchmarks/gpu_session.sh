@@ -15,15 +15,15 @@
 #      $LABEL-$TAG-kernel-tests.log; `profile`: Nsight Compute (--set full) of two fused decode steps each of mlx4g32
 #      and turbo3 at 128K (`gpu_floor.py --part profile`) -> $LABEL-ncu.ncu-rep, its details page $LABEL-ncu.txt;
 #      `sweep` / `prefill` / `questions`: `gpu_floor.py --part sweep|prefill|questions` -> $LABEL-sweep.*, ...;
-#      `real`: the default model's answers over an fp16 cartridge vs a fresh prefill (tests/test_real_model.py and
-#      tests/test_generate_loop.py, slow, DEVICE=gpu) -> $LABEL-$TAG-real-model.log; `final`: `cartridge bench` of the
+#      `real`: the default model's answers over an fp16 cartridge vs a fresh prefill (tests/system/test_real_model.py and
+#      tests/attention/test_generate_loop.py, slow, DEVICE=gpu) -> $LABEL-$TAG-real-model.log; `final`: `cartridge bench` of the
 #      tiers in TIERS, attention and end to end (llama3-8b) at 32K/128K, one group a call -> $LABEL-final-$TAG.*.
 # STEPS picks steps (default "dense bench tests"); TAG names the files (default seam); LABEL prefixes them (h200); IDS: a file of node ids to
 # run instead of all of FILES; SHARDS (default 8); LIMIT: seconds per shard (default 480).
 export PYTHONPATH=/root/site:$PWD CARTRIDGE_TEST_TOKENIZER=/root/gpu/tok PYTHONUNBUFFERED=1
 LABEL=${LABEL:-h200}  # the files' prefix: the card and session (h100-s7)
 OUT=${OUT:-out}; SHARDS=${SHARDS:-8}; LIMIT=${LIMIT:-480}; STEPS=${STEPS:-dense bench tests}; TAG=${TAG:-seam}
-FILES=${FILES:-tests/test_kernels.py tests/test_tail_boundaries.py tests/test_protect.py tests/test_backends.py}
+FILES=${FILES:-tests/attention/test_kernels.py tests/attention/test_tail_boundaries.py tests/tiers/test_protect.py tests/attention/test_backends.py}
 mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/nvidia-smi.txt 2>&1
 case " $STEPS " in *" dense "*)
@@ -50,7 +50,7 @@ case " $STEPS " in *" final "*)  # one group of TIERS: attention (fused, dequant
 K4=${K4:-(fused_cuda and (rot or turbo or kivi4 or sinks or protected)) or question_prefill_cuda or single_launch}
 case " $STEPS " in *" k4 "*)
   DEVICE=gpu timeout ${LIMIT_K4:-170} python3 -m pytest -q -rA -p no:cacheprovider -n 16 -m "not slow" \
-    tests/test_kernels.py -k "$K4" > $OUT/$LABEL-$TAG-kernel-tests.log 2>&1
+    tests/attention/test_kernels.py -k "$K4" > $OUT/$LABEL-$TAG-kernel-tests.log 2>&1
   grep -h -E '^(FAILED|ERROR)|passed|failed' $OUT/$LABEL-$TAG-kernel-tests.log | tail -40;; esac
 case " $STEPS " in *" profile "*)
   PATH=$PATH:/usr/local/cuda/bin timeout 150 ncu --set full -k regex:"cartridge_(mma|tc)" -c 4 -f -o $OUT/$LABEL-ncu \
@@ -62,8 +62,8 @@ for part in sweep prefill questions; do case " $STEPS " in *" $part "*)
   timeout ${LIMIT_PART:-200} python3 benchmarks/gpu_floor.py --part $part --label $LABEL $OUT > $OUT/$LABEL-$part.log 2>&1
   tail -3 $OUT/$LABEL-$part.log;; esac; done
 case " $STEPS " in *" real "*)
-  DEVICE=gpu timeout ${LIMIT_REAL:-240} python3 -m pytest -q -rA -p no:cacheprovider -m "slow or not slow" tests/test_real_model.py \
-    tests/test_generate_loop.py > $OUT/$LABEL-$TAG-real-model.log 2>&1
+  DEVICE=gpu timeout ${LIMIT_REAL:-240} python3 -m pytest -q -rA -p no:cacheprovider -m "slow or not slow" tests/system/test_real_model.py \
+    tests/attention/test_generate_loop.py > $OUT/$LABEL-$TAG-real-model.log 2>&1
   grep -h -E '^(PASSED|FAILED|ERROR)|passed|failed' $OUT/$LABEL-$TAG-real-model.log | tail -30;; esac
 case " $STEPS " in *" tests "*)
   if [ -n "$IDS" ]; then cp "$IDS" /tmp/ids; else

@@ -131,7 +131,7 @@ def sha256_gbps(n=1 << 28):
 def synthetic(path, lm, n_tokens, page_size=256):
     """A cartridge with the default model's geometry and fingerprint, filled with random fp16 pages."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from cartfiles import header as synthetic_header  # the tests' synthetic-cartridge header
+    from helpers.cartfiles import header as synthetic_header  # the tests' synthetic-cartridge header
     attn = lm.model.layers[0].self_attn
     n_layers, n_kv, head_dim = len(lm.model.layers), attn.n_kv_heads, attn.head_dim
     n_pages = -(-n_tokens // page_size)

@@ -1,21 +1,19 @@
-"""Shared fixtures: tiny random-weight llama models with the default model's tokenizer, and the real
-default model (SmolLM2-135M-Instruct) loaded once per session for the slow tests."""
+"""Shared fixtures for every folder of tests/: tiny random-weight llama models with the default model's tokenizer,
+and the real default model (SmolLM2-135M-Instruct) loaded once per session for the slow tests. What the tests
+share that is not a fixture is in tests/helpers/."""
 
 import importlib.util
-import json
 import os
 import signal
 from pathlib import Path
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from helpers.tiny_models import make_tiny, save_model_dir
 
 from cartridge.models.gguf import tokenizer_from_metadata
-from cartridge.models.loader import LoadedModel, default_gguf_path, fingerprint
+from cartridge.models.loader import default_gguf_path
 
 # A shell starts a background job (`make test &`, nohup, CI runners) with SIGINT ignored, and an ignored signal
 # stays ignored across exec: the Ctrl-C tests' subprocesses would then never see their SIGINT. A handler here
@@ -25,25 +23,6 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 if os.environ.get("DEVICE") == "gpu":  # run the same suite on the GPU (as MLX's MLXTestCase does)
     mx.set_default_device(mx.gpu)
-
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "samples" / "lgpl-3.0.txt"
-QUESTIONS = ROOT / "samples" / "lgpl-3.0.questions.jsonl"
-
-TINY_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 49152,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": True,
-}
 
 
 @pytest.fixture(scope="session")
@@ -60,33 +39,9 @@ def smol_tokenizer():
     return tokenizer_from_metadata(meta)
 
 
-def make_tiny(tokenizer, seed=0, **overrides):
-    """A random-weight float32 llama of TINY_CONFIG (plus overrides), as a LoadedModel."""
-    mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict({**TINY_CONFIG, **overrides}))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return LoadedModel(model, tokenizer, f"tiny-seed{seed}", fingerprint(model, tokenizer))
-
-
 @pytest.fixture(scope="session")
 def tiny(smol_tokenizer):
     return make_tiny(smol_tokenizer, seed=0)
-
-
-def save_model_dir(lm, path, config=None, chat_template=True):
-    """Save a LoadedModel as an mlx-lm model directory (config.json, safetensors, tokenizer files) at `path`;
-    chat_template False leaves the template out, as a base model's folder has none. Returns `path`."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config or TINY_CONFIG))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
-    lm.tokenizer._tokenizer.save_pretrained(str(path))
-    if not chat_template:
-        (path / "chat_template.jinja").unlink(missing_ok=True)
-        settings = json.loads((path / "tokenizer_config.json").read_text())
-        settings.pop("chat_template", None)
-        (path / "tokenizer_config.json").write_text(json.dumps(settings))
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -95,44 +50,11 @@ def tiny_dir(tiny, tmp_path_factory):
     return save_model_dir(tiny, tmp_path_factory.mktemp("tiny-model"))
 
 
-def make_scripted(tokenizer, after, text, seed=0):
-    """A tiny llama (TINY_CONFIG, untied head) that writes `text` greedily after the token `after`: its
-    attention and MLP outputs are zero, so each position's logits depend on its own token only, and the
-    head maps each token of `after` + `text` to the next one (a bigram table; a token may come back only
-    to go on as before).
-
-    Args:
-        tokenizer: the tokenizer `text` is encoded with. after (int): the prompt's last token id.
-        text (str): what to write; `tokenizer.encode(text)` has at most 64 distinct tokens.
-
-    Returns:
-        LoadedModel
-    """
-    chain = [after, *tokenizer.encode(text, add_special_tokens=False)]
-    following = {}
-    for a, b in zip(chain, chain[1:]):
-        assert following.setdefault(a, b) == b, f"token {a} is followed by two different tokens in {text!r}"
-    lm = make_tiny(tokenizer, seed, tie_word_embeddings=False)
-    body = lm.model.model
-    for layer in body.layers:
-        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-    width = TINY_CONFIG["hidden_size"]
-    embed, head = np.array(body.embed_tokens.weight), np.zeros((TINY_CONFIG["vocab_size"], width), np.float32)
-    for i, (a, b) in enumerate(following.items()):
-        embed[a] = np.eye(width, dtype=np.float32)[i]  # token a is basis vector i; the final norm keeps it one
-        head[b, i] = 4.0  # logit 32 for b after a (RMSNorm scales a unit basis vector to sqrt(width) = 8)
-    body.embed_tokens.weight, lm.model.lm_head.weight = mx.array(embed), mx.array(head)
-    mx.eval(lm.model.parameters())
-    return LoadedModel(lm.model, tokenizer, f"scripted-{seed}", fingerprint(lm.model, tokenizer))
-
-
 @pytest.fixture(scope="session")
 def built(tiny_dir, tmp_path_factory):
-    """The CLI tests' cartridge (tests/test_cli.py's DOC x 3, page 16), built once by a real `cartridge build`
+    """The CLI tests' cartridge (tests/helpers/clirun.py's DOC x 3, page 16), built once by a real `cartridge build`
     process for every CLI test module: (its path, the build's CompletedProcess). The tests only read it."""
-    from clirun import run_process
-    from test_cli import DOC
+    from helpers.clirun import DOC, run_process
 
     folder = tmp_path_factory.mktemp("cli")
     corpus = folder / "doc.txt"
@@ -141,21 +63,6 @@ def built(tiny_dir, tmp_path_factory):
     r = run_process("build", corpus, "-o", out, "--model", tiny_dir, "--page-size", "16")
     assert r.returncode == 0, r.stderr.decode()
     return out, r
-
-
-def hub_snapshot(hub, repo_id, revision, model_dir, main=True):
-    """Put the files of `model_dir` where the Hugging Face cache `hub` holds a snapshot of `repo_id` at commit
-    `revision` (hub/models--ORG--NAME/snapshots/REVISION/..., copies where the hub would link blobs), and point
-    refs/main at it unless `main` is False. Returns the snapshot folder."""
-    import shutil
-
-    repo = hub / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / revision
-    shutil.copytree(model_dir, snapshot)
-    if main:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / "main").write_text(revision)
-    return snapshot
 
 
 @pytest.fixture
@@ -191,11 +98,6 @@ def gemma_model():
     return cartridge.load_model("gemma3-270m")
 
 
-def sample_questions(n=None):
-    rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    return rows[:n] if n else rows
-
-
 @pytest.hookimpl(tryfirst=True)  # before the -m selection
 def pytest_collection_modifyitems(items):
     """Mark `slow` the tests a module names in SLOW_IDS ("test_x[portable-0-1000]"): combinations of a
@@ -207,4 +109,4 @@ def pytest_collection_modifyitems(items):
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-iterations", type=int, default=200,
-                     help="inputs per target for tests/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")
+                     help="inputs per target for tests/format/test_fuzz.py (5 targets; 2000 gives the 10,000-input run)")

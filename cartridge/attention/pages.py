@@ -22,7 +22,7 @@ def encode_pages(codec, x, params, page_size):
     encoded, evaluated and written into the output before the next, so the encode holds the input, the output
     and one block's temporaries (ENCODE_CHUNK) whatever T. Every codec encodes each token (or kivi4's group of
     32 tokens, which pages hold whole) on its own, so the blocks give the parts one encode of the whole side
-    gives, bit for bit (tests/test_pages.py). A side of one block is returned unevaluated, as one encode.
+    gives, bit for bit (tests/attention/test_pages.py). A side of one block is returned unevaluated, as one encode.
 
     Args:
         codec (TierCodec): the tier. x (mx.array): K or V, any float dtype.

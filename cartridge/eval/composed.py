@@ -3,7 +3,7 @@ against a fresh prefill of the same text.
 
     reference   mlx-lm on the whole prompt: chat template around  A + separator + B + ... , question
                 (or, with reference="recompute-all", the cartridges composed with every later token
-                recomputed: the same K/V up to rounding, tests/test_compose_blend.py, one prefill of B)
+                recomputed: the same K/V up to rounding, tests/compose/test_compose_blend.py, one prefill of B)
     recompute N the fp16 cartridges of A, B, ... built one by one, composed with N recomputed tokens
     + ratio R   and CacheBlend's selective recompute of R of each later document's tokens (`compose`)
 

@@ -12,7 +12,7 @@ directories and files get the mode a plain mkdir()/open() would give (0o777/0o66
 A writer killed at any point (even SIGKILL) leaves NAME as it was and a `.tmp-` sibling whose lock
 died with it; the next writer of NAME removes such siblings (it can lock them, so nobody owns them) and
 never touches a locked one. `CARTRIDGE_CRASH_AT=<stage>` makes a writer SIGKILL itself at that named
-stage, for the crash tests (tests/test_crash.py).
+stage, for the crash tests (tests/system/test_crash.py).
 """
 
 import ctypes

@@ -153,7 +153,7 @@ def write_grown(cart, caches, ids, keep, dest, force, header):
                 for extent in info.extents[(layer, side)]:
                     old = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
                     pages = new[extent.component]  # (n_new_pages, n_kv_heads, page_size, width)
-                    # encoding is per token (tests/test_extend.py): stored tokens of a partial page keep their codes
+                    # encoding is per token (tests/write/test_extend.py): stored tokens of a partial page keep their codes
                     pages[0, :, :lead] = old[full, :, :lead]
                     writer.add_extent(layer, side, extent.component, np.concatenate([old[:full], pages]))
         return writer.commit(header, np.asarray(ids, dtype=np.uint32),

@@ -10,7 +10,7 @@ the source's pages, spec/FORMAT.md 4.5.4), so `convert` of an fp16 cartridge giv
 float16 (an fp16 source) or bfloat16 (a bf16 source). From a float32 model the direct build quantizes
 the float32 K/V, while `convert` starts from their fp16 rounding; the pages then differ where a value's
 fp16 rounding moves a group minimum/maximum or a code across a rounding boundary (measured in
-tests/test_convert.py and benchmarks/extend.py --convert).
+tests/write/test_convert.py and benchmarks/extend.py --convert).
 """
 
 import json

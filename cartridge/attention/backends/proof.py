@@ -3,7 +3,7 @@
 On the first use of a (backend, K tier, V tier, head_dim) under `auto`, `proven` runs the backend's kernel on
 a small random case (two pages and an odd remainder, a 3-token tail, 4 query heads per KV head, float16
 queries) against the portable path and accepts it if the relative error max|kernel - portable| /
-max|portable| is below `TOL` (tests/test_kernels.py's float16 bound). It then times one decode step over the
+max|portable| is below `TOL` (tests/attention/test_kernels.py's float16 bound). It then times one decode step over the
 layer's own pages: kernel, portable path, and MLX's dense SDPA over random float16 K/V of the same shape.
 The record is kept in the user calibration table (`calibration.add_proof`), with its times as decode entries
 so `auto` chooses between kernel and portable path by measurement; a failure (build error, error or NaN in
@@ -20,7 +20,7 @@ from ..cache import CartridgeCache, LayerPrefix
 from ..pages import make_prefix
 from ..timing import timeit
 
-TOL = 2e-3  # relative error, float16 queries (tests/test_kernels.py TOL_FP16)
+TOL = 2e-3  # relative error, float16 queries (tests/attention/test_kernels.py TOL_FP16)
 GROUP = 4  # query heads per KV head in the proof's case and timing (the layer's own is not known at load)
 TAIL = 3
 _warned = set()  # (backend, tiers, head_dim) told that "fused" runs them unchecked

@@ -7,7 +7,7 @@ prefill of 258 tokens over 4,377 (SmolLM2-135M: 9 query heads, 3 KV heads, head_
 took 170 of the 220 ms per layer of `mx.fast.scaled_dot_product_attention`. Here the two matmuls stay
 in MLX (OpenBLAS) and the softmax runs in numpy, in place in the scores' buffer: 138 ms.
 
-Reference first (`reference`, float64 numpy), then the fast path (`attention`); tests/test_kernels.py
+Reference first (`reference`, float64 numpy), then the fast path (`attention`); tests/attention/test_kernels.py
 checks one against the other.
 """
 

@@ -40,7 +40,7 @@ from .constants import constant_lines
 def _zeros(shape, dtype=np.float32):
     """A zero array with its data (not a lazy `mx.zeros`): MLX 0.32 evaluates a lazy array on the stream of the
     thread that made it, so one made at load and first evaluated on a server's worker thread raised 'There is no
-    Stream(gpu, 0) in current thread' (tests/test_generate_loop.py on an H200, mlx4g32+rot)."""
+    Stream(gpu, 0) in current thread' (tests/attention/test_generate_loop.py on an H200, mlx4g32+rot)."""
     return mx.array(np.zeros(shape, dtype=dtype))
 
 
@@ -58,7 +58,7 @@ SINGLE_MAX_ROWS = 8  # query rows per KV head the last block finishes alone (2 p
 SINGLE_MAX_TAIL = 64  # tail tokens the last block attends to alone; longer tails take two launches
 TENSOR_CORES = True  # use flash_pass1_mma where it applies (benchmarks switch it off to compare)
 # The rotated tiers' fused path (flash_pass1_tc with RK, the finish's VROT) and sinks in the two-kernel finish
-# (SINKS); tests/test_kernels.py's fused rot and sinks cases passed on an H200 on 2026-12-02. Switched off,
+# (SINKS); tests/attention/test_kernels.py's fused rot and sinks cases passed on an H200 on 2026-12-02. Switched off,
 # rotated layers are not `supported` (auto takes dequantize-once) and a call with sinks returns None (portable).
 ROTATED_FUSED = True
 SINKS_FUSED = True

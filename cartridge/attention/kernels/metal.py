@@ -5,9 +5,9 @@ body is its compile-time constants and one call. Pass 1 reads the stored pages o
 reads (kernel tier ids and stored components: each codec's `kernel_layout`, tiers/layout.py) and dequantizes in
 registers, split over tokens; the finish merges the splits, the protected tokens, the dense tail and the sinks by
 log-sum-exp and writes the output in the queries' dtype. The reference for both is `kernels/portable.py`
-(tests/test_metal_kernels.py compares them against float64 on Apple silicon).
+(tests/attention/test_metal_kernels.py compares them against float64 on Apple silicon).
 
-Status: the generated sources are compile-checked on Linux against `metal_shim.h` (tests/test_metal_source.py);
+Status: the generated sources are compile-checked on Linux against `metal_shim.h` (tests/attention/test_metal_source.py);
 they have NOT been run on Apple hardware. Only shape-dependent values that change the registers a thread needs are
 compile-time constants (dtype, tiers, head_dim, query rows, rotation, tail chunks); KV heads, page size, split
 sizes, sinks and V rotation are runtime parameters (`prm`), so the variants are few enough to list (`sources`).
@@ -192,7 +192,7 @@ def variants():
 def sources():
     """[(variant name, kernel name, [(input name, dtype name)], [(output name, dtype name)], header, body)]:
     everything `mx.fast.metal_kernel` gets for each variant in `variants()` (every input has at least 8 elements,
-    so MLX declares each `device`). tests/metal_source.py assembles the full source as MLX does."""
+    so MLX declares each `device`). tests/helpers/metal_source.py assembles the full source as MLX does."""
     out = []
     for label, kind, consts, ins in variants():
         name, inputs, outputs, body = kernel_spec(kind, consts)
