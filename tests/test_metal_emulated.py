@@ -1,4 +1,4 @@
-"""The Metal kernels RUN on the CPU by tests/metal_emulator.py, through the product's host code (MetalAttention),
+"""The Metal kernels RUN on the CPU by tests/metal_emulator.py, through the product's host code (`metal.attend`),
 against the float64 reference of test_kernels.py. This checks what the compile check cannot (indexing, each tier's
 decode of its stored bytes, the online softmax, the merges, rotation, sinks, protected tokens), on Linux; it does
 not check Apple's Metal compiler or GPU (tests/test_metal_kernels.py runs there)."""

@@ -39,9 +39,10 @@ SHAPES = [
 
 def _kernel_out(prefix, q, tk, tv, dtype=mx.float32, sinks=None):
     """The Metal kernel's output for the case (it must answer: no portable fallback)."""
-    kernel = metal.MetalAttention(prefix)
-    cache = _cache(replace(prefix, kernel=kernel), tk, tv, dtype)
-    out = kernel(cache, mx.array(q).astype(dtype), q.shape[-1] ** -0.5, None if sinks is None else mx.array(sinks))
+    record = metal.lay_out(prefix)
+    cache = _cache(replace(prefix, backend=record), tk, tv, dtype)
+    out = metal.attend(record, cache.prefix, mx.array(q).astype(dtype), cache.tail(), q.shape[-1] ** -0.5,
+                       None if sinks is None else mx.array(sinks), cache.scratch)
     assert out is not None and out.dtype == dtype and out.shape == q.shape
     return np.array(out.astype(mx.float32))[0]
 
@@ -134,6 +135,7 @@ def test_decode_rows_beyond_eight_per_kv_head_are_not_taken():
     """More than MAX_ROWS query rows per KV head (a question's prefill): None, so the caller takes another path;
     decided before any kernel is built."""
     prefix, q, tk, tv = _case("fp16", (16, 2, 64, 64, 32, 2, 2), seed=1)  # GQA 8 x 2 tokens = 16 rows
-    kernel = metal.MetalAttention(prefix)
-    assert kernel(_cache(prefix, tk, tv, mx.float32), mx.array(q), 0.125) is None
-    assert kernel._plans == {}
+    record = metal.lay_out(prefix)
+    cache = _cache(prefix, tk, tv, mx.float32)
+    assert metal.attend(record, prefix, mx.array(q), cache.tail(), 0.125, None, cache.scratch) is None
+    assert record.plans == {}

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ..errors import CartridgeError, InputError
+from ..format.atomic import write_file
 from . import backends
 
 SHIPPED = Path(__file__).with_name("auto_tables")
@@ -186,8 +187,6 @@ def write_calibrated(table, path):
 
 def write_table(table, path):
     """Write `table` as JSON to `path` atomically (its folder is created)."""
-    from ..format.atomic import write_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file(path, lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))
