@@ -1,5 +1,5 @@
 """Dense attention of a block of queries on CPU, with the softmax in numpy (extend's prefill, and a question's
-prefill over a cartridge's pages: `QuestionPrefill`).
+prefill over a cartridge's pages: `question_prefill`).
 
 MLX 0.32's CPU exp is scalar code: 17 ns per float32 element on the shared 2-core AMD EPYC (AVX2)
 these numbers come from, against 2.2 ns for numpy's SIMD exp (CPU seconds, 10M elements). In the

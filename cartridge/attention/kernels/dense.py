@@ -82,7 +82,7 @@ def prefill_attention(prefix, tail, queries, scale, sinks=None, attend=_sdpa, de
         queries (mx.array): (1, n_q_heads, L, head_dim). scale (float): softmax scale.
         sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
         attend (callable): attend(queries, keys, values, scale, sinks) over the (1, n_kv, S, D) sequences,
-            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.QuestionPrefill`
+            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.question_prefill`
             passes its own).
         decoded (list | None): per side (K, V), its stored tokens already decoded as (1, n_kv, n, head_dim) of the
             queries' dtype, n = prefix + tail tokens, with room for the tail (`kernels.cuda` passes `cuda_decode`'s),
