@@ -130,7 +130,8 @@ class CartridgeCache(_BaseCache):
         """
         p = self.prefix
         if self._backend is not None and (mask is None or isinstance(mask, str)):
-            out = self._backend.attend(p.backend, p, queries, self.tail(), scale, sinks, self.scratch)
+            tail = Tail(self._k_chunks, self._v_chunks, self.tail_len, self.chunk_size, self.written_from)
+            out = self._backend.attend(p.backend, p, queries, tail, scale, sinks, self.scratch)
             self.written_from = self.tail_len
             if out is not None:
                 return out

@@ -308,7 +308,7 @@ def attend(inputs, prefix, queries, tail, scale, sinks, scratch):
             time per step than the single launch saves: benchmarks/gpu_e2e_variants.py at a876215.)
     """
     _, n_q, L, D = queries.shape
-    n_chunks, short_tail = tail.n_chunks, tail.length <= inputs.tuning.single_max_tail
+    n_chunks, short_tail = -(-tail.length // tail.chunk_size), tail.length <= inputs.tuning.single_max_tail
     # what a call does depends only on these (the tuning is the layer's)
     key = (n_q, L, D, queries.dtype, scale, sinks is None, n_chunks, tail.chunk_size, short_tail)
     plan = inputs.plans.get(key)
