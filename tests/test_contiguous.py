@@ -122,6 +122,11 @@ def test_questions_in_the_kernels_rows_go_to_the_pages_and_later_steps_see_their
         got, want = _step16([fast, ref], L, 300 + i)
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"step {i}, {L} tokens")
     assert routed == [inside] * 3
+    assert fast.trim(inside + 3) == ref.trim(inside + 3) == inside + 3  # positions the buffer holds, rewritten by a
+    for i, L in enumerate([inside, 1]):  # question on the pages: the decode step after it copies them in again
+        got, want = _step16([fast, ref], L, 400 + i)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"after a trim, step {i}, {L} tokens")
+    assert routed == [inside] * 4
     on = fast.prefix.backend
     q16 = mx.zeros((1, N_Q, inside, D), dtype=mx.float16)
     assert contiguous.on_pages(on, q16, fast.tail())
