@@ -1,7 +1,7 @@
 """Compile every fused kernel variant with nvcc on a machine without a GPU, as MLX's `cuda_kernel` would build it.
 
 `mx.fast.cuda_kernel` compiles a kernel with NVRTC the first time it runs, so a CUDA error in flash_decode.cuh
-would otherwise first show on the GPU machine. This script builds the same bodies (`cuda.kernel_spec`) inside
+would otherwise first show on the GPU machine. This script builds the same bodies (`cuda_source.kernel_spec`) inside
 a `__global__` wrapper shaped like MLX's (one pointer per input and output), compiles them for sm_90a, and
 prints per kernel the registers, spills and the size of its main loop in SASS instructions (cuobjdump; the
 loop with the most tensor-core instructions): a cheap, repeatable proxy for the work per 16-token tile.
@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
-from cartridge.attention.kernels import cuda, cuda_decode, cuda_prefill  # noqa: E402
+from cartridge.attention.kernels import cuda, cuda_decode, cuda_prefill, cuda_source  # noqa: E402
+from cartridge.attention.kernels.cuda_tuning import TUNING  # noqa: E402
 
 FLOAT_INPUTS = {"sgk", "sgv", "cbk", "cbv", "cb", "snk", "work", "O", "M", "L"}
 TIERS = {"fp16": (cuda.FP16, 0), "bf16": (cuda.BF16, 0), "int8": (cuda.AFF8, 0), "int6": (cuda.AFF6, 0),
@@ -43,21 +44,21 @@ def variants():
                                                                         cuda.NVFP4)):
                     continue
                 consts = (("T", mx.float16), ("TK", tid), ("BK", bits), ("TV", tid), ("BV", bits), ("HD", D),
-                          ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.TC_WARPS), ("STAGES", cuda.TC_STAGES),
+                          ("NKV", 8), ("PAGE", 256), ("WARPS", TUNING.tc_warps), ("STAGES", TUNING.tc_stages),
                           ("DIAG", 0), ("RK", rk), ("LREG", lreg), ("SCALE", D ** -0.5))
                 yield f"tc {name} d{D}{' rot' if rk else ''}{' regs' if lreg else ''}", "tc", consts
                 if rk and not lreg:  # a +rot tier's single launch: the finish rotates V's prefix output back
                     yield f"tc+finish {name} d{D} rot", "tc+finish", consts + (("CH", 256), ("VROT", True))
         for rk in (False, True):
-            consts = (("T", mx.float16), ("HD", D), ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.MMA_WARPS),
-                      ("STAGES", cuda.MMA_STAGES), ("DIAG", 0), ("RK", rk), ("SCALE", D ** -0.5))
+            consts = (("T", mx.float16), ("HD", D), ("NKV", 8), ("PAGE", 256), ("WARPS", TUNING.mma_warps),
+                      ("STAGES", TUNING.mma_stages), ("DIAG", 0), ("RK", rk), ("SCALE", D ** -0.5))
             yield f"mma mlx4g32 d{D}{' rot' if rk else ''}", "mma", consts
             yield f"mma+finish mlx4g32 d{D}{' rot' if rk else ''}", "mma+finish", consts + (("CH", 256), ("VROT", rk))
         for name, tid, bits in (("fp16", cuda.FP16, 0), ("float32 pages", cuda.F32, 0), ("int8", cuda.AFF8, 0),
                                 ("mlx4g32", cuda.AFF4, 0), ("fp8", cuda.MXFP8, 0), ("turbo4", cuda.TURBO, 4)):
             consts = (("T", mx.float16), ("TK", tid), ("TV", tid), ("BK", bits), ("BV", bits), ("HD", D), ("EPL", 8),
-                      ("ROWS", 4), ("NKV", 8), ("PAGE", 256), ("WARPS", cuda.WARPS), ("UNR", cuda.UNROLL), ("DIAG", 0),
-                      ("SCALE", D ** -0.5))
+                      ("ROWS", 4), ("NKV", 8), ("PAGE", 256), ("WARPS", TUNING.warps), ("UNR", TUNING.unroll),
+                      ("DIAG", 0), ("SCALE", D ** -0.5))
             yield f"pass1 {name} d{D}", "pass1", consts
             yield f"pass1+finish {name} d{D}", "pass1+finish", consts + (("CH", 256), ("VROT", False))
         finish = (("T", mx.float16), ("HD", D), ("NKV", 8), ("NCH", 2), ("CH", 256), ("VROT", True), ("SINKS", True),
@@ -66,11 +67,11 @@ def variants():
         for name, (tid, bits) in TIERS.items():
             for T in (mx.float16, mx.bfloat16) if name == "int8" else (mx.float16,):
                 consts = (("T", T), ("TK", tid), ("BK", bits), ("TV", tid), ("BV", bits), ("HD", D), ("NKV", 8),
-                          ("PAGE", 256), ("WARPS", cuda_prefill.WARPS), ("SCALE", D ** -0.5))
+                          ("PAGE", 256), ("WARPS", TUNING.prefill_warps), ("SCALE", D ** -0.5))
                 yield f"prefill {name} d{D}{' bf16' if T == mx.bfloat16 else ''}", "prefill", consts
             if tid in cuda_decode.DECODED_TIERS:
                 consts = (("T", mx.float16), ("TIER", tid), ("BITS", bits), ("HD", D), ("NKV", 8), ("PAGE", 256),
-                          ("WARPS", cuda_decode.WARPS))
+                          ("WARPS", TUNING.decode_warps))
                 yield f"decode {name} d{D}", "decode", consts
 
 
@@ -78,12 +79,12 @@ def wrapper(kind, consts):
     """The kernel as MLX builds it: `extern "C" __global__ void name(pointers...) { body }`, and its name."""
     n_chunks = dict(consts).get("NCH", 0) if kind == "finish" else 0
     if kind == "decode":
-        name, inputs, outputs, body = cuda_decode.kernel_spec(consts, cuda.source_header()[1])
+        name, inputs, outputs, body = cuda_decode.kernel_spec(consts, cuda_source.source_header()[1])
     elif kind == "prefill":
-        name, inputs, outputs, body = cuda_prefill.kernel_spec(consts, cuda.source_header()[1])
+        name, inputs, outputs, body = cuda_prefill.kernel_spec(consts, cuda_source.source_header()[1])
     else:
-        name, inputs, outputs, body = cuda.kernel_spec(kind, n_chunks, consts)
-    T = cuda.CUDA_TYPES[dict(consts)["T"]]
+        name, inputs, outputs, body = cuda_source.kernel_spec(kind, n_chunks, consts)
+    T = cuda_source.CUDA_TYPES[dict(consts)["T"]]
     args = []
     for n in inputs:
         ctype = "float" if n in FLOAT_INPUTS else "int32_t" if n == "prm" else T if n in ("q", "pk", "pv") or \
@@ -132,7 +133,7 @@ def main():
             continue
         name, text = wrapper(kind, consts)
         labels[name] = label
-        parts.append(cuda.source_header()[0] + text)
+        parts.append(cuda_source.source_header()[0] + text)
     (work / "kernels.cu").write_text("\n".join(parts))
     run = subprocess.run(["nvcc", f"-arch={args.arch}", "-cubin", "-Xptxas", "-v", "-o", str(work / "k.cubin"),
                           str(work / "kernels.cu")], capture_output=True, text=True)

@@ -8,14 +8,14 @@ once could approach, doing nothing else. `--part` runs instead one part of issue
 1. `dense`: an fp16/bf16 cartridge's attention against MLX's SDPA over one contiguous cache, at 32K and 128K
    tokens: decode (1 query token) and questions of 32 and 256 tokens, for
    - `sdpa`: MLX's SDPA over a (1, n_kv, N + L, D) K/V (the baseline of `cartridge bench`, with the tail);
-   - `contiguous`: the CUDA backend's path for dense pages now (`kernels/contiguous.py`);
-   - `flash`: the flash-decoding kernel over the same pages (`kernels/cuda.FusedAttention`, the path before);
+   - `contiguous`: the CUDA backend's path for dense pages now (`attention/contiguous.py`);
+   - `flash`: the flash-decoding kernel over the same pages (`kernels/cuda.py`, the path before);
    and, for decode, whole steps that also write the token's K/V (trim 1, then update, from the chained output):
    `kvcache-step` (mlx-lm's KVCache + SDPA), `contiguous-step`, `flash-step`. Each output's max abs error
    against the portable path.
 2. `e2e`: decode tokens/s through mlx-lm's generate_step (bench.end_to_end: a random llama3-8b, 32 layers) with
    a prefix of 32K and 128K tokens: mlx-lm's KVCache, and fp16 / int8 cartridges fused, fp16 both ways (the
-   contiguous buffer, then the flash kernel with `CONTIGUOUS_DENSE` off).
+   contiguous buffer, then the flash kernel: `switched(flash=True)`).
 3. `floors`: per tier at 32K and 128K, a bare streaming read of its stored bytes (best of a launch sweep of
    `READ_SRC`), to set beside its fused time from `cartridge bench`.
 4. `host`: where an end-to-end decode step's time goes at 32K (random llama3-8b, 32 layers, mlx-lm's KVCache and
@@ -38,6 +38,7 @@ import json
 import re
 import statistics
 import time
+from contextlib import contextmanager
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
@@ -46,14 +47,34 @@ from dataclasses import replace
 
 from mlx_lm.models.cache import KVCache
 
-from cartridge.attention.backends import cuda as cuda_backend
+from cartridge.attention import contiguous
 from cartridge.attention.cache import CartridgeCache
-from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
+from cartridge.attention.kernels import cuda_inputs, cuda_tuning
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import dequantize
 from cartridge.attention.route import install
 from cartridge.eval import bench
 from cartridge.tiers import TIERS
+
+
+@contextmanager
+def switched(flash=False, **tuning):
+    """Inside the block, layers are laid out (`policy.place`, `bench.time_policy`, `lay_out`) with the CUDA tuning
+    changed by `tuning` (`CudaTuning` fields) and, with `flash`, dense pages on the flash-decoding kernels rather than
+    the contiguous buffer; a layer keeps what it was laid out with."""
+    saved = cuda_tuning.TUNING, contiguous.reads
+    cuda_tuning.TUNING = replace(saved[0], **tuning)
+    if flash:
+        contiguous.reads = lambda prefix: False
+    try:
+        yield
+    finally:
+        cuda_tuning.TUNING, contiguous.reads = saved
+
+
+def tuning(**values):
+    """The CUDA tuning in use with `values` changed."""
+    return replace(cuda_tuning.TUNING, **values)
 
 
 def session_start(**lists):
@@ -188,14 +209,13 @@ def dense_rows(n, tier):
         ref.update_and_fetch(new, new)
         want = ref.attention(q, SCALE, mask)
         mx.eval(want)
-        for name, kernel in (("contiguous", contiguous.ContiguousAttention(prefix)),
-                             ("flash", cuda.FusedAttention(prefix))):
-            c = CartridgeCache(replace(prefix, kernel=kernel))
+        for name, record in (("contiguous", contiguous.lay_out(prefix)), ("flash", cuda_inputs.lay_out(prefix))):
+            c = CartridgeCache(replace(prefix, backend=record))
             c.update_and_fetch(new, new)
             _timed(rows, outs, name, lambda x: c.attention(x, SCALE, mask), q, **info)
             if L == 1:
                 _timed(rows, outs, name + "-step", _step(c, lambda x: c.attention(x, SCALE, mask)), q, **info)
-            del c, kernel
+            del c, record
             mx.clear_cache()
         for r in rows[start:]:
             got = outs.get(r["variant"])
@@ -246,8 +266,8 @@ def e2e():
     bench.POLICIES = ["fused"]
     for n in (32768, 131072):
         for contiguous_dense in (True, False):
-            cuda_backend.CONTIGUOUS_DENSE = contiguous_dense
-            found = bench.end_to_end(model, n, ["fp16", "int8"] if contiguous_dense else ["fp16"], mx.float16)
+            with switched(flash=not contiguous_dense):
+                found = bench.end_to_end(model, n, ["fp16", "int8"] if contiguous_dense else ["fp16"], mx.float16)
             for r in found:
                 if r["kind"] == "baseline" and not contiguous_dense:
                     continue
@@ -255,7 +275,6 @@ def e2e():
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             mx.clear_cache()
-    cuda_backend.CONTIGUOUS_DENSE = True
     return rows
 
 
@@ -267,7 +286,7 @@ MMA_SHAPES = ((264, 3), (528, 3), (528, 4), (1056, 3))  # blocks, stages
 def sweep():
     """Fused decode µs per launch shape: flash_pass1_tc tiers over TC_SHAPES, mlx4g32 (flash_pass1_mma) over
     MMA_SHAPES, at 32K and 128K tokens (chained, like the bench)."""
-    rows, saved = [], (cuda.TC_TARGET_BLOCKS, cuda.TC_STAGES, cuda.TC_WARPS, cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES)
+    rows = []
     for n in (131072, 32768):
         k, v = bench.random_kv(N_KV, n, D, seed=n)
         q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
@@ -277,15 +296,12 @@ def sweep():
             prefix, _ = bench.tier_prefix(tier, k, v)
             mx.eval(prefix.k_parts, prefix.v_parts)
             for shape in MMA_SHAPES if tier == "mlx4g32" else TC_SHAPES:
-                if tier == "mlx4g32":
-                    cuda.MMA_TARGET_BLOCKS, cuda.MMA_STAGES = shape
-                else:
-                    cuda.TC_TARGET_BLOCKS, cuda.TC_STAGES, cuda.TC_WARPS = shape
-                us, _, error = bench.time_policy(prefix, "fused", mx.float16, q, new, 10)
+                names = ("mma_target_blocks", "mma_stages") if tier == "mlx4g32" else \
+                    ("tc_target_blocks", "tc_stages", "tc_warps")
+                with switched(**dict(zip(names, shape))):
+                    us, _, error = bench.time_policy(prefix, "fused", mx.float16, q, new, 10)
                 rows.append({"tier": tier, "context": n, "shape": shape, "us": us, "error": error})
                 print(json.dumps(rows[-1]), flush=True)
-                (cuda.TC_TARGET_BLOCKS, cuda.TC_STAGES, cuda.TC_WARPS, cuda.MMA_TARGET_BLOCKS,
-                 cuda.MMA_STAGES) = saved
             del prefix
             mx.clear_cache()
     return rows
@@ -312,14 +328,24 @@ PREFILL_SHAPES = {"fp16": ((4, 264), (8, 528), (8, 132)), "mlx4g32": ((4, 264), 
 
 
 def _prefill_variants(prefix, L, tier):
-    """(name, kernel, rows from which the call decodes the pages, CUDA_DECODE, cuda_prefill (WARPS, TARGET_BLOCKS)
-    or None) of the question-prefill paths timed for L query tokens."""
-    fused = cuda.FusedAttention(prefix)
-    out = [("decoded-cuda", fused, 1, True, None), ("prefill", fused, 1 << 30, True, (cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS))]
-    out += [(f"prefill-w{w}-b{b}", fused, 1 << 30, True, (w, b)) for w, b in PREFILL_SHAPES.get(tier, ())]
-    out.append(("dequantize-once", contiguous.ContiguousAttention(dequantize(prefix, mx.float16)), 1, True, None))
+    """(name, backend record) of the question-prefill paths timed for L query tokens: the pages decoded for the call
+    from one query row (`cuda_decode`), the prefill kernel from one row (its launch shape in use, then those of
+    PREFILL_SHAPES), dequantize-once's contiguous buffer, and (L < 256) the decode kernel's row blocks; each record
+    laid out with its own tuning."""
+    never = 1 << 30
+    decoded = tuning(dense_min_rows={}, dense_min_rows_other=1, decoded_min_rows=1, prefill_min_rows=never,
+                     prefill_dense_rows={})
+    out = [("decoded-cuda", cuda_inputs.lay_out(prefix, decoded))]
+    prefill = dict(dense_min_rows={}, dense_min_rows_other=never, decoded_min_rows=never, prefill_min_rows=1)
+    out.append(("prefill", cuda_inputs.lay_out(prefix, tuning(**prefill))))
+    out += [(f"prefill-w{w}-b{b}", cuda_inputs.lay_out(prefix, tuning(**prefill, prefill_warps=w,
+                                                                     prefill_target_blocks=b)))
+            for w, b in PREFILL_SHAPES.get(tier, ())]
+    out.append(("dequantize-once", contiguous.lay_out(dequantize(prefix, mx.float16), decoded)))
     if L < 256:
-        out.append(("kernel", fused, 1 << 30, True, None))
+        out.append(("kernel", cuda_inputs.lay_out(prefix, tuning(dense_min_rows={}, dense_min_rows_other=never,
+                                                                 decoded_min_rows=never, prefill_min_rows=never,
+                                                                 prefill_dense_rows={}))))
     return out
 
 
@@ -329,8 +355,6 @@ def prefill():
     dequantize-once's contiguous buffer; the decode kernel's row blocks (L < 256). Each output's max abs error
     against the first (the decoded pages and MLX's SDPA)."""
     rows = []
-    saved = (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE,
-             cuda_prefill.ENABLED, cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS, cuda_prefill.MIN_ROWS)
     for n, lengths in ((131072, (32, 64, 256)), (32768, (32, 256))):
         k, v = bench.random_kv(N_KV, n, D, seed=n)
         for L in lengths:
@@ -348,12 +372,8 @@ def prefill():
                 prefix, _ = bench.tier_prefix(tier, k, v)
                 mx.eval(prefix.k_parts, prefix.v_parts)
                 ref = None
-                for name, kernel, min_rows, decode, shape in _prefill_variants(prefix, L, tier):
-                    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE = \
-                        {}, min_rows, min_rows, decode
-                    cuda_prefill.ENABLED, cuda_prefill.MIN_ROWS = shape is not None, 1
-                    cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS = shape or saved[5:7]
-                    c = CartridgeCache(replace(prefix, kernel=kernel))
+                for name, record in _prefill_variants(prefix, L, tier):
+                    c = CartridgeCache(replace(prefix, backend=record))
                     c.update_and_fetch(new, new)
                     row = {"tier": tier, "context": n, "query_tokens": L, "variant": name, "error": None}
                     try:
@@ -366,10 +386,8 @@ def prefill():
                         row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    del c
+                    del c, record
                     mx.clear_cache()
-                (cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS, cuda.CUDA_DECODE,
-                 cuda_prefill.ENABLED, cuda_prefill.WARPS, cuda_prefill.TARGET_BLOCKS, cuda_prefill.MIN_ROWS) = saved
                 del prefix
                 mx.clear_cache()
     _prefill_table(rows)
@@ -392,19 +410,25 @@ QUESTION_CONTEXTS = (131072, 32768)
 
 def questions():
     """A question (L tokens, causal) over an fp16 / bf16 cartridge's pages at 32K and 128K tokens: MLX's SDPA over
-    one (1, n_kv, N + L, D) cache (`sdpa`); the contiguous buffer (`contiguous`: QUESTIONS_ON_PAGES off); the
-    prefill kernel over the pages at every L (`kernel`: DENSE_ROWS widened); what the backend does now (`routed`);
-    for fp16 up to 128 tokens, `cuda.FusedAttention` over the pages without the buffer (what a memory budget takes)
-    with DENSE_ROWS empty (`fused-no-dense-rows`: the row-block kernels below 128 rows) and as committed (`fused`).
-    Each output's max abs difference from `contiguous`."""
-    rows, saved = [], dict(cuda_prefill.DENSE_ROWS)
+    one (1, n_kv, N + L, D) cache (`sdpa`); the contiguous buffer (`contiguous`: no question rows on the pages); the
+    prefill kernel over the pages at every L (`kernel`: `prefill_dense_rows` widened); what the backend does now
+    (`routed`); for fp16 up to 128 tokens, the flash kernels over the pages without the buffer (what a memory budget
+    takes) with `prefill_dense_rows` empty (`fused-no-dense-rows`: the row-block kernels below 128 rows) and as
+    committed (`fused`). The contiguous variants share one buffer. Each output's max abs difference from
+    `contiguous`."""
+    rows, dense_rows = [], cuda_tuning.TUNING.prefill_dense_rows
     for n in QUESTION_CONTEXTS:
         k, v = bench.random_kv(N_KV, n, D, seed=n)
         for tier in ("fp16", "bf16"):
             dtype = mx.bfloat16 if tier == "bf16" else mx.float16
             prefix = make_prefix(TIERS[tier], k, TIERS[tier], v, bench.PAGE_SIZE)
             mx.eval(prefix.k_parts, prefix.v_parts)
-            kernel = contiguous.ContiguousAttention(prefix)
+            buffer = contiguous.ContiguousKV(prefix)
+            variants = {"contiguous": tuning(question_rows=(1, 0)),
+                        "kernel": tuning(prefill_dense_rows={t: (1, 1 << 30) for t in dense_rows}),
+                        "routed": tuning()}
+            records = {name: contiguous.Contiguous(buffer, cuda_inputs.lay_out(prefix, t)) for name, t in
+                       variants.items()}
             for L in QUESTION_TOKENS:
                 q = mx.random.normal((1, N_Q, L, D)).astype(dtype)
                 new = mx.random.normal((1, N_KV, L, D)).astype(dtype)
@@ -416,15 +440,11 @@ def questions():
                                                                                   mask="causal"), 5, inner=10, chain=q)
                 rows.append({**info, "variant": "sdpa", "us": us * 1e6})
                 del dk, dv
-                c = CartridgeCache(replace(prefix, kernel=kernel))
-                c.update_and_fetch(new, new)
                 ref = None
-                for name, on_pages, widen in (("contiguous", False, False), ("kernel", True, True),
-                                              ("routed", True, False)):
-                    contiguous.QUESTIONS_ON_PAGES = on_pages
-                    cuda_prefill.DENSE_ROWS = {t: (1, 1 << 30) for t in saved} if widen else dict(saved)
-                    row = {**info, "variant": name, "error": None,
-                           "on_pages": kernel.on_pages(c, q) is not None}
+                for name, record in records.items():
+                    c = CartridgeCache(replace(prefix, backend=record))
+                    c.update_and_fetch(new, new)
+                    row = {**info, "variant": name, "error": None, "on_pages": contiguous.on_pages(record, q, c.tail())}
                     try:
                         got = c.attention(q, SCALE, "causal")
                         mx.eval(got)
@@ -435,13 +455,12 @@ def questions():
                     except Exception as e:  # recorded: a path that does not run here
                         row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
                     rows.append(row)
-                contiguous.QUESTIONS_ON_PAGES, cuda_prefill.DENSE_ROWS = True, dict(saved)
+                    del c
                 n_rows = len(rows)
                 if tier == "fp16" and L <= 128:  # the fused kernel over the pages without the buffer (a memory budget)
-                    f = CartridgeCache(replace(prefix, kernel=kernel.without_copy()))
-                    f.update_and_fetch(new, new)
-                    for name, dense_rows in (("fused-no-dense-rows", {}), ("fused", dict(saved))):
-                        cuda_prefill.DENSE_ROWS = dense_rows
+                    for name, t in (("fused-no-dense-rows", tuning(prefill_dense_rows={})), ("fused", tuning())):
+                        f = CartridgeCache(replace(prefix, backend=cuda_inputs.lay_out(prefix, t)))
+                        f.update_and_fetch(new, new)
                         row = {**info, "variant": name, "error": None}
                         try:
                             got = f.attention(q, SCALE, "causal")
@@ -452,14 +471,12 @@ def questions():
                         except Exception as e:  # recorded: a path that does not run here
                             row["us"], row["error"] = None, f"{type(e).__name__}: {e}"
                         rows.append(row)
-                    cuda_prefill.DENSE_ROWS = dict(saved)
-                    del f
+                        del f
                 base = rows[n_rows - 4]["us"]
                 print(" ".join(f"{r['variant']} {r['us'] / base:.3f}x" if r["us"] else f"{r['variant']} -"
                                for r in rows[n_rows - 3:]), f"| {tier} {n} L={L} sdpa {base:.0f} us", flush=True)
-                del c
                 mx.clear_cache()
-            del prefix, kernel
+            del prefix, buffer, records
             mx.clear_cache()
     return rows
 
@@ -510,33 +527,28 @@ def measure(model, n, tier, policy):
             "sync_ms": sync, "ops": sum(kinds.values()), "op_kinds": kinds}
 
 
-# `--part interleave`: (label, tier, {module switch: value}) held while the caches are made and their plans fixed
+# `--part interleave`: (label, tier, `switched` arguments) held while the caches are made
 VARIANTS = (("dense", "dense", {}), ("fp16 contiguous", "fp16", {}),
-            ("fp16 flash", "fp16", {"backend.CONTIGUOUS_DENSE": False}), ("mlx4g32", "mlx4g32", {}),
+            ("fp16 flash", "fp16", {"flash": True}), ("mlx4g32", "mlx4g32", {}),
             ("int8", "int8", {}), ("int8+rot", "int8+rot", {}), ("turbo3 8 warps", "turbo3", {}),
-            ("turbo3 4 warps", "turbo3", {"cuda.TC_WARPS_TURBO": 4}), ("turbo4 4 warps", "turbo4", {"cuda.TC_WARPS_TURBO": 4}))
+            ("turbo3 4 warps", "turbo3", {"tc_warps_turbo": 4}), ("turbo4 4 warps", "turbo4", {"tc_warps_turbo": 4}))
 
 
 def interleaved(model, n, rounds, only=None):
     """Every VARIANTS entry's caches made at once, then `rounds` rounds of decode tokens/s (generate_step, 32
     tokens, tails trimmed back before each) taken in turn, so that a slow stretch of a shared host hits every
     variant alike: rows with each round's tokens/s, their median and best."""
-    modules = {"backend": cuda_backend, "cuda": cuda}
     made = []
     for label, tier, switches in VARIANTS:
         if only and label not in only:
             continue
-        saved = {k: getattr(modules[k.split(".")[0]], k.split(".")[1]) for k in switches}
-        for k, v in switches.items():
-            setattr(modules[k.split(".")[0]], k.split(".")[1], v)
         try:
-            caches = make_caches(model, n, tier)
-            step_times(model, caches, n, steps=2)  # the first calls fix each layer's plan under the switches
+            with switched(**switches):
+                caches = make_caches(model, n, tier)
+            step_times(model, caches, n, steps=2)  # warm: each layer's plans made
             made.append((label, caches, None))
         except Exception as e:
             made.append((label, None, f"{type(e).__name__}: {e}"))
-        for k, v in saved.items():
-            setattr(modules[k.split(".")[0]], k.split(".")[1], v)
     runs = {label: [] for label, _, _ in made}
     for _ in range(rounds):
         for label, caches, error in made:

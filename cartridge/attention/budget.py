@@ -145,7 +145,7 @@ def plan_unpacked(sides, held, budget):
 
 def prefill_reserve(layers, dtype):
     """Bytes a question's prefill holds beside the resident pages where each layer's pages are decoded for
-    the call (`kernels.cpu.QuestionPrefill`): the largest layer's K and V as dense pages of `dtype`. It runs
+    the call (`kernels.cpu.question_prefill`): the largest layer's K and V as dense pages of `dtype`. It runs
     where the plan's resident bytes leave that room within the budget (after, not instead of, what `plan` and
     `plan_unpacked` decode or unpack: a decode step's reads of those pages come first).
 

@@ -3,7 +3,9 @@
 The prefix is the cartridge's pages for one layer, shared by every cache made from one loaded
 cartridge and never written. New tokens (the question, then generated tokens) go to a dense tail
 preallocated in fixed chunks, so nothing grows by concatenation. Attention is computed as
-prefix part (+) tail part, merged exactly by log-sum-exp (`cartridge.attention.kernels`).
+prefix part (+) tail part, merged exactly by log-sum-exp (`cartridge.attention.kernels`), or by the
+layer's backend (`LayerPrefix.backend`), which gets the tail and the cache's scratch as arguments
+(`cartridge.attention.state`) and returns the output.
 """
 
 
@@ -11,8 +13,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..errors import CartridgeError
+from . import backends
 from .kernels import merge, prefix_partial, tail_partial
 from .prefix import LayerPrefix  # noqa: F401  (defined apart so that reading a header needs no mlx-lm)
+from .state import Scratch, Tail
 
 
 SAVE_HINT = ("a cache over a cartridge's shared prefix cannot go in an mlx-lm prompt-cache file (load_prompt_cache "
@@ -59,6 +63,8 @@ class CartridgeCache(_BaseCache):
 
     Models use it through `offset` and `update_and_fetch`; attention goes through
     `cartridge.attention.route.scaled_dot_product_attention`, which calls `attention()`.
+    What a backend keeps from call to call for one cache is the cache's: `written_from` (handed over in
+    `Tail`) and `scratch` (the buffers its kernels write in place).
     """
 
     def __init__(self, prefix, chunk_size=256):
@@ -66,8 +72,10 @@ class CartridgeCache(_BaseCache):
         self.chunk_size = chunk_size
         self._k_chunks, self._v_chunks = [], []
         self.tail_len = 0
-        self.written_from = 0  # lowest tail position written since a kernel last mirrored the tail (contiguous.py)
-        self.scratch = {}  # device state a prefix kernel keeps per cache (cartridge.attention.kernels.cuda)
+        self.written_from = 0  # lowest tail position written since the last call to the layer's backend
+        self.scratch = Scratch()  # device buffers the backend's kernels write in place for this cache
+        # the registry entry whose `attend` reads the layer's backend record (None: the portable path)
+        self._backend = None if prefix.backend is None else backends.get(prefix.backend.name)
 
     @property
     def offset(self):
@@ -105,6 +113,10 @@ class CartridgeCache(_BaseCache):
         self.tail_len += keys.shape[2]
         return self.tail_chunks
 
+    def tail(self):
+        """The tail as the layer's backend reads it (`state.Tail`: the chunks themselves, not copies)."""
+        return Tail(self._k_chunks, self._v_chunks, self.tail_len, self.chunk_size, self.written_from)
+
     @property
     def tail_chunks(self):
         """The tail's preallocated chunks, for kernels that read the tail in place.
@@ -115,21 +127,9 @@ class CartridgeCache(_BaseCache):
         """
         return self._k_chunks, self._v_chunks
 
-    def _tail_parts(self):
-        """[(k, v)] per used chunk, each (n_kv_heads, tokens_in_chunk, head_dim)."""
-        out = []
-        for i, (k, v) in enumerate(zip(self._k_chunks, self._v_chunks)):
-            n = min(self.chunk_size, self.tail_len - i * self.chunk_size)
-            if n > 0:
-                out.append((k[0, :, :n, :], v[0, :, :n, :]))
-        return out
-
     def tail_kv(self):
         """The tail's keys and values, each (n_kv_heads, tail_len, head_dim); (None, None) when empty."""
-        parts = self._tail_parts()
-        if not parts:
-            return None, None
-        return tuple(mx.concatenate(side, axis=1) for side in zip(*parts))
+        return self.tail().kv()
 
     def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over prefix + tail.
@@ -149,8 +149,10 @@ class CartridgeCache(_BaseCache):
             CartridgeError: for a mask that hides prefix tokens or is not boolean.
         """
         p = self.prefix
-        if p.kernel is not None and (mask is None or isinstance(mask, str)):
-            out = p.kernel(self, queries, scale, sinks)
+        if self._backend is not None and (mask is None or isinstance(mask, str)):
+            tail = Tail(self._k_chunks, self._v_chunks, self.tail_len, self.chunk_size, self.written_from)
+            out = self._backend.attend(p.backend, p, queries, tail, scale, sinks, self.scratch)
+            self.written_from = self.tail_len
             if out is not None:
                 return out
         _, n_q, L, D = queries.shape
@@ -173,7 +175,7 @@ class CartridgeCache(_BaseCache):
         q is (n_kv, group * L, D), scaled float32. The one tail path of this cache and of composed caches."""
         keep = self._tail_keep(mask, n_kv, group, L)  # (n_kv | 1, group * L, tail_len)
         partials, start = [], 0
-        for k, v in self._tail_parts():
+        for k, v in self.tail().parts():
             end = start + k.shape[1]
             partials.append(tail_partial(q, k, v, keep[..., start:end]))
             start = end

@@ -22,12 +22,6 @@ from .pages import decode_pages
 
 POLICIES = ("auto", "fused", "portable", "dequantize-once")
 UNCOMPRESSED = ("fp16", "bf16")
-AUTO = calibration.FALLBACK  # the choice where the table has no measurement
-
-
-def backend():
-    """The device the default stream runs on, by its registry name (`backends.device`)."""
-    return backends.device()
 
 
 class DequantizedCodec(Float16Codec):
@@ -56,9 +50,9 @@ def resolve(policy):
     """
     if policy not in POLICIES:
         raise InputError(f"attention policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
-    if policy == "fused" and backends.kernel(backend()) is None:
+    if policy == "fused" and backends.kernel(backends.device()) is None:
         have = ", ".join(b.device for b in backends.REGISTRY if b.policy == "fused")
-        raise InputError(f"no fused attention kernel runs on this device ({backend()}); they run on: {have}")
+        raise InputError(f"no fused attention kernel runs on this device ({backends.device()}); they run on: {have}")
     return policy
 
 
@@ -68,7 +62,7 @@ def allowed(prefix=None, head_dim=None, prove=False):
     `backends.proof.proven`, which runs the check on first use)."""
     from .backends import proof  # (it imports the cache, so mlx-lm: not at import, for `cartridge inspect`)
 
-    fused = backends.kernel(backend())
+    fused = backends.kernel(backends.device())
     if fused is not None and prefix is not None:
         if not fused.supports(prefix, head_dim, "decode") or (prove and not proof.proven(fused, prefix, head_dim)):
             fused = None
@@ -78,7 +72,7 @@ def allowed(prefix=None, head_dim=None, prove=False):
 def _allowed_by_name(tiers, head_dim=None):
     """`allowed()` for a layer known by its tier names only (a header): "fused" where the kernel reads both and,
     for a kernel that needs proof, a stored proof for them at `head_dim` passed."""
-    fused = backends.kernel(backend())
+    fused = backends.kernel(backends.device())
     if fused is not None:
         from .backends import proof  # (it imports the cache, so mlx-lm: on a fused device only, for inspect)
 
@@ -96,8 +90,9 @@ def dequantize(prefix, dtype):
     return LayerPrefix(DEQUANTIZED, {"values": k}, DEQUANTIZED, {"values": v}, prefix.n_tokens)
 
 
-def kernel_for(policy, prefix, head_dim):
-    """The fused attention of one layer for a concrete policy, or None for the portable path.
+def backend_for(policy, prefix, head_dim):
+    """The backend record of one layer for a concrete policy (`AttentionBackend.build`), or None for the portable
+    path.
 
     "fused" and "dequantize-once" layers take the device's kernel where it reads them (dense pages too). A
     kernel that needs proof runs under "fused" even if never checked here (it warns once:
@@ -106,7 +101,7 @@ def kernel_for(policy, prefix, head_dim):
     """
     from .backends import proof  # (it imports the cache, so mlx-lm: not at import, for `cartridge inspect`)
 
-    fused = backends.kernel(backend()) if policy != "portable" else None
+    fused = backends.kernel(backends.device()) if policy != "portable" else None
     if fused is None or not fused.supports(prefix, head_dim, "decode"):
         return None
     if policy == "fused":
@@ -119,8 +114,8 @@ def kernel_for(policy, prefix, head_dim):
 def _reads_prefill(policy):
     """The device entry that reads a question's prefill over the pages itself (the CPU's: no fused decode
     kernel, `backends.cpu`), or None: under "portable" (MLX ops over the stored pages, the reference) and on a
-    device whose fused kernel reads prefills itself (`kernel_for`)."""
-    dev = backends.get(backend())
+    device whose fused kernel reads prefills itself (`backend_for`)."""
+    dev = backends.get(backends.device())
     return dev if policy != "portable" and dev is not None and dev.policy is None else None
 
 
@@ -164,7 +159,7 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
             continue
         k_dim = dims[0]
         tiers = (p.k_codec.name, p.v_codec.name)
-        out.append(calibration.choose(entries, backend(), tiers, k_dim, p.n_tokens, "decode",
+        out.append(calibration.choose(entries, backends.device(), tiers, k_dim, p.n_tokens, "decode",
                                       allowed(p, k_dim, prove=True)))
     return out
 
@@ -238,7 +233,7 @@ def _by_layer(keys):
 
 
 def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unpack=None):
-    """Choose each layer's policy, decode what the memory budget allows, and attach the kernels.
+    """Choose each layer's policy, decode what the memory budget allows, and lay out each layer's backend record.
 
     Args:
         prefixes (list): one per layer, as stored: a LayerPrefix for a page-attended layer; a ListLayer
@@ -268,7 +263,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
     """
     from .layers import ListLayer  # (mlx-lm's cache classes)
 
-    unpack = backend() == "cpu" if unpack is None else unpack
+    unpack = backends.device() == "cpu" if unpack is None else unpack
     for i, p in enumerate(prefixes):  # a CacheList layer: its parts as layers of their own
         if isinstance(p, ListLayer):
             parts = place(list(p.parts), policy, dtype, head_dims[i], max_memory, entries, unpack)[0]
@@ -291,16 +286,16 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
         if c[0] == "dequantize-once":
             q = _decoded(p, dense.get(i, set()), dtype, unpacking.get(i, set()), unpack, lazy=limit is None)
         k_dim, v_dim = head_dims[i]
-        kernel = kernel_for(c[0], q, k_dim) if k_dim == v_dim else None
-        dev = _reads_prefill(c[0]) if i in prefill and kernel is None else None
+        record = backend_for(c[0], q, k_dim) if k_dim == v_dim else None
+        dev = _reads_prefill(c[0]) if i in prefill and record is None else None
         if dev is not None and dev.supports(q, k_dim, "prefill"):
-            kernel = dev.build(q)
-        extra = kernel.held_bytes(dtype) if hasattr(kernel, "held_bytes") else 0  # a copy the kernel lays out
+            record = dev.build(q)
+        extra = record.held_bytes(dtype) if hasattr(record, "held_bytes") else 0  # a copy the backend lays out
         if extra and limit is not None and resident + extra > limit:
-            kernel = kernel.without_copy()
+            record = record.without_copy()
         else:
             resident += extra
-        out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, kernel,
+        out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, record,
                              q.protected)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
@@ -348,11 +343,6 @@ def _report(layers, sides, decoded, packed, limit, stored, resident, peak, prefi
                        "planned_peak_bytes": peak}}
 
 
-def prepare(prefixes, policy, dtype, head_dims, max_memory=None):
-    """`place` without the report: the prepared prefixes (kept for `cartridge.distributed`)."""
-    return place(list(prefixes), policy, dtype, head_dims, max_memory)[0]
-
-
 def plan_header(info, dtype, max_memory=None, entries=None):
     """What `place` does under "auto" for a cartridge, from its header alone (no pages read, no model).
 
@@ -375,7 +365,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
             choices.append(None)
             continue
         tiers = (info.tiers[i]["k"], info.tiers[i]["v"])
-        c = calibration.choose(entries, backend(), tiers, meta.k_shape[1], meta.count, "decode",
+        c = calibration.choose(entries, backends.device(), tiers, meta.k_shape[1], meta.count, "decode",
                                _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
         if _reads_prefill(c[0]) is not None:
@@ -384,7 +374,8 @@ def plan_header(info, dtype, max_memory=None, entries=None):
             for side, shape in (("k", meta.k_shape), ("v", meta.v_shape)):
                 dims = (*extents[side][0].shape[:3], shape[1])
                 codec = get_tier(info.tiers[i][side])
-                sizes = unpacked.sizes(codec, dims) if backend() == "cpu" and unpacked.can_unpack(codec) else None
+                unpack = backends.device() == "cpu" and unpacked.can_unpack(codec)
+                sizes = unpacked.sizes(codec, dims) if unpack else None
                 sides.append(budget.side_sizes(i, side, stored[side], dims, dtype, sizes))
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):

@@ -16,9 +16,10 @@ class LayerPrefix:
         k_parts, v_parts (dict[str, mx.array]): component -> (n_pages, n_kv_heads, page_size, width).
         n_tokens (int): valid tokens (the last page may be padded).
         k_params, v_params (dict): the tiers' (layer, side) parameters from the header.
-        kernel (callable | None): fused attention of this layer, called as kernel(cache, queries, scale,
-            sinks) -> output or None (built by a backend: `cartridge.attention.backends`);
-            None, or a None result, means the portable path (`cartridge.attention.kernels.portable`).
+        backend (object | None): the record of the backend that attends this layer, made from its pages at load
+            (`cartridge.attention.policy.place`; `AttentionBackend.build`): data only, its `name` the registry
+            entry whose `attend` reads it (`cartridge.attention.backends`). None, or a None output from `attend`,
+            means the portable path (`cartridge.attention.kernels.portable`).
         protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
             their compressed pages (`cartridge.tiers.protect`).
     """
@@ -30,7 +31,7 @@ class LayerPrefix:
     n_tokens: int
     k_params: dict = field(default_factory=dict)
     v_params: dict = field(default_factory=dict)
-    kernel: object = None
+    backend: object = None
     protected: object = None
 
     @property

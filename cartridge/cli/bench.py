@@ -236,7 +236,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
         raise InputError(f"--json and --plot name the same file {json_path}; give two files")
     from cartridge.eval import bench as B  # (loads mlx-lm: not at CLI start)
 
-    cuda = B.backend() == "cuda"
+    cuda = backends.device() == "cuda"
     default = [8192, 32768, 65536, 131072] if cuda else [2048, 8192]
     ctx = _contexts(contexts, "--contexts") if contexts is not None else default
     e2e_ctx = _contexts(e2e_contexts, "--e2e-contexts") if e2e_contexts is not None else None
@@ -247,7 +247,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
     questions = [] if query_tokens == "none" else _contexts(query_tokens, "--query-tokens", "question")
     B.POLICIES = None  # every policy of this backend, unless --policies names some
     if policies is not None:
-        B.POLICIES = _policies(policies, B.available_policies(), B.backend())
+        B.POLICIES = _policies(policies, B.available_policies(), backends.device())
     shape = ("llama3-8b" if cuda else "smollm2-135m") if shape is None else shape
     if shape not in B.SHAPES:
         raise InputError(f"unknown shape {shape!r}; known: {', '.join(B.SHAPES)}")

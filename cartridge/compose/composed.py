@@ -304,7 +304,7 @@ class ComposedCartridge:
             if fresh:
                 self._patches[layer].append(cache.tail_kv())
             if read:  # a part with no token left would have no key at all
-                self._layers[layer].append(Part(replace(cart.prefixes[layer], kernel=None), shift, start))
+                self._layers[layer].append(Part(replace(cart.prefixes[layer], backend=None), shift, start))
         mx.eval(self._patches)  # the recompute happens here, not in the first question's TTFT
         self.tokens += fresh + read
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from ..attention import backends
 from ..attention.cache import CartridgeCache, LayerPrefix
 from ..attention.pages import make_prefix
-from ..attention.policy import backend, dequantize, kernel_for
+from ..attention.policy import backend_for, dequantize
 from ..attention.route import install
 from ..attention.timing import timeit
 from ..tiers import TIERS
@@ -57,18 +57,18 @@ POLICIES = None  # restrict the policies measured (None: every policy this backe
 def available_policies():
     """The attention policies this device can time (a fused kernel only where it has one), limited to
     `POLICIES` when that is set; list[str]."""
-    found = backends.policies(backends.kernel(backend()) is not None)
+    found = backends.policies(backends.kernel(backends.device()) is not None)
     return [p for p in found if POLICIES is None or p in POLICIES]
 
 
 def layer_cache(prefix, policy, dtype, head_dim):
     """A CartridgeCache of one layer's `prefix` read under `policy` (None: "fused" has no kernel for it)."""
     p = dequantize(prefix, dtype) if policy == "dequantize-once" else prefix
-    kernel = kernel_for(policy, p, head_dim)
-    if policy == "fused" and kernel is None:
+    record = backend_for(policy, p, head_dim)
+    if policy == "fused" and record is None:
         return None
     return CartridgeCache(LayerPrefix(p.k_codec, p.k_parts, p.v_codec, p.v_parts, p.n_tokens,
-                                      p.k_params, p.v_params, kernel))
+                                      p.k_params, p.v_params, record))
 
 
 def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
@@ -81,7 +81,7 @@ def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):
         list[dict]: rows {"kind", "tier", "policy", "context", "us", "prefix_bytes", "error"}.
     """
     n_q, n_kv, D = shape
-    dtype = dtype or (mx.float32 if backend() == "cpu" else mx.float16)
+    dtype = dtype or (mx.float32 if backends.device() == "cpu" else mx.float16)
     k, v = random_kv(n_kv, n_tokens, D, seed=n_tokens)
     q = mx.random.normal((1, n_q, 1, D)).astype(dtype)
     new_k = mx.random.normal((1, n_kv, 1, D)).astype(dtype)
@@ -153,7 +153,7 @@ def multi_token_step(shape, n_tokens, tiers, query_tokens, dtype=None, repeats=5
         "query_rows" (GQA group x query tokens), "us", "error"}.
     """
     n_q, n_kv, D = shape
-    L, dtype = query_tokens, dtype or (mx.float32 if backend() == "cpu" else mx.float16)
+    L, dtype = query_tokens, dtype or (mx.float32 if backends.device() == "cpu" else mx.float16)
     k, v = random_kv(n_kv, n_tokens, D, seed=n_tokens)
     q = mx.random.normal((1, n_q, L, D)).astype(dtype)
     new_k = mx.random.normal((1, n_kv, L, D)).astype(dtype)
@@ -233,8 +233,8 @@ def _mlx_lm_quantized(q, dense_k, dense_v, n_tokens, repeats):
         row["prefix_bytes"] = sum(a.nbytes for a in (*qk, *qv))
         D = q.shape[-1]
         row["us"] = timeit(lambda x: quantized_scaled_dot_product_attention(
-            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats, inner=10 if backend() != "cpu" else None,
-            chain=q) * 1e6  # on a GPU its steps are slow: chains of 10 and 50
+            x, qk, qv, scale=D ** -0.5, mask=None, group_size=32, bits=4), repeats,
+            inner=10 if backends.device() != "cpu" else None, chain=q) * 1e6  # on a GPU its steps are slow: chains of 10 and 50
     except Exception as e:  # e.g. "No implementation for problem shape" on CUDA with head_dim 64
         row["error"] = f"{type(e).__name__}: {e}"
     return row
@@ -270,7 +270,7 @@ def decode_tokens_per_s(model, caches, n_tokens=32, rounds=None):
 
     prompt = mx.array([1], dtype=mx.uint32)
     start, rates = [c.offset for c in caches], []
-    for _ in range(rounds or (1 if backend() == "cpu" else 4)):
+    for _ in range(rounds or (1 if backends.device() == "cpu" else 4)):
         for c, n in zip(caches, start):
             c.trim(c.offset - n)
         times = []
@@ -378,9 +378,9 @@ def end_to_end(model, n_tokens, tiers, dtype, n_decode=32):
 
 def environment():
     """Machine, backend and versions, stated with every result."""
-    info = {"machine": platform.machine(), "platform": platform.platform(), "backend": backend(),
+    info = {"machine": platform.machine(), "platform": platform.platform(), "backend": backends.device(),
             "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}
-    if backend() == "cuda":
+    if backends.device() == "cuda":
         try:
             info["device"] = mx.device_info().get("device_name")
         except Exception:  # device_info is absent on some MLX builds
@@ -464,7 +464,7 @@ def run(contexts, tiers, shape="llama3-8b", e2e_model=None, e2e_contexts=None, r
     say("copy bandwidth")
     result = {"environment": environment(), "shape": {"name": shape, "n_q_heads": SHAPES[shape][0],
               "n_kv_heads": SHAPES[shape][1], "head_dim": SHAPES[shape][2]},
-              "copy_bytes_per_s": copy_bandwidth(1 << 30 if backend() == "cuda" else 1 << 27),
+              "copy_bytes_per_s": copy_bandwidth(1 << 30 if backends.device() == "cuda" else 1 << 27),
               "attention": [], "multi_token": [], "end_to_end": []}
     for n in contexts:
         say(f"attention at {n} tokens")

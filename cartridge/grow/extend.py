@@ -94,7 +94,7 @@ def _caches(cart, keep, attention):
         return [PrefillCache(p, keep, dtype) for p in cart.prefixes]
     prefixes = cart.prefixes
     if keep < len(cart.tokens):  # the portable path masks page tokens at and beyond n_tokens
-        prefixes = [replace(p, n_tokens=keep, kernel=None) for p in prefixes]
+        prefixes = [replace(p, n_tokens=keep, backend=None) for p in prefixes]
     return [CartridgeCache(p) for p in prefixes]
 
 

@@ -63,7 +63,7 @@ def test_the_registry_lists_each_backend_once_and_the_devices_defaults():
     assert names == ["portable", "dense", "cpu", "cuda", "metal"]
     assert backends.devices() == {"cpu": "dequantize-once", "cuda": "fused", "metal": "portable"}
     assert calibration.FALLBACK == backends.devices()
-    assert backends.device() == "cpu" and policy.backend() == "cpu"  # this machine's tests run on the CPU
+    assert backends.device() == "cpu"  # this machine's tests run on the CPU
     assert backends.kernel("cpu") is None and backends.policies(False) == ("portable", "dequantize-once")
     assert [b.name for b in backends.REGISTRY if b.needs_proof] == ["metal"]
 
@@ -94,25 +94,27 @@ def test_metal_entry_uses_the_kernel_modules_contract(monkeypatch):
     fake = types.ModuleType(metal.MODULE)
     fake.available = lambda: True
     fake.supported = lambda prefix, head_dim, mode: calls.append((head_dim, mode)) or head_dim == 64
-    fake.MetalAttention = type("MetalAttention", (), {"__init__": lambda self, prefix: calls.append(prefix)})
+    fake.lay_out = lambda prefix: calls.append(prefix) or "record"
+    fake.attend = lambda record, prefix, *args: calls.append((record, prefix, len(args))) or "out"
     monkeypatch.setitem(sys.modules, metal.MODULE, fake)
     monkeypatch.setattr(metal.METAL, "is_current", lambda: True)
     assert metal.METAL.available()
     assert metal.METAL.supports("p", 64, "decode") and not metal.METAL.supports("p", 96, "prefill")
-    assert isinstance(metal.METAL.build("p"), fake.MetalAttention)
-    assert calls == [(64, "decode"), (96, "prefill"), "p"]
+    assert metal.METAL.build("p") == "record"
+    assert metal.METAL.attend("record", "p", "q", "tail", 0.125, None, "scratch") == "out"
+    assert calls == [(64, "decode"), (96, "prefill"), "p", ("record", "p", 5)]
 
 
 # --- the proof gate, exercised with fake backends (the only kernels that can run on this machine) ----------
 
-def _reference(cache, queries, scale, sinks=None):
+def _reference(prefix, queries, tail, scale):
     """Dense attention over the decoded prefix and the tail: what a correct kernel returns."""
-    p = policy.dequantize(cache.prefix, mx.float32)
+    p = policy.dequantize(prefix, mx.float32)
     n = p.n_tokens
 
     def side(x):  # (n_pages, n_kv, P, D) -> (1, n_kv, n, D)
         return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[None, :, :n]
-    tk, tv = cache.tail_kv()
+    tk, tv = tail.kv()
     k = mx.concatenate([side(p.k_parts["values"]), tk[None].astype(mx.float32)], axis=2)
     v = mx.concatenate([side(p.v_parts["values"]), tv[None].astype(mx.float32)], axis=2)
     out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale)
@@ -136,7 +138,18 @@ class FakeKernel(AttentionBackend):
         self.builds += 1
         if self.how == "raises":
             raise RuntimeError("kernel failed to compile: undeclared identifier 'simd_sum'")
-        return (lambda c, q, s, sinks=None: _reference(c, q, s) * 1.5) if self.how == "wrong" else _reference
+        return FakeRecord(self.name)
+
+    def attend(self, record, prefix, queries, tail, scale, sinks, scratch):
+        out = _reference(prefix, queries, tail, scale)
+        return out * 1.5 if self.how == "wrong" else out
+
+
+class FakeRecord:
+    """A fake backend's record of a layer: its name only."""
+
+    def __init__(self, name):
+        self.name = name
 
 
 @pytest.fixture
@@ -175,7 +188,7 @@ def test_a_kernel_that_matches_is_proven_once_recorded_and_then_chosen(fake):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning
         layer, report = _place(_layer())
-        assert layer.kernel is _reference and report["policy"] == "fused"
+        assert isinstance(layer.backend, FakeRecord) and report["policy"] == "fused"
         builds = entry.builds  # the check's small case, its timing, the layer's kernel
         _place(_layer())
     assert entry.builds == builds + 1  # the second load builds the layer's kernel only: no new check
@@ -198,12 +211,12 @@ def test_a_kernel_that_fails_its_check_warns_once_and_takes_the_portable_path(fa
     assert len(seen) == 1
     assert re.search(f"fake-{how} attention kernel for mlx4g32 at head_dim 64 failed its check on this machine "
                      f"\\({why}.*\\); those layers take the portable path", str(seen[0].message))
-    assert layer.kernel is None and report["policy"] != "fused"
+    assert layer.backend is None and report["policy"] != "fused"
     builds = entry.builds
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the stored failure: no second check, no second warning
         layer, _ = _place(_layer())
-    assert layer.kernel is None and entry.builds == builds
+    assert layer.backend is None and entry.builds == builds
     rec = calibration.find_proof(f"fake-{how}", ("mlx4g32", "mlx4g32"), 64)
     assert not rec["ok"] and rec["us"] is None
     assert calibration.read_table(calibration.user_table_path()) == []  # no times from a failed proof
@@ -215,11 +228,11 @@ def test_fused_runs_a_kernel_never_checked_and_says_so_once(fake):
     assert policy.resolve("fused") == "fused"
     with pytest.warns(proof.KernelProofWarning, match=r"fake-wrong attention kernel for mlx4g32 at head_dim 64 was "
                                                       r"never checked on this machine"):
-        kernel = policy.kernel_for("fused", _layer(), 64)
-    assert kernel is not None and entry.builds == 1
+        record = policy.backend_for("fused", _layer(), 64)
+    assert record is not None and entry.builds == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert policy.kernel_for("fused", _layer(), 64) is not None  # once per process
+        assert policy.backend_for("fused", _layer(), 64) is not None  # once per process
     assert calibration.find_proof("fake-wrong", ("mlx4g32", "mlx4g32"), 64) is None  # "fused" proves nothing
 
 

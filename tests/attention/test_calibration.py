@@ -138,7 +138,7 @@ def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(m
     from cartridge.attention import backends, policy
     from cartridge.tiers.affine import Int6Codec
 
-    monkeypatch.setattr(policy, "backend", lambda: "cuda")
+    monkeypatch.setattr(backends, "device", lambda: "cuda")
     monkeypatch.setattr(backends.CUDA, "available", lambda: True)  # as on a CUDA device
     assert "fused" in policy._allowed_by_name(("mlx4g32+rot", "int8"))
     assert "fused" in policy._allowed_by_name(("kivi4", "int6+rot"))  # flash_pass1_tc reads both

@@ -91,7 +91,7 @@ def test_prefill_cache_with_nothing_fed_has_no_tail():
 @pytest.mark.parametrize("tier", ["fp16", "int8+rot", "int6+rot", "mlx4g32"])
 @pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
 def test_question_prefill_over_pages_matches_float64(tier, protected):
-    """A question's prefill over a layer's pages decoded for the call (`cpu.QuestionPrefill`), stored and K
+    """A question's prefill over a layer's pages decoded for the call (`cpu.question_prefill`), stored and K
     unpacked: odd prefix length, tail over two chunks, GQA 4, with and without protected tokens."""
     from helpers.kernel_cases import _cache, _case, _check, protected_reference, with_protected
 
@@ -110,7 +110,7 @@ def test_question_prefill_over_pages_matches_float64(tier, protected):
     want = protected_reference(prefix, q, tk, tv) if protected else None
     for layer in layers:
         with mx.stream(mx.cpu):
-            out = cpu.QuestionPrefill(layer)(_cache(layer, tk, tv, mx.float32), mx.array(q), shape[2] ** -0.5)
+            out = cpu.question_prefill(layer, mx.array(q), _cache(layer, tk, tv, mx.float32).tail(), shape[2] ** -0.5)
         got = np.array(out)[0]
         if protected:
             assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), layer.k_codec.name
@@ -123,10 +123,10 @@ def test_question_prefill_leaves_decode_steps_and_sinks_to_the_portable_path():
 
     prefix, q, tk, tv = _case("int8+rot", (8, 2, 64, 300, 64, 9, 1), seed=2)
     rows = cpu.PREFILL_MIN_ROWS // 4  # GQA 4: fewer rows per KV head than the threshold
-    kernel, cache = cpu.QuestionPrefill(prefix), _cache(prefix, tk, tv, mx.float32)
-    assert kernel(cache, mx.zeros((1, 8, rows - 1, 64)), 0.125) is None
-    assert kernel(cache, mx.zeros((1, 8, rows, 64)), 0.125, sinks=mx.zeros((8,))) is None
-    assert kernel(cache, mx.zeros((1, 8, rows, 64)), 0.125).shape == (1, 8, rows, 64)
+    tail = _cache(prefix, tk, tv, mx.float32).tail()
+    assert cpu.question_prefill(prefix, mx.zeros((1, 8, rows - 1, 64)), tail, 0.125) is None
+    assert cpu.question_prefill(prefix, mx.zeros((1, 8, rows, 64)), tail, 0.125, sinks=mx.zeros((8,))) is None
+    assert cpu.question_prefill(prefix, mx.zeros((1, 8, rows, 64)), tail, 0.125).shape == (1, 8, rows, 64)
 
 
 @pytest.mark.parametrize("options", [
@@ -148,17 +148,17 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     r = cartridge.build(DOC, tmp_path / "a.cart", model=lm, page_size=64, reserve=0, **options)
     fast = cartridge.load(r.path, model=lm)
     ref = cartridge.load(r.path, model=lm, attention="portable", verify="header")
-    assert all(isinstance(p.kernel, cpu.QuestionPrefill) for p in fast.prefixes)
+    assert all(isinstance(p.backend, cpu.QuestionPrefill) for p in fast.prefixes)
     said = "a question's prefill decodes each layer's pages for the call"
     assert said in fast.plan["reason"] and said in plan_header(fast.info, mx.float32)["reason"]  # inspect's too
-    assert all(p.kernel is None for p in ref.prefixes)
+    assert all(p.backend is None for p in ref.prefixes)
     fp16 = cartridge.load(cartridge.build(DOC, tmp_path / "b.cart", model=lm, page_size=64, reserve=0).path, model=lm)
-    assert all(p.kernel is None for p in fp16.prefixes)  # float32 pages: the portable path is as fast
+    assert all(p.backend is None for p in fp16.prefixes)  # float32 pages: the portable path is as fast
     assert said not in fp16.plan["reason"] and said not in plan_header(fp16.info, mx.float32)["reason"]
     stored = ref.plan["memory"]["stored_bytes"]  # a budget with no room for one layer decoded per call: portable
     with pytest.warns(budget.MemoryBudgetWarning):
         tight = cartridge.load(r.path, model=lm, max_memory=stored - 1, verify="header")
-    assert all(p.kernel is None for p in tight.prefixes)
+    assert all(p.backend is None for p in tight.prefixes)
     calls = []
     real = dense.prefill_attention
     monkeypatch.setattr(dense, "prefill_attention", lambda *a: calls.append(1) or real(*a))

@@ -21,7 +21,7 @@ from helpers.tiny_models import make_tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
-from cartridge.attention.kernels import contiguous
+from cartridge.attention import contiguous
 
 DOC = "The ferry to Inishmore leaves Rossaveal at 10:30 and returns at 17:00 daily in summer. " * 6
 # (prompt tokens, generated tokens) per turn: single-token prompts, chunk-sized pastes, a 300-token question
@@ -52,7 +52,7 @@ def cart(request, model, tmp_path_factory):
         return cartridge.load(path, model=model, attention=attention)
     # the CUDA backend's path for dense pages (MLX's SDPA over one buffer with room), taken here on any device
     cart = cartridge.load(path, model=model, attention="portable")
-    cart.prefixes = [replace(p, kernel=contiguous.ContiguousAttention(p)) for p in cart.prefixes]
+    cart.prefixes = [replace(p, backend=contiguous.lay_out(p)) for p in cart.prefixes]
     return cart
 
 

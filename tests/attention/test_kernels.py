@@ -21,6 +21,27 @@ from cartridge.tiers import TIERS
 
 HAS_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """`kernels.cuda`'s launches fill their outputs with NaN before the kernel runs (MLX's `init_value`), so a kernel
+    that leaves an element unwritten fails."""
+    from cartridge.attention.kernels import cuda
+
+    made = cuda.kernel
+
+    def kernel(*args, **kw):
+        launch = made(*args, **kw)
+        return lambda **call: launch(**call, init_value=float("nan"))
+    monkeypatch.setattr(cuda, "kernel", kernel)
+
+
+def tuned(**values):
+    """The CUDA tuning in use with `values` changed (`CudaTuning`)."""
+    from cartridge.attention.kernels.cuda_tuning import TUNING
+
+    return replace(TUNING, **values)
+
 # (n_q_heads, n_kv_heads, head_dim, prefix tokens, page size, tail tokens, query tokens)
 SHAPES = [
     (4, 4, 64, 1, 16, 1, 1),        # GQA 1, one prefix token
@@ -68,7 +89,7 @@ def test_dense_prefill_attention_matches_float64(tier, with_sinks):
     prefix, q, tk, tv = _case(tier, shape, seed=5)
     sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3 if with_sinks else None
     cache = _cache(prefix, tk, tv, mx.float32)
-    out = dense.prefill_attention(prefix, cache, mx.array(q), shape[2] ** -0.5,
+    out = dense.prefill_attention(prefix, cache.tail(), mx.array(q), shape[2] ** -0.5,
                                   None if sinks is None else mx.array(sinks))
     _check(prefix, q, tk, tv, np.array(out)[0], f"dense prefill {tier}", sinks)
 
@@ -92,28 +113,27 @@ def _fused_cases():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
 @pytest.mark.parametrize("tier, shape, tensor_cores, single, regs", list(_fused_cases()))
-def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, regs, monkeypatch):
-    from cartridge.attention.kernels import cuda
+def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, regs, monkeypatch, poisoned):
+    from cartridge.attention.kernels import cuda, cuda_inputs
 
     if cuda.tier_spec(TIERS[tier], {}) is None:
         pytest.skip(f"no fused kernel for {tier}")
-    monkeypatch.setattr(cuda, "ROTATED_FUSED", True)  # off by default until this test has passed on a GPU
-    monkeypatch.setattr(cuda, "TENSOR_CORES", tensor_cores)
-    monkeypatch.setattr(cuda, "SINGLE_LAUNCH", single)
-    monkeypatch.setattr(cuda, "REGISTER_LOOKUP", frozenset((cuda.MXFP4, cuda.NVFP4, cuda.TURBO)) if regs else frozenset())
+    has_tensor_cores = cuda.has_tensor_cores()
+    if not tensor_cores:  # as on a GPU without them: the plain pass 1
+        monkeypatch.setattr(cuda, "has_tensor_cores", lambda: False)
+    tuning = tuned(**({} if single else {"single_max_rows": 0}),  # 0: the finish as a second kernel
+                   register_lookup=frozenset((cuda.MXFP4, cuda.NVFP4, cuda.TURBO)) if regs else frozenset())
     try:
         prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 1))
     except Exception as e:
         pytest.skip(f"{tier} cannot store {shape}: {e}")
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
     fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
-                        prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
+                        prefix.k_params, prefix.v_params, cuda_inputs.lay_out(prefix, tuning))
     n_q, n_kv, D, _, _, _, L = shape
     # every shape's page is a multiple of 16 tokens; mxfp4, nvfp4, int6, kivi4 and the rotated tiers have only the
-    # tensor-core pass 1
-    tc = ((tensor_cores or cuda.tier_spec(TIERS[tier], {})[0] in cuda.TC_ONLY or tier.endswith("+rot"))
-          and D in (64, 128) and cuda.has_tensor_cores())
-    assert fused.kernel.uses_tensor_cores(n_q // n_kv * L, D) == tc
+    # tensor-core pass 1 (and none of them is run without tensor cores)
+    tc = tensor_cores and D in (64, 128) and has_tensor_cores
+    assert cuda.uses_tensor_cores(fused.backend, n_q // n_kv * L, D) == tc
     for dtype in (mx.float32, mx.float16):
         got = _run(fused, q, tk, tv, dtype)
         if dtype == mx.float16:  # inputs rounded to fp16: compare against the same rounded inputs
@@ -132,16 +152,16 @@ def test_fused_cuda_matches_float64(tier, shape, tensor_cores, single, regs, mon
     ("int8", SHAPES[4], 33, 40, False),         # the plain pass 1, tail over two chunks
     ("kivi4", SHAPES[5], 2, 2, True),
 ])
-def test_fused_cuda_protected_tokens_match_float64(tier, shape, first, last, tensor_cores, monkeypatch):
+def test_fused_cuda_protected_tokens_match_float64(tier, shape, first, last, tensor_cores, monkeypatch, poisoned):
     """Protected tokens (format 1.5): pass 1 reads the stored tokens first .. n - last - 1 only and the finish
     attends over the fp16 copies of the others, as over tail tokens every row sees."""
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda, cuda_inputs
 
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(cuda, "TENSOR_CORES", tensor_cores)
+    if not tensor_cores:  # as on a GPU without them: the plain pass 1
+        monkeypatch.setattr(cuda, "has_tensor_cores", lambda: False)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 3))
     prefix = with_protected(prefix, first, last, shape[2])
-    fused = replace(prefix, kernel=cuda.FusedAttention(prefix))
+    fused = replace(prefix, backend=cuda_inputs.lay_out(prefix))
     got = _run(fused, q, tk, tv)
     want = protected_reference(prefix, q, tk, tv)
     err = np.abs(got - want).max() / np.abs(want).max()
@@ -150,23 +170,24 @@ def test_fused_cuda_protected_tokens_match_float64(tier, shape, first, last, ten
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
 @pytest.mark.parametrize("tier", ["mlx4g32", "int8", "mlx4g32+rot", "int8+rot"])
-def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
-    """The single launch keeps per-KV-head block counters in the cache and resets them itself: repeated
+def test_single_launch_repeats_and_matches_two_launches(tier):
+    """The single launch keeps per-KV-head block counters in the cache's scratch and resets them itself: repeated
     decode steps on one cache give identical outputs, equal to the two-kernel finish up to rounding (a rotated V
     too: the last block rotates the prefix's merged output back, `rotate_back_lanes`)."""
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda_inputs
 
     prefix, q, tk, tv = _case(tier, (32, 8, 128, 5003, 256, 1, 1), seed=11)
     fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
-                        prefix.k_params, prefix.v_params, cuda.FusedAttention(prefix))
+                        prefix.k_params, prefix.v_params, cuda_inputs.lay_out(prefix))
     cache = CartridgeCache(fused, chunk_size=256)
     cache.update_and_fetch(mx.array(tk), mx.array(tv))
     qa = mx.array(q)
     outs = [np.array(cache.attention(qa, 128 ** -0.5)) for _ in range(3)]
     (work,) = cache.scratch.values()  # the work buffer ends with the 8 block counters, back at zero
     assert np.array_equal(np.array(work[-8:]).view(np.int32), np.zeros(8, dtype=np.int32))
-    monkeypatch.setattr(cuda, "SINGLE_LAUNCH", False)
-    two = np.array(cache.attention(qa, 128 ** -0.5))
+    two_launches = CartridgeCache(replace(fused, backend=cuda_inputs.lay_out(prefix, tuned(single_max_rows=0))))
+    two_launches.update_and_fetch(mx.array(tk), mx.array(tv))
+    two = np.array(two_launches.attention(qa, 128 ** -0.5))
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
     assert np.abs(two - outs[0]).max() <= 1e-5 * np.abs(two).max()
 
@@ -174,21 +195,18 @@ def test_single_launch_repeats_and_matches_two_launches(tier, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
 @pytest.mark.parametrize("tier, shape", list(itertools.product(["fp16", "mlx4g32", "mlx4g32+rot", "turbo4", "nvfp4"],
                                                                [SHAPES[1], SHAPES[2], SHAPES[5]])))
-def test_fused_cuda_sinks_match_float64(tier, shape, monkeypatch):
+def test_fused_cuda_sinks_match_float64(tier, shape, poisoned):
     """gpt-oss sinks on the fused path: the kernel itself answers (no portable fallback) with one more logit
     per head."""
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda, cuda_inputs
 
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(cuda, "ROTATED_FUSED", True)  # both off by default until this test has passed on a GPU
-    monkeypatch.setattr(cuda, "SINKS_FUSED", True)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 2))
     sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3
-    kernel = cuda.FusedAttention(prefix)
+    record = cuda_inputs.lay_out(prefix)
     fused = LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts, prefix.n_tokens,
-                        prefix.k_params, prefix.v_params, kernel)
+                        prefix.k_params, prefix.v_params, record)
     cache = _cache(fused, tk, tv, mx.float32)
-    out = kernel(cache, mx.array(q), shape[2] ** -0.5, mx.array(sinks))
+    out = cuda.attend(record, fused, mx.array(q), cache.tail(), shape[2] ** -0.5, mx.array(sinks), cache.scratch)
     assert out is not None
     got = np.array(out)[0]
     _check(prefix, q, tk, tv, got, f"fused {tier} {shape} sinks", sinks)
@@ -205,18 +223,16 @@ def test_question_prefill_cuda_decode_matches_float64(tier, shape, monkeypatch):
     partial; stored basis for the rotated tiers) and MLX's SDPA: every query row at once, tail over two chunks.
     fp16 queries only: float32 queries keep the MLX-op decode (the kernel rounds values to fp16; turbo2 at
     head_dim 64 was 1.07e-3 from float64 with float32 queries on an H200)."""
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda, cuda_inputs
 
-    from cartridge.attention.kernels import cuda_prefill
-
-    monkeypatch.setattr(cuda, "DECODED_MIN_ROWS", 1)  # every call takes the question-prefill path
-    monkeypatch.setattr(cuda_prefill, "ENABLED", False)  # and decodes the pages (not the prefill kernel)
+    # every call takes the question-prefill path and decodes the pages (the prefill kernel answers no rows)
+    tuning = tuned(decoded_min_rows=1, prefill_min_rows=1 << 30)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 5))
-    kernel = cuda.FusedAttention(prefix)
-    fused = replace(prefix, kernel=kernel)
+    record = cuda_inputs.lay_out(prefix, tuning)
+    fused = replace(prefix, backend=record)
     D, N, T = shape[2], shape[3], shape[5]
-    assert all(kernel.decoded(side, N + T, mx.float16, D) is not None for side in "kv")
-    assert kernel.decoded("k", N + T, mx.float32, D) is None
+    assert all(cuda.decoded(record, N, side, N + T, mx.float16, D) is not None for side in "kv")
+    assert cuda.decoded(record, N, "k", N + T, mx.float32, D) is None
     q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
     _check(prefix, q16, tk16, tv16, _run(fused, q, tk, tv, mx.float16), f"cuda decode {tier} {shape} fp16",
            tol=TOL_FP16)
@@ -225,12 +241,12 @@ def test_question_prefill_cuda_decode_matches_float64(tier, shape, monkeypatch):
 def test_float32_pages_never_take_the_tensor_core_pass(monkeypatch):
     """flash_pass1_tc reads fp16, bf16 and the compressed tiers; float32 pages (dequantize-once under a float32
     model) take the plain pass 1 even where the GPU has tensor cores."""
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda, cuda_inputs
 
     monkeypatch.setattr(cuda, "has_tensor_cores", lambda: True)
     prefix, *_ = _case("fp16", SHAPES[3], seed=1)
-    assert cuda.FusedAttention(dequantize(prefix, mx.float16)).uses_tensor_cores(4, 128)
-    assert not cuda.FusedAttention(dequantize(prefix, mx.float32)).uses_tensor_cores(4, 128)
+    assert cuda.uses_tensor_cores(cuda_inputs.lay_out(dequantize(prefix, mx.float16)), 4, 128)
+    assert not cuda.uses_tensor_cores(cuda_inputs.lay_out(dequantize(prefix, mx.float32)), 4, 128)
     # a float32 K beside a side only the tensor-core pass reads (K decoded within a budget, V mxfp4): no kernel
     mixed, *_ = _case("mxfp4", SHAPES[3], seed=1)
     dense_k = dequantize(mixed, mx.float32)
@@ -254,15 +270,15 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
     gets is a short body after an #include of the .cuh, and the .cuh's digest is in every name."""
     import hashlib
 
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda, cuda_source
 
-    header, digest = cuda.source_header()
-    assert header == f'#include "{cuda.SOURCE.resolve()}"\n'
-    assert digest == hashlib.sha256(cuda.SOURCE.read_text().encode()).hexdigest()[:16]
+    header, digest = cuda_source.source_header()
+    assert header == f'#include "{cuda_source.SOURCE.resolve()}"\n'
+    assert digest == hashlib.sha256(cuda_source.SOURCE.read_text().encode()).hexdigest()[:16]
     names = set()
     for kind in ("pass1", "mma", "finish", "pass1+finish", "mma+finish"):
         for consts in ((("HD", 64), ("SCALE", 0.125)), (("HD", 128), ("SCALE", 0.125))):
-            name, inputs, outputs, body = cuda.kernel_spec(kind, 2, consts)
+            name, inputs, outputs, body = cuda_source.kernel_spec(kind, 2, consts)
             assert digest in name and len(body) < 1000 and f"constexpr int HD = {consts[0][1]};" in body
             assert "constexpr float SCALE = 0x1.0000000000000p-3f;" in body
             assert ("out" in outputs) == ("finish" in kind) and ("work" in inputs) == ("+" in kind)
@@ -279,6 +295,7 @@ def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():
 
 PREFILL_TIERS = ["fp16", "bf16", "int8", "int6+rot", "mlx4g32", "mlx4g32+rot", "kivi4", "fp8", "mxfp4", "nvfp4+rot",
                  "turbo2", "turbo3", "turbo4"]
+FROM_ONE_ROW = tuned(prefill_min_rows=1, prefill_dense_rows={})  # the prefill kernel from one row, fp16/bf16 pages too
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
@@ -289,22 +306,20 @@ PREFILL_TIERS = ["fp16", "bf16", "int8", "int6+rot", "mlx4g32", "mlx4g32+rot", "
     ("fp16", (32, 8, 128, 5003, 256, 40, 40), mx.bfloat16),
     ("int8", (8, 2, 64, 1001, 64, 300, 37), mx.bfloat16),
 ])
-def test_question_prefill_kernel_matches_float64(tier, shape, dtype, monkeypatch):
+def test_question_prefill_kernel_matches_float64(tier, shape, dtype, monkeypatch, poisoned):
     """A question's prefill by `cuda_prefill` (tensor cores over the stored tiles, 64-token tiles, the last one
     partial; splits merged by the finish with the tail over one or two chunks): every query row against float64
     over the same rounded inputs; the kernel, not another path, answers."""
-    from cartridge.attention.kernels import cuda, cuda_prefill
+    from cartridge.attention.kernels import cuda, cuda_inputs, cuda_prefill
 
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
-    monkeypatch.setattr(cuda_prefill, "DENSE_ROWS", {})  # fp16/bf16 pages too from one row
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 6))
-    kernel = cuda.FusedAttention(prefix)
+    record = cuda_inputs.lay_out(prefix, FROM_ONE_ROW)
     n_q, n_kv, D, _, _, _, L = shape
-    assert kernel._prefills(n_q // n_kv * L, dtype, D) and not kernel._prefills(n_q // n_kv * L, mx.float32, D)
+    assert cuda._prefills(record, n_q // n_kv * L, dtype, D) and not cuda._prefills(record, n_q // n_kv * L,
+                                                                                     mx.float32, D)
     calls = []
     monkeypatch.setattr(cuda_prefill, "pass1", lambda *a, _f=cuda_prefill.pass1: calls.append(1) or _f(*a))
-    got = _run(replace(prefix, kernel=kernel), q, tk, tv, dtype)
+    got = _run(replace(prefix, backend=record), q, tk, tv, dtype)
     assert calls == [1]
     q16, tk16, tv16 = (np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, tk, tv))
     _check(prefix, q16, tk16, tv16, got, f"prefill kernel {tier} {shape} {dtype}",
@@ -317,16 +332,13 @@ def test_question_prefill_kernel_matches_float64(tier, shape, dtype, monkeypatch
     ("nvfp4+rot", (32, 8, 128, 777, 128, 20, 5), 17, 3),
     ("kivi4", (32, 8, 128, 777, 128, 20, 5), 2, 2),
 ])
-def test_question_prefill_kernel_protected_tokens_match_float64(tier, shape, first, last, monkeypatch):
+def test_question_prefill_kernel_protected_tokens_match_float64(tier, shape, first, last, poisoned):
     """Protected tokens (format 1.5) with the prefill kernel: it reads stored tokens first .. n - last - 1 only."""
-    from cartridge.attention.kernels import cuda, cuda_prefill
+    from cartridge.attention.kernels import cuda_inputs
 
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
-    monkeypatch.setattr(cuda_prefill, "DENSE_ROWS", {})  # fp16/bf16 pages too from one row
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 7))
     prefix = with_protected(prefix, first, last, shape[2])
-    got = _run(replace(prefix, kernel=cuda.FusedAttention(prefix)), q, tk, tv, mx.float16)
+    got = _run(replace(prefix, backend=cuda_inputs.lay_out(prefix, FROM_ONE_ROW)), q, tk, tv, mx.float16)
     q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
     want = protected_reference(prefix, q16, tk16, tv16)
     err = np.abs(got - want).max() / np.abs(want).max()
@@ -335,16 +347,13 @@ def test_question_prefill_kernel_protected_tokens_match_float64(tier, shape, fir
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
 @pytest.mark.parametrize("tier", ["fp16", "mlx4g32+rot", "turbo4"])
-def test_question_prefill_kernel_sinks_match_float64(tier, monkeypatch):
-    from cartridge.attention.kernels import cuda, cuda_prefill
+def test_question_prefill_kernel_sinks_match_float64(tier, poisoned):
+    from cartridge.attention.kernels import cuda_inputs
 
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(cuda_prefill, "MIN_ROWS", 1)
-    monkeypatch.setattr(cuda_prefill, "DENSE_ROWS", {})  # fp16/bf16 pages too from one row
     shape = (32, 8, 128, 777, 128, 20, 5)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 8))
     sinks = np.random.default_rng(3).standard_normal(shape[0]).astype(np.float32) * 3
-    got = _run(replace(prefix, kernel=cuda.FusedAttention(prefix)), q, tk, tv, mx.float16, sinks=sinks)
+    got = _run(replace(prefix, backend=cuda_inputs.lay_out(prefix, FROM_ONE_ROW)), q, tk, tv, mx.float16, sinks=sinks)
     q16, tk16, tv16 = (np.array(mx.array(a).astype(mx.float16).astype(mx.float32)) for a in (q, tk, tv))
     _check(prefix, q16, tk16, tv16, got, f"prefill kernel {tier} sinks", sinks, tol=TOL_FP16)
 
@@ -369,12 +378,12 @@ def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
     codebook raised 'There is no Stream(gpu, 0) in current thread' there on an H200)."""
     import threading
 
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda_inputs
 
     prefix, *_ = _case(tier, SHAPES[3], seed=1)
-    kernel = cuda.FusedAttention(prefix)
-    fixed = [*kernel.k_in[len(prefix.k_parts):], *kernel.v_in[len(prefix.v_parts):], kernel.cbk, kernel.cbv,
-             kernel.sgk, kernel.sgv, cuda._NO_SINKS]
+    record = cuda_inputs.lay_out(prefix)
+    fixed = [*record.k_in[len(prefix.k_parts):], *record.v_in[len(prefix.v_parts):], record.cbk, record.cbv,
+             record.sgk, record.sgv, record.no_sinks]
     errors = []
 
     def attend():
@@ -392,27 +401,27 @@ def test_fused_inputs_made_at_load_evaluate_on_another_thread(tier):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs MLX's CUDA backend (run with DEVICE=gpu)")
 @pytest.mark.parametrize("tier, dtype, L", [("fp16", mx.float16, 40), ("fp16", mx.bfloat16, 40),
                                             ("fp16", mx.float16, 2)])
-def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype, L, monkeypatch):
-    """An fp16 cartridge's question within `contiguous.QUESTION_ROWS` is answered over the pages (the contiguous
-    buffer untouched): by the prefill kernel within `cuda_prefill.DENSE_ROWS` (40 tokens, 160 rows per KV head),
+def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype, L, monkeypatch, poisoned):
+    """An fp16 cartridge's question within `CudaTuning.question_rows` is answered over the pages (the contiguous
+    buffer untouched): by the prefill kernel within `prefill_dense_rows` (40 tokens, 160 rows per KV head),
     by the row-block kernel below them (2 tokens, 8 rows); the decode steps after it, from the buffer, see its
     tokens."""
-    from cartridge.attention.kernels import contiguous, cuda, cuda_prefill
+    from cartridge.attention import contiguous
+    from cartridge.attention.kernels import cuda_prefill
+    from cartridge.attention.kernels.cuda_tuning import TUNING
 
-    monkeypatch.setattr(cuda, "POISON", float("nan"))
-    monkeypatch.setattr(contiguous, "QUESTIONS_ON_PAGES", True)  # the default; the test holds it on
     shape = (32, 8, 128, 5003, 256, 40, L)
-    lo, hi = cuda_prefill.DENSE_ROWS[cuda_prefill.FP16]
+    lo, hi = TUNING.prefill_dense_rows[cuda_prefill.FP16]
     prefill = lo <= 4 * L <= hi
-    assert contiguous.QUESTION_ROWS[0] <= 4 * L <= contiguous.QUESTION_ROWS[1] and prefill == (L == 40)
+    assert TUNING.question_rows[0] <= 4 * L <= TUNING.question_rows[1] and prefill == (L == 40)
     prefix, q, tk, tv = _case(tier, shape, seed=_seed(tier, shape, 9))
-    kernel = contiguous.ContiguousAttention(prefix)
+    record = contiguous.lay_out(prefix)
     calls = []
     monkeypatch.setattr(cuda_prefill, "pass1", lambda *a, _f=cuda_prefill.pass1: calls.append(1) or _f(*a))
-    cache = _cache(replace(prefix, kernel=kernel), tk, tv, dtype)
+    cache = _cache(replace(prefix, backend=record), tk, tv, dtype)
     got = np.array(cache.attention(mx.array(q).astype(dtype), shape[2] ** -0.5,
                                    "causal").astype(mx.float32))[0]
-    assert calls == [1] * prefill and kernel.keys is None
+    assert calls == [1] * prefill and record.buffer.keys is None
     r16 = [np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, tk, tv)]
     tol = TOL_FP16 if dtype == mx.float16 else TOL_BF16
     _check(prefix, *r16, got, f"question on the pages {tier} {dtype}", tol=tol)
@@ -425,11 +434,12 @@ def test_contiguous_question_on_the_pages_then_decode_match_float64(tier, dtype,
         q16 = np.array(mx.array(q1).astype(dtype).astype(mx.float32))
         got = np.array(cache.attention(mx.array(q1).astype(dtype), shape[2] ** -0.5).astype(mx.float32))[0]
         _check(prefix, q16, r16[1], r16[2], got, f"decode step {step} after the question", tol=tol)
-    assert calls == [1] * prefill and kernel.keys is not None
+    assert calls == [1] * prefill and record.buffer.keys is not None
 
 
 def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():
     from cartridge.attention.kernels import cuda_prefill as cp
+    from cartridge.attention.kernels.cuda_tuning import TUNING
 
     aff4, int8, turbo3, turbo4 = (cp.AFF4, 0, ()), (cp.AFF8, 0, ()), (cp.TURBO, 3, ()), (cp.TURBO, 4, ())
     f16 = mx.float16
@@ -438,6 +448,6 @@ def test_question_prefill_kernel_takes_the_rows_where_it_was_measured_faster():
     assert not cp.reads(aff4, aff4, 256, 128, f16, 256, rotated=True) and cp.reads(aff4, aff4, 256, 128, f16, 255, True)
     assert not cp.reads(aff4, aff4, 256, 128, mx.float32, 128)  # float32 queries: the exact paths
     fp16 = (cp.FP16, 0, ())
-    lo, hi = cp.DENSE_ROWS[cp.FP16]  # fp16 pages: their own range
+    lo, hi = TUNING.prefill_dense_rows[cp.FP16]  # fp16 pages: their own range
     assert [cp.reads(fp16, fp16, 256, 128, f16, r) for r in (lo - 1, lo, hi, hi + 1)] == [False, True, True, False]
     assert not cp.reads(aff4, aff4, 8, 128, f16, 128) and not cp.reads(aff4, aff4, 256, 256, f16, 128)

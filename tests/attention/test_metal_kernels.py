@@ -7,7 +7,7 @@ NaN, so a kernel that over-reads fails. Every tier of the registry (the +rot tie
 GQA 1/3/4/8, head_dim 64/96/128/256, odd lengths and page boundaries +-1; sinks; protected tokens; float32 pages
 beside a compressed side. The kernel is called directly, so a None (the portable fallback) fails the test.
 The tests after them (not marked) check `supported` and run anywhere. The last ones RUN the same kernels on the
-CPU by tests/helpers/metal_emulator.py, through the product's host code (MetalAttention): what the compile check
+CPU by tests/helpers/metal_emulator.py, through the product's host code (`metal.attend`): what the compile check
 (test_metal_source.py) cannot see (indexing, each tier's decode of its stored bytes, the online softmax, the
 merges, rotation, sinks, protected tokens), on Linux; not Apple's Metal compiler or GPU.
 """
@@ -44,9 +44,10 @@ SHAPES = [
 
 def _kernel_out(prefix, q, tk, tv, dtype=mx.float32, sinks=None):
     """The Metal kernel's output for the case (it must answer: no portable fallback)."""
-    kernel = metal.MetalAttention(prefix)
-    cache = _cache(replace(prefix, kernel=kernel), tk, tv, dtype)
-    out = kernel(cache, mx.array(q).astype(dtype), q.shape[-1] ** -0.5, None if sinks is None else mx.array(sinks))
+    record = metal.lay_out(prefix)
+    cache = _cache(replace(prefix, backend=record), tk, tv, dtype)
+    out = metal.attend(record, cache.prefix, mx.array(q).astype(dtype), cache.tail(), q.shape[-1] ** -0.5,
+                       None if sinks is None else mx.array(sinks), cache.scratch)
     assert out is not None and out.dtype == dtype and out.shape == q.shape
     return np.array(out.astype(mx.float32))[0]
 
@@ -139,9 +140,10 @@ def test_decode_rows_beyond_eight_per_kv_head_are_not_taken():
     """More than MAX_ROWS query rows per KV head (a question's prefill): None, so the caller takes another path;
     decided before any kernel is built."""
     prefix, q, tk, tv = _case("fp16", (16, 2, 64, 64, 32, 2, 2), seed=1)  # GQA 8 x 2 tokens = 16 rows
-    kernel = metal.MetalAttention(prefix)
-    assert kernel(_cache(prefix, tk, tv, mx.float32), mx.array(q), 0.125) is None
-    assert kernel._plans == {}
+    record = metal.lay_out(prefix)
+    cache = _cache(prefix, tk, tv, mx.float32)
+    assert metal.attend(record, prefix, mx.array(q), cache.tail(), 0.125, None, cache.scratch) is None
+    assert record.plans == {}
 
 
 # ---- on the CPU: the same kernels run by tests/helpers/metal_emulator.py (no Mac needed) ----

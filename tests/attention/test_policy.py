@@ -47,7 +47,7 @@ def test_portable_reads_every_layers_stored_pages_as_asked():
     layers = _layers("mlx4g32", "fp16")
     out, report = place(list(layers), "portable", mx.float32, [(D, D)] * 2)
     for got, stored in zip(out, layers):
-        assert (got.k_codec, got.v_codec, got.kernel) == (stored.k_codec, stored.v_codec, None)
+        assert (got.k_codec, got.v_codec, got.backend) == (stored.k_codec, stored.v_codec, None)
         assert got.k_parts is stored.k_parts and got.v_parts is stored.v_parts  # the stored arrays, no copy
     assert report["layers"] == [{"layer": i, "policy": "portable", "reason": "portable: asked for"} for i in (0, 1)]
     assert (report["policy"], report["reason"]) == ("portable", "portable: asked for")

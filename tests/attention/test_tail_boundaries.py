@@ -14,7 +14,7 @@ import pytest
 from helpers.tiny_models import make_tiny
 from mlx_lm.models.cache import KVCache
 
-from cartridge.attention.policy import backend
+from cartridge.attention.backends import device
 
 DOC = "The ferry to Inishmore leaves Rossaveal at 10:30 and returns at 17:00 daily in summer. " * 6
 CHUNK = 256  # CartridgeCache's default chunk_size
@@ -40,34 +40,33 @@ SLOW_IDS = {f"test_query_across_tail_chunks_matches_mlx_lm[{path}-{before}-{leng
 
 @pytest.fixture(scope="module", params=PATHS)
 def cart(request, model, tmp_path_factory):
-    if request.param == "fused" and backend() != "cuda":
+    if request.param == "fused" and device() != "cuda":
         pytest.skip("the fused kernels need the CUDA backend (run with DEVICE=gpu on an NVIDIA GPU)")
     path = tmp_path_factory.mktemp("tail") / "doc.cart"
     if not path.exists():
         cartridge.build(DOC, path, model=model, page_size=64)
     if request.param == "contiguous":  # the CUDA backend's path for dense pages, taken here on any device
-        from cartridge.attention.kernels import contiguous
+        from cartridge.attention import contiguous
 
         cart = cartridge.load(path, model=model, attention="portable")
-        cart.prefixes = [replace(p, kernel=contiguous.ContiguousAttention(p)) for p in cart.prefixes]
+        cart.prefixes = [replace(p, backend=contiguous.lay_out(p)) for p in cart.prefixes]
         yield cart
         return
     if request.param != "question-prefill":
         cart = cartridge.load(path, model=model, attention=request.param)
         if request.param != "dequantize-once":  # which runs the fused kernel over its dense pages on CUDA
-            assert (cart.prefixes[0].kernel is not None) == (request.param == "fused")
+            assert (cart.prefixes[0].backend is not None) == (request.param == "fused")
         yield cart
         return
     # the fused layer's path for many query rows (pages decoded for the call, MLX's SDPA; kernels/dense.py),
     # taken here for every call, so it runs on any backend
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda_inputs
+    from cartridge.attention.kernels.cuda_tuning import TUNING
 
     cart = cartridge.load(path, model=model, attention="portable")
-    cart.prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart.prefixes]
-    saved = cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS
-    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS = {}, 1, 1
+    every_call = replace(TUNING, dense_min_rows={}, dense_min_rows_other=1, decoded_min_rows=1)
+    cart.prefixes = [replace(p, backend=cuda_inputs.lay_out(p, every_call)) for p in cart.prefixes]
     yield cart
-    cuda.DENSE_MIN_ROWS, cuda.DENSE_MIN_ROWS_OTHER, cuda.DECODED_MIN_ROWS = saved
 
 
 def _dense_prefix_cache(cart):

@@ -16,6 +16,7 @@ import cartridge
 import cartridge.cli.eval as eval_cli
 import cartridge.eval.bench as B
 import cartridge.eval.evaluate
+from cartridge.attention.backends import device
 from cartridge.cli.main import main
 from cartridge.format.atomic import TempDir, write_file
 
@@ -78,7 +79,7 @@ def bench_calls(monkeypatch):
     return calls
 
 
-KNOWN = ", ".join(["fused", "portable", "dequantize-once"] if B.backend() == "cuda" else ["portable", "dequantize-once"])
+KNOWN = ", ".join(["fused", "portable", "dequantize-once"] if device() == "cuda" else ["portable", "dequantize-once"])
 
 
 @pytest.mark.parametrize("args, code, expect", [
@@ -108,7 +109,7 @@ KNOWN = ", ".join(["fused", "portable", "dequantize-once"] if B.backend() == "cu
     (["--tiers", "fp16,int8,fp16"], 1, "--tiers names fp16 twice"),
     (["--e2e-tiers", " "], 1, "--e2e-tiers names no tier"),
 ] + ([(["--policies", "fused"], 1, "attention policy 'fused' does not run on this backend (cpu); "
-                                   f"choose from: {KNOWN}")] if B.backend() == "cpu" else []))
+                                   f"choose from: {KNOWN}")] if device() == "cpu" else []))
 def test_bench_bad_option_one_line_no_work(capsys, bench_calls, args, code, expect):
     status, out, err = cli(capsys, "bench", "--contexts", "256", *args)
     assert status == code

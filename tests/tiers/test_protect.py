@@ -12,7 +12,7 @@ from helpers.tiny_models import make_tiny
 from helpers.dense_caches import dense_reference
 
 import cartridge
-from cartridge.attention.policy import backend
+from cartridge.attention.backends import device
 from cartridge.write.build import prefill
 from cartridge.errors import FieldError, InputError
 from cartridge.format.container import read_index, read_manifest
@@ -45,18 +45,17 @@ def test_protected_copies_are_the_models_kv_in_fp16(tiny64, tmp_path):
     assert r.bytes_per_token == 2 * 2 * 80 + round(8 * fp16 / r.tokens) == info.bytes_per_token()  # kv_dim 128
 
 
-def _load(path, model, policy, monkeypatch):
+def _load(path, model, policy):
     """The cartridge under `policy`; "question-prefill": every multi-token call takes the path that decodes the
     layer's pages for the call (kernels/dense.py, the fused layer's path for many query rows), on any backend."""
     if policy != "question-prefill":
         return cartridge.load(path, model=model, attention=policy)
-    from cartridge.attention.kernels import cuda
+    from cartridge.attention.kernels import cuda_inputs
+    from cartridge.attention.kernels.cuda_tuning import TUNING
 
     cart = cartridge.load(path, model=model, attention="portable")
-    cart.prefixes = [replace(p, kernel=cuda.FusedAttention(p)) for p in cart.prefixes]
-    monkeypatch.setattr(cuda, "DENSE_MIN_ROWS", {})
-    monkeypatch.setattr(cuda, "DENSE_MIN_ROWS_OTHER", 1)
-    monkeypatch.setattr(cuda, "DECODED_MIN_ROWS", 1)
+    every_call = replace(TUNING, dense_min_rows={}, dense_min_rows_other=1, decoded_min_rows=1)
+    cart.prefixes = [replace(p, backend=cuda_inputs.lay_out(p, every_call)) for p in cart.prefixes]
     return cart
 
 
@@ -68,11 +67,11 @@ def _load(path, model, policy, monkeypatch):
     {"k_tier": "kivi4", "v_tier": "nvfp4+rot", "protect_first": 2, "protect_last": 2},
     {"preset": "balanced"}, {"preset": "compact"}, {"preset": "safe"},
 ])
-def test_attention_equals_dense_attention_over_decoded_and_protected(tiny64, tmp_path, options, policy, monkeypatch):
-    if policy == "fused" and backend() != "cuda":
+def test_attention_equals_dense_attention_over_decoded_and_protected(tiny64, tmp_path, options, policy):
+    if policy == "fused" and device() != "cuda":
         pytest.skip("the fused kernels need the CUDA backend (run with DEVICE=gpu on an NVIDIA GPU)")
     r = cartridge.build(DOC, tmp_path / "a.cart", model=tiny64, reserve=0, page_size=64, **options)
-    cart = _load(r.path, tiny64, policy, monkeypatch)
+    cart = _load(r.path, tiny64, policy)
     q = cart.question_prompt("How long does the warranty last?")
     cache = cart.prompt_cache()
     got = cart.model(mx.array(q)[None], cache=cache)[0]
@@ -80,7 +79,7 @@ def test_attention_equals_dense_attention_over_decoded_and_protected(tiny64, tmp
                                                                               attention="portable")))[0]
     # on a GPU both sides' float32 matmuls run at reduced precision (measured on an H200: 3.3e-3 between the
     # portable path and its reference, benchmarks/results/h200-kernel-tests-protect.log)
-    tol = 1e-4 if backend() == "cpu" else 2e-2
+    tol = 1e-4 if device() == "cpu" else 2e-2
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
     step = cart.model(mx.array([int(mx.argmax(got[-1]))])[None], cache=cache)  # one decode step after
     assert np.isfinite(np.array(step)).all()

@@ -12,8 +12,11 @@ class AttentionBackend:
 
     - a device entry (`default_policy` set): names the device it runs on ("cpu", "cuda", "metal") and the
       policy `auto` takes there where the measured table has no case;
-    - a kernel entry (`policy` set): the layers it reads (`supports`) and the callable it builds (`build`);
-      `None` from `build` (or from the callable) means the portable path.
+    - a kernel entry (`policy` set): the layers it reads (`supports`), the record it lays out from a layer's pages
+      at load (`build`: data, kept as `LayerPrefix.backend`) and the attention it computes from that record and
+      a cache's tail (`attend`); `None` from either means the portable path.
+
+    A device entry whose device reads a question's prefill itself (the CPU's) builds and attends the same way.
 
     Attributes:
         name (str): the backend's name, as `cartridge bench`, the tables and the proofs record it.
@@ -53,8 +56,25 @@ class AttentionBackend:
         return True
 
     def build(self, prefix):
-        """The layer's attention, built once: callable(cache, queries, scale, sinks) -> (1, n_q_heads, L, D)
-        in the queries' dtype, or None (the portable path for that call); None here: the portable path always."""
+        """What this backend lays out from the layer's pages, once at load: a record (data, not callable) whose
+        `name` is this entry's, kept as `LayerPrefix.backend`; None here: the portable path always."""
+        return None
+
+    def attend(self, record, prefix, queries, tail, scale, sinks, scratch):
+        """Attention of the last L tail tokens over prefix + tail, causal among the tail (what
+        `CartridgeCache.attention` gives), from arguments only: it reads no cache.
+
+        Args:
+            record: what `build` laid out for this layer. prefix (LayerPrefix): the layer's pages.
+            queries (mx.array): (1, n_q_heads, L, head_dim). tail (state.Tail): the cache's dense tail, whose
+                last L tokens are the queries'. scale (float): softmax scale.
+            sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
+            scratch (state.Scratch): the cache's buffers for kernels that write in place.
+
+        Returns:
+            mx.array | None: (1, n_q_heads, L, head_dim) in the queries' dtype, or None (the portable path
+            answers this call).
+        """
         return None
 
 

@@ -1,9 +1,10 @@
 """The CPU device: portable and dense paths for decode steps (K codes unpacked to bytes under a budget:
 `cartridge.attention.unpacked`); a question's prefill over the pages decoded for that call
-(`cartridge.attention.kernels.cpu.QuestionPrefill`; extend's prefill: `kernels.cpu.attention`)."""
+(`cartridge.attention.kernels.cpu.question_prefill`; extend's prefill: `kernels.cpu.attention`)."""
 
 import mlx.core as mx
 
+from ..kernels import cpu
 from .base import AttentionBackend
 
 
@@ -26,9 +27,10 @@ class Cpu(AttentionBackend):
         return mode == "prefill" and self.is_current()
 
     def build(self, prefix):
-        from ..kernels import cpu
+        return cpu.QuestionPrefill()
 
-        return cpu.QuestionPrefill(prefix)
+    def attend(self, record, prefix, queries, tail, scale, sinks, scratch):
+        return cpu.question_prefill(prefix, queries, tail, scale, sinks)
 
 
 CPU = Cpu()

@@ -1,15 +1,13 @@
 """The CUDA backend: the flash-decoding kernels of `cartridge.attention.kernels.cuda` over stored pages, and MLX's
-own SDPA over one contiguous buffer for dense pages (`cartridge.attention.kernels.contiguous`; measured on an H200)."""
+own SDPA over one contiguous buffer for dense pages (`cartridge.attention.contiguous`: faster, at the cost of a second
+copy of the prefix, docs/cuda-tuning.md "Dense pages")."""
 
 import mlx.core as mx
 
 from ...tiers.layout import layout_of
-from ..kernels import contiguous
+from .. import contiguous
+from ..kernels import cuda, cuda_inputs
 from .base import AttentionBackend, on_gpu
-
-# dense pages (an fp16/bf16 cartridge, "dequantize-once") through `contiguous.ContiguousAttention` rather than the
-# flash-decoding kernel: MLX's SDPA over a contiguous buffer, at the cost of a second copy of the prefix (issue 34)
-CONTIGUOUS_DENSE = True
 
 
 class Cuda(AttentionBackend):
@@ -30,18 +28,17 @@ class Cuda(AttentionBackend):
         return all(layout_of(c) is not None for c in codecs)
 
     def supports(self, prefix, head_dim, mode):
-        from ..kernels import cuda  # (it builds CUDA arrays at import)
-
-        if CONTIGUOUS_DENSE and contiguous.reads(prefix):
-            return True
-        return cuda.supported(prefix, head_dim)  # prefill too: the kernel hands long ones to MLX's SDPA itself
+        # prefill too: the kernels hand long questions to MLX's SDPA themselves
+        return contiguous.reads(prefix) or cuda.supported(prefix, head_dim)
 
     def build(self, prefix):
-        if CONTIGUOUS_DENSE and contiguous.reads(prefix):
-            return contiguous.ContiguousAttention(prefix)
-        from ..kernels import cuda
+        """A `contiguous.Contiguous` record for dense pages, else the kernels' `CudaInputs`."""
+        return contiguous.lay_out(prefix) if contiguous.reads(prefix) else cuda_inputs.lay_out(prefix)
 
-        return cuda.FusedAttention(prefix)
+    def attend(self, record, prefix, queries, tail, scale, sinks, scratch):
+        if isinstance(record, contiguous.Contiguous):
+            return contiguous.attend(record, prefix, queries, tail, scale, sinks, scratch)
+        return cuda.attend(record, prefix, queries, tail, scale, sinks, scratch)
 
 
 CUDA = Cuda()

@@ -25,8 +25,9 @@ def kernels():
 
 
 class Metal(AttentionBackend):
-    """MLX's Metal device. Contract of the kernel module: `available()`, `supported(prefix, head_dim, mode)`
-    and `MetalAttention(prefix)`, called as (cache, queries, scale, sinks) -> output or None."""
+    """MLX's Metal device. Contract of the kernel module: `available()`, `supported(prefix, head_dim, mode)`,
+    `lay_out(prefix)` (the layer's record) and `attend(record, prefix, queries, tail, scale, sinks, scratch)`
+    (-> output or None), as `AttentionBackend.build` and `attend`."""
 
     name = "metal"
     device = "metal"
@@ -49,7 +50,10 @@ class Metal(AttentionBackend):
         return module is not None and bool(module.supported(prefix, head_dim, mode))
 
     def build(self, prefix):
-        return kernels().MetalAttention(prefix)
+        return kernels().lay_out(prefix)
+
+    def attend(self, record, prefix, queries, tail, scale, sinks, scratch):
+        return kernels().attend(record, prefix, queries, tail, scale, sinks, scratch)
 
 
 METAL = Metal()

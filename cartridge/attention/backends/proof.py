@@ -15,6 +15,7 @@ import warnings
 
 import mlx.core as mx
 
+from ...tiers import get_tier
 from .. import calibration
 from ..cache import CartridgeCache, LayerPrefix
 from ..pages import make_prefix
@@ -46,9 +47,10 @@ def _case(prefix, head_dim, seed=0):
     return make_prefix(prefix.k_codec, k, prefix.v_codec, v, page)
 
 
-def _cache(prefix, kernel, tail):
+def _cache(prefix, record, tail):
+    """A cache over `prefix` read by the backend `record` (None: the portable path), holding `tail` as K and V."""
     cache = CartridgeCache(LayerPrefix(prefix.k_codec, prefix.k_parts, prefix.v_codec, prefix.v_parts,
-                                       prefix.n_tokens, prefix.k_params, prefix.v_params, kernel, prefix.protected))
+                                       prefix.n_tokens, prefix.k_params, prefix.v_params, record, prefix.protected))
     cache.update_and_fetch(tail, tail)
     return cache
 
@@ -84,8 +86,8 @@ def _times(backend, prefix, head_dim, repeats=5):
     tail = mx.random.normal((1, n_kv, 1, head_dim)).astype(mx.float16)
     scale = head_dim ** -0.5
     us = {}
-    for policy, kernel in (("fused", backend.build(prefix)), ("portable", None)):
-        cache = _cache(prefix, kernel, tail)
+    for policy, record in (("fused", backend.build(prefix)), ("portable", None)):
+        cache = _cache(prefix, record, tail)
         us[policy] = timeit(lambda x, c=cache: c.attention(x, scale), repeats, chain=q) * 1e6
     dk = mx.random.normal((1, n_kv, prefix.n_tokens + 1, head_dim)).astype(mx.float16)
     mx.eval(dk)
@@ -123,8 +125,6 @@ def check_tiers(backend, tiers, n_kv_heads, head_dim, n_tokens, path=None, page_
     Returns:
         list[dict]: the records, as `check` returns them.
     """
-    from ...tiers import get_tier
-
     k1, k2 = mx.random.split(mx.random.key(n_tokens))
     k = mx.random.normal((n_kv_heads, n_tokens, head_dim), key=k1).astype(mx.float16)
     v = mx.random.normal((n_kv_heads, n_tokens, head_dim), key=k2).astype(mx.float16)

@@ -1,5 +1,5 @@
 """Dense attention of a block of queries on CPU, with the softmax in numpy (extend's prefill, and a question's
-prefill over a cartridge's pages: `QuestionPrefill`).
+prefill over a cartridge's pages: `question_prefill`).
 
 MLX 0.32's CPU exp is scalar code: 17 ns per float32 element on the shared 2-core AMD EPYC (AVX2)
 these numbers come from, against 2.2 ns for numpy's SIMD exp (CPU seconds, 10M elements). In the
@@ -10,6 +10,9 @@ in MLX (OpenBLAS) and the softmax runs in numpy, in place in the scores' buffer:
 Reference first (`reference`, float64 numpy), then the fast path (`attention`); tests/attention/test_kernels.py
 checks one against the other.
 """
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -91,26 +94,32 @@ def _causal(queries, keys, values, scale, sinks):
     return attention(queries, keys, values, scale, causal=True)
 
 
+@dataclass(frozen=True)
 class QuestionPrefill:
-    """A question's prefill over one layer's pages on the CPU: the pages decoded for this call only (rotated
-    sides stay in their stored basis: `kernels.dense.prefill_attention`), then `attention` (BLAS matmuls, the
-    softmax in numpy). The call evaluates its output, so the decoded K/V of one layer are freed before the
-    next layer's are made: a forward pass holds one layer's float32 K/V beyond the stored pages, never the
-    whole prefix.
+    """The CPU backend's record of a layer whose question prefill it reads (`LayerPrefix.backend`): nothing beyond
+    the pages; `question_prefill` attends."""
+
+    name: ClassVar[str] = "cpu"
+
+
+def question_prefill(prefix, queries, tail, scale, sinks=None):
+    """A question's prefill over one layer's pages on the CPU: the pages decoded for this call only (rotated sides
+    stay in their stored basis: `kernels.dense.prefill_attention`), then `attention` (BLAS matmuls, the softmax in
+    numpy). The call evaluates its output, so the decoded K/V of one layer are freed before the next layer's are
+    made: a forward pass holds one layer's float32 K/V beyond the stored pages, never the whole prefix.
 
     Args:
         prefix (LayerPrefix): the layer's pages as placed (stored, unpacked or dense sides).
+        queries (mx.array): (1, n_q_heads, L, head_dim). tail (state.Tail): the cache's tail, the queries' K/V last.
+        scale (float): softmax scale. sinks (mx.array | None): (n_q_heads,) sink logits, or None.
+
+    Returns:
+        mx.array | None: (1, n_q_heads, L, head_dim) in the queries' dtype, or None (the portable path) for fewer
+        than `PREFILL_MIN_ROWS` rows per KV head, or with sinks (`attention` has none).
     """
-
-    def __init__(self, prefix):
-        self.prefix = prefix
-
-    def __call__(self, cache, queries, scale, sinks=None):
-        """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None (the portable path) for
-        fewer than `PREFILL_MIN_ROWS` rows per KV head, or with sinks (`attention` has none)."""
-        _, n_q, L, _ = queries.shape
-        if sinks is not None or n_q // self.prefix.n_kv_heads * L < PREFILL_MIN_ROWS:
-            return None
-        out = dense.prefill_attention(self.prefix, cache, queries, scale, None, _causal)
-        mx.eval(out)
-        return out
+    _, n_q, L, _ = queries.shape
+    if sinks is not None or n_q // prefix.n_kv_heads * L < PREFILL_MIN_ROWS:
+        return None
+    out = dense.prefill_attention(prefix, tail, queries, scale, None, _causal)
+    mx.eval(out)
+    return out

@@ -1,11 +1,11 @@
 """A question's prefill over the prefix by MLX's own attention: the layer's pages decoded for this call only.
 
 The fused decode kernels (`cuda.py`) give each block a few query rows and stream the whole prefix for them,
-so their time grows with the rows: 256 question tokens x a GQA group of 4 is 1,024 rows per KV head, and
-there the kernel took 5-8x MLX's dense attention on an H200 (benchmarks/results/h200-tc.log, 131,072
-tokens). For that many rows the prefix is decoded to the queries' dtype as one sequence with the tail after
-it and handed to `mx.fast.scaled_dot_product_attention` (tensor cores, one pass over K/V for all rows). The
-decoded copy is a temporary of this call (one layer's K/V at a time); decode steps never take this path.
+so their time grows with the rows (256 question tokens x a GQA group of 4 is 1,024 rows per KV head; where the
+paths cross over: docs/cuda-tuning.md "Questions"). For many rows the prefix is decoded to the queries' dtype as
+one sequence with the tail after it and handed to `mx.fast.scaled_dot_product_attention` (tensor cores, one pass
+over K/V for all rows). The decoded copy is a temporary of this call (one layer's K/V at a time); decode steps
+never take this path.
 
 What it costs beyond MLX's own attention is one write of the layer's K/V in the queries' dtype: the pages are
 decoded already laid out as (n_kv_heads, tokens, head_dim) with room for the tail (the stored components are
@@ -26,10 +26,10 @@ def _laid(a, extra):
     return mx.concatenate([a, mx.zeros((a.shape[0], extra, *a.shape[2:]), dtype=a.dtype)], axis=1)
 
 
-def _sequence(prefix, side, dtype, tail, n, decode=None):
+def _sequence(prefix, side, dtype, tail, n, decoded=None):
     """One side as (1, n_kv, n, D) in `dtype` and in its stored basis: prefix tokens, then `tail` (n_kv, T, D).
-    `decode(side, n, dtype, D)`, where given, decodes the stored tokens into a (1, n_kv, n, D) array instead of
-    MLX ops (None: it does not read this side).
+    `decoded`, where given, is the stored tokens already decoded into a (1, n_kv, n, D) array (by a kernel; None:
+    MLX ops decode them).
 
     Returns:
         tuple: (array, basis or None) as `TierCodec.decode_stored`.
@@ -37,7 +37,7 @@ def _sequence(prefix, side, dtype, tail, n, decode=None):
     codec, parts, params = ((prefix.k_codec, prefix.k_parts, prefix.k_params) if side == "k"
                             else (prefix.v_codec, prefix.v_parts, prefix.v_params))
     n_pages, n_kv, page, _ = next(iter(parts.values())).shape
-    x = None if decode is None else decode(side, n, dtype, tail.shape[-1])
+    x = decoded
     if x is not None:
         basis = codec.stored_basis(params)
     else:
@@ -73,29 +73,30 @@ def _sdpa(queries, keys, values, scale, sinks):
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal", sinks=sinks)
 
 
-def prefill_attention(prefix, cache, queries, scale, sinks=None, attend=_sdpa, decode=None):
+def prefill_attention(prefix, tail, queries, scale, sinks=None, attend=_sdpa, decoded=None):
     """Attention of the last L tail tokens over prefix + tail, causal among the tail, by MLX's SDPA.
 
     Args:
         prefix (LayerPrefix): the layer's stored pages.
-        cache (CartridgeCache): its tail (`tail_kv`) holds the L query tokens' K/V at its end.
+        tail (state.Tail): the cache's dense tail; it holds the L query tokens' K/V at its end.
         queries (mx.array): (1, n_q_heads, L, head_dim). scale (float): softmax scale.
         sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss), or None.
         attend (callable): attend(queries, keys, values, scale, sinks) over the (1, n_kv, S, D) sequences,
-            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.QuestionPrefill`
+            causal with the L queries on the last L keys. Default: MLX's SDPA (`kernels.cpu.question_prefill`
             passes its own).
-        decode (callable | None): decode(side, n, dtype, head_dim) -> the side's stored tokens as (1, n_kv, n,
-            head_dim) with room for the tail, or None (MLX ops decode it): `cuda.FusedAttention` passes its
-            kernel's (`cuda_decode`). Default: None.
+        decoded (list | None): per side (K, V), its stored tokens already decoded as (1, n_kv, n, head_dim) of the
+            queries' dtype, n = prefix + tail tokens, with room for the tail (`kernels.cuda` passes `cuda_decode`'s),
+            or None for a side MLX ops decode here. Default: None (both).
 
     Returns:
         mx.array: (1, n_q_heads, L, head_dim) in the queries' dtype.
     """
     dt = queries.dtype
-    tk, tv = cache.tail_kv()  # (n_kv, T, D)
+    tk, tv = tail.kv()  # (n_kv, T, D)
     n_kv, n = tk.shape[0], prefix.n_tokens + tk.shape[1]
-    k, k_basis = _sequence(prefix, "k", dt, tk, n, decode)
-    v, v_basis = _sequence(prefix, "v", dt, tv, n, decode)
+    dk, dv = decoded or (None, None)
+    k, k_basis = _sequence(prefix, "k", dt, tk, n, dk)
+    v, v_basis = _sequence(prefix, "v", dt, tv, n, dv)
     if k_basis is not None:
         queries = per_kv_head(k_basis.rotate, queries, n_kv).astype(dt)
     out = attend(queries, k, v, scale, sinks)

@@ -1,5 +1,5 @@
 // Flash-decoding attention over cartridge pages, for MLX's CUDA backend (compiled by NVRTC through
-// mx.fast.cuda_kernel; `cuda.py` includes this file by path, so every call hashes a short source).
+// mx.fast.cuda_kernel; `cuda_source.py` includes this file by path, so every call hashes a short source).
 //
 // Pass 1 splits the prefix tokens over thread blocks (grid: splits x n_kv_heads x row blocks). A block
 // reads the pages of one KV head once for all query rows of its GQA group (row block), dequantizes each
@@ -1020,7 +1020,7 @@ namespace cart {
 // codes, one rounding); kivi4 the same with per-channel s, b of the tile's 32-token group; fp8 E4M3 by bit moves
 // times its E8M0 scale; mxfp4 / nvfp4 and TurboQuant by a lookup of 4 codes at a time, either in an 8-entry table
 // of fp16 magnitudes held in registers (`nib_lookup4`, PRMT; the sign from the code) or in a shared-memory table of
-// code pairs (`smem_lookup4`; LREG, chosen per tier by measurement: cuda.REGISTER_LOOKUP), times the group scale
+// code pairs (`smem_lookup4`; LREG, chosen per tier by measurement: CudaTuning.register_lookup), times the group scale
 // (mxfp4, nvfp4; nvfp4's global factor and TurboQuant's norms are applied per score / folded into the
 // probabilities). TurboQuant runs in the rotated basis: q is rotated once per block, the output is rotated
 // back by the finish.
@@ -1028,7 +1028,7 @@ constexpr int MXFP4 = 7, NVFP4 = 8, AFF6 = 9, KIVI4 = 10;
 
 template <int TIER, int BITS, int D>
 struct TcSide {
-  static_assert(TIER != F32, "flash_pass1_tc reads no float32 pages (cuda.FusedAttention.uses_tensor_cores)");
+  static_assert(TIER != F32, "flash_pass1_tc reads no float32 pages (cuda.uses_tensor_cores)");
   static constexpr bool DENSE = TIER == FP16 || TIER == BF16;
   static constexpr bool AFFINE = TIER == AFF8 || TIER == AFF6 || TIER == AFF4 || TIER == KIVI4;
   static constexpr int B0 = DENSE ? 2 * D : (TIER == AFF8 || TIER == MXFP8) ? D : TIER == AFF6 ? 3 * D / 4

@@ -17,16 +17,19 @@ Kernels are built once per variant and plans once per shape, as in cuda.py.
 import functools
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
 
+from ...tiers import TIERS
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO, layout_of  # noqa: F401
 from ...tiers.rotation import sign_bits
 from .constants import constant_lines
-from . import cuda
+from .cuda import split_plan
+from .cuda_inputs import rotation
 
 SOURCE = Path(__file__).with_name("flash_decode.metal")
 METAL_TYPES = {mx.float16: "half", mx.bfloat16: "bfloat16_t", mx.float32: "float"}
@@ -84,7 +87,7 @@ def supported(prefix, head_dim, mode="decode"):
     specs = [layout(prefix.k_codec, prefix.k_parts), layout(prefix.v_codec, prefix.v_parts)]
     if None in specs:
         return False
-    rots = [cuda.rotation(prefix.k_codec, prefix.k_params), cuda.rotation(prefix.v_codec, prefix.v_params)]
+    rots = [rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)]
     if any(r is not None and r["block"] != head_dim for r in rots):
         return False
     if any(r is not None for r in rots) or TURBO in (specs[0][0], specs[1][0]):
@@ -138,8 +141,6 @@ def _variant_pairs():
     and its +rot variants, float32 dense pages beside each tier (a side decoded within a budget under a float32
     model; those only with float32 queries), and every K tier beside every other V tier (at head_dim 128). Dtypes:
     of the stored components, in the spec's order."""
-    from ...tiers import TIERS
-
     f32 = ((F32, 0, ("values",)), ("float32",))
     pairs = {"f32": (f32[0], f32[0], False, HEAD_DIMS, f32[1], f32[1])}
     sides = {}  # tier name -> (spec, rotated, component dtypes)
@@ -239,86 +240,118 @@ class _Plan:
     prm: object  # int32 (N_PARAMS,) on the device, made once per (shape, tail length)
 
 
-class MetalAttention:
-    """Fused decode attention of one layer on Metal: the prefix pages as stored, plus the cache's dense tail.
+@dataclass(frozen=True, eq=False)
+class MetalInputs:
+    """The Metal backend's record of one layer (`LayerPrefix.backend`): its pages as the kernels take them.
 
-    Args:
-        prefix (LayerPrefix): the layer's pages; `supported(prefix, head_dim)` must hold.
+    Attributes:
+        k_spec, v_spec (tuple): (kernel tier id, bits, component names) of each side (`layout`).
+        k_in, v_in (list[mx.array]): each side's components, padded to three with placeholders.
+        cbk, cbv (mx.array): float32 (16,): codebook (TurboQuant) or global factor (nvfp4, in [0]).
+        sgk, sgv (mx.array): float32 signs (n_kv, D) of a TurboQuant or rotated side, else a placeholder.
+        rk (bool): q is rotated into K's stored basis. v_back (bool): the output is rotated back from V's.
+        n_kv (int): KV heads. page (int): tokens per page. first, end (int): the stored tokens pass 1 reads.
+        kept (tuple | None): the protected tokens' fp16 copies (K, V), each (n_kv, N + M, D).
+        no_sinks (mx.array): float32 placeholder for the finish's sinks.
+        plans, kept_as (dict): memos: plans by call shape, the protected copies by dtype.
     """
 
-    def __init__(self, prefix):
-        self.prefix = prefix
-        self.k_spec = layout(prefix.k_codec, prefix.k_parts)
-        self.v_spec = layout(prefix.v_codec, prefix.v_parts)
-        k_rot, v_rot = cuda.rotation(prefix.k_codec, prefix.k_params), cuda.rotation(prefix.v_codec, prefix.v_params)
-        self.k_in, self.cbk, self.sgk = _side_inputs(self.k_spec, prefix.k_parts, prefix.k_params, k_rot)
-        self.v_in, self.cbv, self.sgv = _side_inputs(self.v_spec, prefix.v_parts, prefix.v_params, v_rot)
-        self.rk = k_rot is not None or self.k_spec[0] == TURBO  # q rotated into K's stored basis
-        self.v_back = v_rot is not None or self.v_spec[0] == TURBO  # the output rotated back from V's
-        _, self.n_kv, self.page, _ = self.k_in[0].shape
-        self.first, self.end = (0, prefix.n_tokens) if prefix.protected is None else \
-            prefix.protected.page_range(prefix.n_tokens)
-        self.kept = None if prefix.protected is None else (prefix.protected.k, prefix.protected.v)  # (n_kv, NP, D)
-        self._kept_as = {}
-        self._plans = {}
-        self._no_sinks = mx.zeros((_DUMMY,), dtype=mx.float32)
+    name: ClassVar[str] = "metal"
+    k_spec: tuple
+    v_spec: tuple
+    k_in: list
+    v_in: list
+    cbk: object
+    cbv: object
+    sgk: object
+    sgv: object
+    rk: bool
+    v_back: bool
+    n_kv: int
+    page: int
+    first: int
+    end: int
+    kept: tuple
+    no_sinks: object
+    plans: dict = field(default_factory=dict)
+    kept_as: dict = field(default_factory=dict)
 
-    def _protected(self, dtype):
-        """pk, pv: the protected tokens' copies (n_kv, NP, D) in `dtype`, or placeholders; made once per dtype."""
-        kept = self._kept_as.get(dtype)
-        if kept is None:
-            kept = ([mx.zeros((_DUMMY,), dtype=dtype)] * 2 if self.kept is None
-                    else [a.astype(dtype) for a in self.kept])
-            mx.eval(kept)
-            self._kept_as[dtype] = kept
-        return kept
 
-    def _plan(self, n_q, L, D, dtype, scale, tail_len, chunk_size, sinks):
-        R = (n_q // self.n_kv) * L
-        rows = next(r for r in ROW_VARIANTS if r >= R)
-        per, n_splits = cuda.split_plan(self.end - self.first, self.n_kv, 1, BN, TARGET_GROUPS)
-        p1 = pass1_consts(dtype, self.k_spec, self.v_spec, D, rows, self.rk)[:-1] + (("SCALE", float(scale)),)
-        fin = finish_consts(dtype, D)[:-1] + (("SCALE", float(scale)),)
-        prm = np.zeros(N_PARAMS, dtype=np.int32)
-        prm[:13] = [self.end, R, per, n_splits, tail_len, L, self.first, self.n_kv, self.page,
-                    0 if self.kept is None else self.kept[0].shape[1], sinks, self.v_back, chunk_size]
-        prm = mx.array(prm)
-        mx.eval(prm)
-        return _Plan(_kernel("pass1", p1), _kernel("finish", fin), R, n_splits, prm)
+def lay_out(prefix):
+    """The `MetalInputs` of a layer; `supported(prefix, head_dim)` must hold."""
+    k_spec, v_spec = layout(prefix.k_codec, prefix.k_parts), layout(prefix.v_codec, prefix.v_parts)
+    k_rot, v_rot = rotation(prefix.k_codec, prefix.k_params), rotation(prefix.v_codec, prefix.v_params)
+    k_in, cbk, sgk = _side_inputs(k_spec, prefix.k_parts, prefix.k_params, k_rot)
+    v_in, cbv, sgv = _side_inputs(v_spec, prefix.v_parts, prefix.v_params, v_rot)
+    _, n_kv, page, _ = k_in[0].shape
+    first, end = (0, prefix.n_tokens) if prefix.protected is None else prefix.protected.page_range(prefix.n_tokens)
+    return MetalInputs(
+        k_spec=k_spec, v_spec=v_spec, k_in=k_in, v_in=v_in, cbk=cbk, cbv=cbv, sgk=sgk, sgv=sgv,
+        rk=k_rot is not None or k_spec[0] == TURBO, v_back=v_rot is not None or v_spec[0] == TURBO, n_kv=n_kv,
+        page=page, first=first, end=end,
+        kept=None if prefix.protected is None else (prefix.protected.k, prefix.protected.v),
+        no_sinks=mx.zeros((_DUMMY,), dtype=mx.float32))
 
-    def __call__(self, cache, queries, scale, sinks=None):
-        """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None where this is not decode.
 
-        Args:
-            cache (CartridgeCache): supplies the dense tail chunks (1, n_kv, chunk_size, D) and their length.
-            queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
-            scale (float): softmax scale.
-            sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss): one more logit per head, no value.
+def _protected(inputs, dtype):
+    """pk, pv: the protected tokens' copies (n_kv, NP, D) in `dtype`, or placeholders; made once per dtype."""
+    kept = inputs.kept_as.get(dtype)
+    if kept is None:
+        kept = ([mx.zeros((_DUMMY,), dtype=dtype)] * 2 if inputs.kept is None
+                else [a.astype(dtype) for a in inputs.kept])
+        mx.eval(kept)
+        inputs.kept_as[dtype] = kept
+    return kept
 
-        Returns:
-            mx.array | None: None (the caller takes another path) for more than MAX_ROWS query rows per KV head,
-            more than MAX_CHUNKS tail chunks, or an empty tail.
-        """
-        _, n_q, L, D = queries.shape
-        tail_len, chunk_size = cache.tail_len, cache.chunk_size
-        n_chunks = -(-tail_len // chunk_size)
-        if (n_q // self.n_kv) * L > MAX_ROWS or not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
-            return None
-        key = (n_q, L, D, queries.dtype, scale, tail_len, chunk_size, sinks is None)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._plan(n_q, L, D, queries.dtype, scale, tail_len, chunk_size,
-                                                 sinks is not None)
-        partial = (max(plan.n_splits * self.n_kv * plan.R, _DUMMY),)  # flat: an input of the finish, in device memory
-        O, M, Lsum = plan.pass1(
-            inputs=[queries, self.sgk, *self.k_in, *self.v_in, self.cbk, self.cbv, plan.prm],
-            grid=(plan.n_splits * BN * 32, self.n_kv, 1), threadgroup=(BN * 32, 1, 1),
-            output_shapes=[(plan.n_splits, self.n_kv, plan.R, D), partial, partial], output_dtypes=[mx.float32] * 3)
-        k_chunks, v_chunks = (c[:n_chunks] for c in cache.tail_chunks)
-        pad = MAX_CHUNKS - n_chunks  # unread slots: the first chunk again (no copy)
-        return plan.finish(
-            inputs=[O, M, Lsum, queries, plan.prm, self.sgv,
-                    self._no_sinks if sinks is None else _padded(sinks), *self._protected(queries.dtype),
-                    *k_chunks, *k_chunks[:1] * pad, *v_chunks, *v_chunks[:1] * pad],
-            grid=(32, self.n_kv, plan.R), threadgroup=(32, 1, 1), output_shapes=[queries.shape],
-            output_dtypes=[queries.dtype])[0]
+
+def _plan(inputs, n_q, L, D, dtype, scale, tail_len, chunk_size, sinks):
+    R = (n_q // inputs.n_kv) * L
+    rows = next(r for r in ROW_VARIANTS if r >= R)
+    per, n_splits = split_plan(inputs.end - inputs.first, inputs.n_kv, 1, BN, TARGET_GROUPS)
+    p1 = pass1_consts(dtype, inputs.k_spec, inputs.v_spec, D, rows, inputs.rk)[:-1] + (("SCALE", float(scale)),)
+    fin = finish_consts(dtype, D)[:-1] + (("SCALE", float(scale)),)
+    prm = np.zeros(N_PARAMS, dtype=np.int32)
+    prm[:13] = [inputs.end, R, per, n_splits, tail_len, L, inputs.first, inputs.n_kv, inputs.page,
+                0 if inputs.kept is None else inputs.kept[0].shape[1], sinks, inputs.v_back, chunk_size]
+    prm = mx.array(prm)
+    mx.eval(prm)
+    return _Plan(_kernel("pass1", p1), _kernel("finish", fin), R, n_splits, prm)
+
+
+def attend(inputs, prefix, queries, tail, scale, sinks, scratch):
+    """Attention output (1, n_q_heads, L, head_dim) in the queries' dtype, or None where this is not decode.
+
+    Args:
+        inputs (MetalInputs): the layer's pages as the kernels take them. prefix (LayerPrefix): the same pages.
+        queries (mx.array): (1, n_q_heads, L, head_dim), the last L tokens of the tail.
+        tail (state.Tail): the cache's dense tail, chunks (1, n_kv, chunk_size, D).
+        scale (float): softmax scale.
+        sinks (mx.array | None): (n_q_heads,) sink logits (gpt-oss): one more logit per head, no value.
+        scratch (state.Scratch): unused (the kernels write nothing in place).
+
+    Returns:
+        mx.array | None: None (the caller takes another path) for more than MAX_ROWS query rows per KV head,
+        more than MAX_CHUNKS tail chunks, or an empty tail.
+    """
+    _, n_q, L, D = queries.shape
+    n_chunks = tail.n_chunks
+    if (n_q // inputs.n_kv) * L > MAX_ROWS or not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
+        return None
+    key = (n_q, L, D, queries.dtype, scale, tail.length, tail.chunk_size, sinks is None)
+    plan = inputs.plans.get(key)
+    if plan is None:
+        plan = inputs.plans[key] = _plan(inputs, n_q, L, D, queries.dtype, scale, tail.length, tail.chunk_size,
+                                         sinks is not None)
+    partial = (max(plan.n_splits * inputs.n_kv * plan.R, _DUMMY),)  # flat: an input of the finish, in device memory
+    O, M, Lsum = plan.pass1(
+        inputs=[queries, inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv, plan.prm],
+        grid=(plan.n_splits * BN * 32, inputs.n_kv, 1), threadgroup=(BN * 32, 1, 1),
+        output_shapes=[(plan.n_splits, inputs.n_kv, plan.R, D), partial, partial], output_dtypes=[mx.float32] * 3)
+    k_chunks, v_chunks = tail.k_chunks[:n_chunks], tail.v_chunks[:n_chunks]
+    pad = MAX_CHUNKS - n_chunks  # unread slots: the first chunk again (no copy)
+    return plan.finish(
+        inputs=[O, M, Lsum, queries, plan.prm, inputs.sgv,
+                inputs.no_sinks if sinks is None else _padded(sinks), *_protected(inputs, queries.dtype),
+                *k_chunks, *k_chunks[:1] * pad, *v_chunks, *v_chunks[:1] * pad],
+        grid=(32, inputs.n_kv, plan.R), threadgroup=(32, 1, 1), output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype])[0]
