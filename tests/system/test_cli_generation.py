@@ -175,3 +175,26 @@ def test_serve_on_a_base_model_stops_before_the_next_question_line(base_built, b
         assert r.choices[0].finish_reason == "stop"
     finally:
         stop(proc)
+
+
+def test_serve_asks_the_base_model_the_plain_question_and_reuses_the_shelf_cartridge(base_built, base_dir, tmp_path):
+    """A request to the base model id (no chat template) with `document + "\\n\\n" + question` is rendered as the
+    plain prompt `ask` uses: the answer stops before the next "Question:" line, and the shelf cartridge built of
+    that document answers it as a prefix (cached_tokens = its tokens)."""
+    openai = pytest.importorskip("openai")
+
+    out, _ = base_built
+    tokens = json.loads(run("inspect", out, "--json").stdout)["tokens"]
+    proc, port = start_server([out.parent, "--model", base_dir], tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=base_dir.name, messages=[{"role": "user",
+                                           "content": DOC * 3 + "\n\n" + Q1}], max_tokens=64, temperature=0)
+        assert (r.choices[0].message.content.strip(), r.choices[0].finish_reason) == (SHOWN, "stop")
+        assert r.usage.prompt_tokens_details.cached_tokens == tokens
+        r = client.chat.completions.create(model=base_dir.name, messages=[{"role": "user", "content": Q1}],
+                                           max_tokens=64, temperature=0)
+        assert (r.choices[0].message.content.strip(), r.choices[0].finish_reason) == (SHOWN, "stop")
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        stop(proc)
