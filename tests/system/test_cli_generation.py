@@ -10,7 +10,6 @@ import sys
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import cartridge.models.loader
-import cartridge.read.stored
 import pytest
 from helpers.clirun import run_inprocess as run
 from helpers.tiny_models import TINY_CONFIG, hub_snapshot, make_scripted, save_model_dir
@@ -164,8 +163,7 @@ def _no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
 
-    for module in (cartridge.read.stored, cartridge.models.loader, cartridge):
-        monkeypatch.setattr(module, "load_model", refuse)
+    monkeypatch.setattr(cartridge.models.loader, "_load_raw", refuse)  # what every load_model calls
 
 
 @pytest.mark.parametrize("command, args, expect", [
