@@ -11,6 +11,7 @@ import click
 import cartridge
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
+from cartridge.models.prompt import check_text
 
 from .common import (MODEL_FORMS, PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus,
                      warnings_as_lines)
@@ -249,10 +250,36 @@ def _paths_and_question(args, questions_file, prompt=None):
     if questions_file is not None or len(args) == 1:
         return list(args), None  # no question: _questions says what is missing
     last = args[-1]
+    if not last.strip():
+        raise InputError("the question is empty")
     if not any(c.isspace() for c in last) and (last.endswith((".cart", ".cartz")) or Path(last).is_dir()):
         raise InputError(f"no QUESTION: the last argument {last} names a cartridge; give the question after the "
                          "cartridges (or --questions FILE)")
     return list(args[:-1]), last
+
+
+def check_system_prompt(path, system):
+    """Refuse, from the cartridge's header before any model loads, a --system-prompt other than the system
+    message it was built with (`build --system-prompt`): the template renders it before the document, whose
+    prefill the cartridge holds; and any on a model without a chat template.
+
+    Raises:
+        InputError: as described. CartridgeError: the header cannot be read.
+    """
+    from cartridge.format.reader import open_cartridge  # mlx: not at CLI start
+    from cartridge.models.prompt import PLAIN
+
+    if system is None:
+        return
+    info, data = open_cartridge(path, "header")
+    data.close()
+    if info.prompt_mode == PLAIN:
+        raise InputError(f"--system-prompt needs a chat template; the model of {path} has none")
+    if system != info.system:
+        built = "no system message" if info.system is None else f"the system message {info.system[:60]!r}"
+        raise InputError(f"--system-prompt must be the system message {path} was built with (`cartridge build "
+                         f"--system-prompt`): it holds the document prefilled after {built}; drop --system-prompt"
+                         + ("" if info.system is None else " or give that one") + ", or build a cartridge with yours")
 
 
 def _prompt(cart, question, system):
@@ -321,6 +348,10 @@ def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, 
         raise InputError("--recompute and --recompute-ratio apply when composing several cartridges; one was given")
     json_path = check_output_file(json_path, "--json", force)
     qs = _questions(question, questions_file)
+    for q in qs:  # refused before the model loads
+        check_text(q, "the question")
+    if len(paths) == 1:
+        check_system_prompt(paths[0], generation["system_prompt"])
     cart, load_s = load_cartridge(paths[0] if len(paths) == 1 else paths, model, attention, parallel, recompute,
                                   max_memory, recompute_ratio)
     for line in (composed_line(cart, paths), plain_prompt_note(cart.info)):

@@ -9,8 +9,10 @@ from pathlib import Path
 import click
 
 from cartridge.errors import CartridgeError, InputError
+from cartridge.models.prompt import check_text
 
-from .ask import ATTENTION_HELP, MAX_TOKENS_HELP, MODEL_HELP, answer, check_room, load_cartridge, memory_lines
+from .ask import (ATTENTION_HELP, MAX_TOKENS_HELP, MODEL_HELP, answer, check_room, check_system_prompt, load_cartridge,
+                  memory_lines)
 from .generation import generation_options, make_sampler, plain_prompt_note
 from .serve import MAX_MEMORY_HELP
 
@@ -37,6 +39,9 @@ def chat(path, prompt, max_tokens, generation, model, attention, max_memory):
     if max_tokens is not None and max_tokens < 1:
         raise InputError(f"--max-tokens is {max_tokens}; it must be at least 1")
     _refuse_saved_conversation(path)  # before the model is loaded
+    check_system_prompt(path, generation["system_prompt"])
+    if prompt is not None:
+        check_text(prompt, "the question")
     cart, load_s = load_cartridge(path, model, attention, max_memory=max_memory)
     check_room(cart, cart.prompt_cache(), [], max_tokens, "the first turn")
     turn = Turn(cart, max_tokens, make_sampler(generation), generation["system_prompt"])

@@ -9,8 +9,8 @@ from cartridge.models.prompt import PLAIN
 
 _GENERATION_OPTIONS = (
     click.option("--system-prompt", default=None, metavar="TEXT",
-                 help="A system message for the chat template (the cartridge's own, from build --system, is used "
-                      "without it)."),
+                 help="A system message for the chat template; it must match the system message the cartridge was "
+                      "built with (build --system-prompt), which is used without it."),
     click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0),
                  help="Sampling temperature (0: greedy)."),
     click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1), help="Sampling top-p."),

@@ -13,6 +13,7 @@ walks it with the bounded reader of `cartridge.format.lmdbfile` (liblmdb never p
 """
 
 import hashlib
+import json
 import mmap
 import os
 import stat
@@ -231,8 +232,22 @@ def _file_not_cartridge(path):
     """Why the plain file `path` is no cartridge directory, saying what a cartridge is."""
     if is_pack(path):
         return f"{path} is a .cartz pack (a file), not a cartridge directory: unpack it (cartridge unpack), or load it"
-    return (f"{path} is a file, not a cartridge: a cartridge is a directory (holding {MANIFEST_NAME}, "
+    note = " (an mlx-lm prompt-cache file: `cartridge import` it first)" if _is_prompt_cache_file(path) else ""
+    return (f"{path} is a file, not a cartridge{note}: a cartridge is a directory (holding {MANIFEST_NAME}, "
             f"{INDEX_NAME} and {DATA_NAME}) or a packed .cartz file")
+
+
+def _is_prompt_cache_file(path):
+    """True for a safetensors file whose metadata names cache classes as mlx-lm's `save_prompt_cache` writes
+    them ("1.0": "KVCache", ...); reads only the header (safetensors: 8-byte little-endian length, then JSON)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n < 1 << 24 else {}
+    except (OSError, struct.error, ValueError):
+        return False
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(metadata, dict) and any(k.startswith("1.") for k in metadata)
 
 
 def read_manifest(path):

@@ -98,6 +98,31 @@ def recorded_ref(model_ref, repo_id=None):
     return model_ref
 
 
+def cached_snapshot(repo_id, revision):
+    """The folder of a commit's snapshot of a hub model in the local Hugging Face cache (HF_HUB_CACHE), if it
+    is there with its config.json; nothing reaches the network.
+
+    Args:
+        repo_id (str): "ORG/NAME". revision (str | None): a commit hash (a cartridge's `model.revision`).
+
+    Returns:
+        Path | None: hub/models--ORG--NAME/snapshots/REVISION, or None when it is not cached (or no revision).
+    """
+    if not revision or not COMMIT.fullmatch(revision):
+        return None
+    from huggingface_hub import constants  # with mlx-lm: only for a repo id
+
+    folder = Path(constants.HF_HUB_CACHE) / (CACHE_FOLDER_PREFIX + repo_id.replace("/", "--")) / SNAPSHOTS / revision
+    return folder if (folder / "config.json").is_file() else None
+
+
+def download_command(repo_id, revision):
+    """The shell command that prints the local folder of a revision of a hub model, downloading it where
+    needed: `hf download ... -q` prints the bare path (huggingface_hub 1.x's quiet format), which
+    `--model "$(...)"` takes."""
+    return f"hf download {repo_id} --revision {revision} -q"
+
+
 def resolve(repo_id, revision=None):
     """The local folder of a hub model, found or fetched as mlx-lm does.
 

@@ -14,6 +14,7 @@ the cartridge records its plain layout instead ("\\n\\nQuestion: ...\\nAnswer:")
 """
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -94,11 +95,18 @@ def _model(pf, model):
 
 
 def _prompt(pf, lm, document):
-    """(tokens, header keys of the prompt layout, where the tokens came from) of the file."""
+    """(tokens, header keys of the prompt layout, the document as used or None) of the file; a document that
+    has the file's token count only without its trailing whitespace is taken without it (one warning)."""
     record = read_record(pf)
     if document is not None:
         check_text(document, "the document")
         tokens = cache_prompt_tokens(lm.tokenizer, document)
+        if len(tokens) != pf.tokens and document != document.rstrip():
+            stripped = cache_prompt_tokens(lm.tokenizer, document.rstrip())
+            if len(stripped) == pf.tokens:  # `--prompt "$(cat doc.txt)"`: the shell drops the trailing newline
+                warnings.warn(f"the document's trailing whitespace left out: {pf.path} holds {pf.tokens:,} tokens, "
+                              f"the document without it (as `--prompt \"$(cat FILE)\"` passes it)", stacklevel=3)
+                document, tokens = document.rstrip(), stripped
         if len(tokens) != pf.tokens:
             raise InputError(f"the document is {len(tokens):,} tokens as mlx_lm.cache_prompt renders it for this "
                              f"model; {pf.path} holds {pf.tokens:,}: give the text that was passed to --prompt")
@@ -109,7 +117,7 @@ def _prompt(pf, lm, document):
                          f"the text given to mlx_lm.cache_prompt --prompt")
     if record is None:  # mlx_lm.cache_prompt's layout (module docstring)
         mode = prompt_mode(lm.tokenizer)
-        return tokens, {K.PROMPT_MODE: mode, K.PROMPT_SEPARATOR: "" if mode == CHAT else SEPARATOR}, "document"
+        return tokens, {K.PROMPT_MODE: mode, K.PROMPT_SEPARATOR: "" if mode == CHAT else SEPARATOR}, document
     tokens, keys = record["tokens"], {K.PROMPT_MODE: record["prompt_mode"], K.PROMPT_SEPARATOR: record["separator"]}
     if record["system"] is not None:
         keys[K.PROMPT_SYSTEM] = record["system"]
@@ -118,7 +126,7 @@ def _prompt(pf, lm, document):
         keys[K.DOCUMENT_TOKENS] = doc
         keys[K.LINEAGE_PARTS] = [{"kind": kind, "start": a, "end": b, "tokens_sha256": token_sha256(tokens[a:b])}
                                  for kind, a, b in (("build", 0, doc), ("conversation", doc, len(tokens)))]
-    return tokens, keys, "record" if document is None else "document"
+    return tokens, keys, document
 
 
 def _mismatch(pf, where, found, plan, lm):
@@ -206,7 +214,8 @@ def import_prompt_cache(file, output, model=None, document=None, tier=DEFAULT_TI
         output (str | Path): cartridge directory to create.
         model (str | LoadedModel | None): the model; None: the one the file's metadata names ("model").
         document (str | None): the text given to `mlx_lm.cache_prompt --prompt`: its tokens (rendered as
-            mlx_lm.cache_prompt renders them) must be as many as the file holds. Required unless the file
+            mlx_lm.cache_prompt renders them) must be as many as the file holds (with or, as `--prompt
+            "$(cat FILE)"` passes it, without its trailing whitespace). Required unless the file
             records its token ids (a `cartridge export` file). Default: None.
         tier, k_tier, v_tier, boundary_protect, schema, page_size, protect_first, protect_last, preset, budget,
             calibrate, calibration_progress, reserve: as `cartridge.build` takes them.
@@ -232,7 +241,8 @@ def import_prompt_cache(file, output, model=None, document=None, tier=DEFAULT_TI
                                                         boundary_protect, schema, protect_first, protect_last)
     pf = read_prompt_file(file)
     lm = _model(pf, model)
-    tokens, prompt_keys, tokens_from = _prompt(pf, lm, document)
+    tokens, prompt_keys, document = _prompt(pf, lm, document)
+    tokens_from = "record" if document is None else "document"
     if context_length(lm.model):
         warn_context_left(len(tokens), context_length(lm.model), reserve, stacklevel=3)
     declined = None if budget is None else calibrate_mod.checked_model(lm.model, budget)

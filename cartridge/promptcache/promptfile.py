@@ -20,7 +20,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
                                  save_prompt_cache)
 
-from ..errors import InputError
+from ..errors import InputError, WriteError
 from ..format.atomic import write_file
 
 CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList)}
@@ -263,6 +263,8 @@ def write_prompt_file(path, caches, metadata):
 
     Raises:
         InputError: `path` does not end in ".safetensors" (mlx-lm's loader tells the format by it).
+        WriteError: the file cannot be written (a full disk: "cannot write PATH: No space left on device");
+            nothing is left behind.
     """
     path = Path(path)
     if path.suffix != SUFFIX:
@@ -273,4 +275,9 @@ def write_prompt_file(path, caches, metadata):
         with open(tmp, "r+b") as f:  # in place: the temporary's lock is held on its inode
             save_prompt_cache(f, caches, metadata)
 
-    return write_file(path, write)
+    try:
+        return write_file(path, write)
+    except (FileNotFoundError, IsADirectoryError):
+        raise
+    except OSError as e:  # a full disk, a size limit: the message alone would not say which file
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from None

@@ -4,6 +4,8 @@ and `extend` share, below all three (none of them is imported here).
     prefixes = [stored_layer(info, data, i) for i in range(info.n_layers)]   # as stored, nothing decoded
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from ..attention.cache import LayerPrefix
@@ -11,7 +13,7 @@ from ..storage.kinds import KINDS
 from ..errors import ModelLoadError, ModelMismatchError
 from ..format import keys as K
 from ..format.header import SIDES
-from ..models.hub import HubModel, recorded_ref
+from ..models.hub import HubModel, cached_snapshot, download_command, recorded_ref
 from ..models.loader import load_model, parameter_arrays
 from ..tiers import DTYPES, TIERS, protect
 
@@ -23,8 +25,9 @@ def built_with(info):
 
 
 def load_recorded_model(info, path=None):
-    """Load the model a cartridge records: by its hub repo id where it has one (`hub.recorded_ref`), else
-    by `model.ref`.
+    """Load the model a cartridge records: the snapshot of its hub revision where the local Hugging Face
+    cache holds it (`hub.cached_snapshot`: the weights it was built with, though the id may now name
+    others), else by its hub repo id where it has one (`hub.recorded_ref`), else by `model.ref`.
 
     Args:
         info (CartridgeInfo): the cartridge's header. path (str | Path | None): the cartridge, named in errors.
@@ -35,7 +38,10 @@ def load_recorded_model(info, path=None):
     Raises:
         ModelLoadError: one line naming the cartridge, its model and why it cannot be loaded here.
     """
+    snapshot = cached_snapshot(info.model_repo_id, info.model_revision) if info.model_repo_id else None
     try:
+        if snapshot is not None:  # the weights it was built with, even where the id now names others
+            return replace(load_model(str(snapshot)), ref=info.model_repo_id)  # named as loaded by id
         return load_model(recorded_ref(info.model_ref, info.model_repo_id))
     except ModelLoadError as e:
         which = f"cartridge {path}" if path is not None else "the cartridge"
@@ -63,7 +69,7 @@ def check_fingerprint(info, fp, path=None, model_ref=None):
     given = f" {model_ref}" if model_ref else ""
     ref, revision = recorded_ref(info.model_ref, info.model_repo_id), info.model_revision
     if info.model_repo_id and revision:  # the id now resolves to other weights: that revision is the way out
-        way = (f"revision {revision} of {ref} (--model \"$(hf download {ref} --revision {revision})\"; Python: "
+        way = (f"revision {revision} of {ref} (--model \"$({download_command(ref, revision)})\"; Python: "
                f"model=cartridge.load_model({ref!r}, revision={revision!r}))")
     else:
         way = f"--model {ref} (Python: model={ref!r})"

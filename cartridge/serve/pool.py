@@ -1,12 +1,14 @@
 """The cartridges a server offers: found at start, loaded on first use, kept in an LRU under a byte budget
 and a count (mlx_lm.server's --prompt-cache-bytes and --prompt-cache-size).
 
-Every cartridge is answered with the one model the server loaded. A cartridge whose checks fail or that
-was built with another model is refused (`Refused`, with the reason) and the others keep being served;
+Every cartridge is answered with the one model the server loaded. A cartridge whose header records another
+model's fingerprint is left out at start (one warning line; not listed, refused by name). One whose checks fail
+or that was built with another model is refused (`Refused`, with the reason) and the others keep being served;
 the refusal is remembered until the cartridge's files change. The cartridges built with the server's
 model are indexed by their tokens (`shelf.PrefixIndex`): `match` finds those a base-model prompt starts with.
 """
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -22,9 +24,10 @@ from ..format.reader import open_cartridge
 from ..format.writer import is_cartridge_dir
 from ..read.load import load
 from ..models.loader import DEFAULT_MODEL, default_gguf_path
-from ..read.stored import check_fingerprint
+from ..read.stored import built_with, check_fingerprint
 from .shelf import SAVED, PrefixIndex
 
+log = logging.getLogger("cartridge.serve")
 SUFFIXES = (".cartz", ".cart")
 BASE_ALIASES = ("default_model",)  # mlx_lm.server's name for its --model; a body without "model" means it too
 
@@ -112,6 +115,10 @@ def _signature(path):
         return None
 
 
+def _count(n, word):
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def _refusal(e):
     return Refused(422, "cartridge_refused", f"{type(e).__name__}: {e}")
 
@@ -128,6 +135,9 @@ class Pool:
         max_memory (int | None): `cartridge.load`'s max_memory. Default: None.
         max_count (int | None): most cartridges kept loaded; None: no limit. Default: None.
         model_name (str | None): the model reference as given (--model), also a name of the base model.
+
+    Attributes:
+        left_out (dict): name -> Entry of the cartridges whose header names another model: not offered.
     """
 
     def __init__(self, paths, lm, max_bytes=None, verify="pages", attention="auto", max_memory=None, max_count=None,
@@ -141,9 +151,15 @@ class Pool:
             raise InputError(f"a cartridge is named {clash[0]!r}, a name of the base model; rename it")
         self._lock = threading.RLock()  # models() is read from the event loop, the shelf's writer adds and removes
         self.index = PrefixIndex()
-        self.entries = {}
+        self.entries, self.left_out = {}, {}
         for name, path in paths.items():
             self._offer(name, path)
+        for name, entry in list(self.entries.items()):
+            if entry.info is not None and entry.info.fingerprint.get("id") != lm.fingerprint["id"]:
+                self.left_out[name] = self.entries.pop(name)
+        if self.left_out:
+            log.warning("%s left out, built with another model than %s: %s", _count(len(self.left_out), "cartridge"),
+                        lm.label, ", ".join(f"{name} ({built_with(e.info)})" for name, e in self.left_out.items()))
         self._loaded = OrderedDict()  # name -> Cartridge, least recently used first
 
     def _offer(self, name, path):
@@ -207,6 +223,11 @@ class Pool:
         if self.is_base(name):
             return None
         entry = self.entries.get(name)
+        if name in self.left_out:  # not listed; named anyway: why
+            try:
+                check_fingerprint(self.left_out[name].info, self.lm.fingerprint, self.left_out[name].path, self.lm.ref)
+            except CartridgeError as e:
+                raise _refusal(e) from None
         if entry is None:
             raise Refused(404, "model_not_found", f"the model {name!r} does not exist; GET /v1/models lists "
                           f"{len(self.entries)} cartridge{'' if len(self.entries) == 1 else 's'} and the base "

@@ -1,5 +1,5 @@
 """The prompt tokens of a request: for the base model (the chat template over every message, as
-mlx_lm.server renders it) or after a named cartridge's document; and where the reusable prefix of a
+mlx_lm.server renders it; without a template, the plain Question/Answer prompt `ask` uses) or after a named cartridge's document; and where the reusable prefix of a
 base-model prompt ends (what `--save-prefixes-over` saves).
 
 The reusable prefix is the rendered prompt up to the end of the document in the last user message: its
@@ -11,7 +11,7 @@ chat UI that pastes a document) thus gets the same prefix as `cartridge build` o
 
 from dataclasses import dataclass
 
-from ..models.prompt import SEPARATOR, encode_text, prompt_mode, stop_strings
+from ..models.prompt import PLAIN, SEPARATOR, encode_text, prompt_mode, prompt_pieces, stop_strings
 from .protocol import bad
 
 
@@ -63,11 +63,37 @@ def _document_end(content):
 
 
 def chat_text(tokenizer, messages, template_args):
-    """The base model's rendering of chat turns: the chat template with the generation prompt (and
-    `template_args`), or the turns' text joined by blank lines when the tokenizer has no template."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_args)
-    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+    """The base model's rendering of chat turns when the tokenizer has a chat template: the template with
+    the generation prompt (and `template_args`)."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_args)
+
+
+def plain_text(messages):
+    """The base model's rendering of chat turns when the tokenizer has no chat template: the plain prompt
+    `ask` uses (`models.prompt.prompt_pieces` in PLAIN mode), so the answer ends at the next "Question:"
+    line and a cartridge built of the document is a prefix of it. A user turn's text before its last blank
+    line is its document (trailing whitespace dropped), the rest its question (no blank line: all of it);
+    a turn renders as `document + "\n\n" + "Question: " + question + "\nAnswer:"`, an assistant turn as
+    `" " + text + "\n\n"` (as `conversation_tokens` does), a system message as its text and a blank line.
+
+    Returns:
+        tuple[str, int]: (text, cut): the rendered prompt and the characters of it through the end of
+        the last user turn's document (0 when that turn has none).
+    """
+    text, cut = "", 0
+    for m in messages:
+        content = m["content"]
+        if m["role"] == "system":
+            text += content.strip() + SEPARATOR
+        elif m["role"] == "assistant":
+            text += f" {content.strip()}" + SEPARATOR
+        else:
+            end = _document_end(content)
+            question = content[content.rfind(SEPARATOR) + len(SEPARATOR):] if end else content
+            cut = len(text) + end if end else 0
+            head, middle, tail = prompt_pieces(None, PLAIN, SEPARATOR)
+            text += head + (content[:end] + middle if end else middle.lstrip()) + question.strip() + tail
+    return text, cut
 
 
 def base_prompt(tokenizer, request, template_args=None):
@@ -90,6 +116,9 @@ def base_prompt(tokenizer, request, template_args=None):
         if not tokens:
             raise bad("'prompt' is empty; the base model needs at least one prompt token", "prompt")
         return BasePrompt(tokens, request.prompt, _document_end(request.prompt), mode)
+    if mode == PLAIN:
+        text, cut = plain_text(request.messages)
+        return BasePrompt(encode_text(tokenizer, text, True), text, cut, mode)
     text = chat_text(tokenizer, request.messages, {**(template_args or {}), **(request.chat_template_kwargs or {})})
     last = next(m["content"] for m in reversed(request.messages) if m["role"] == "user")
     at = text.rfind(last) if last else -1

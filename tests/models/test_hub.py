@@ -6,6 +6,9 @@ line that says how to pass --model."""
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
@@ -83,17 +86,41 @@ def test_the_cartridge_finds_its_model_by_id_on_another_machine(cached, tiny_dir
     assert cart.info.model_revision == REV1 and load_recorded_model(cart.info).hub == HubModel(REPO, REV2)
 
 
-def test_other_weights_under_the_id_are_refused_naming_both_revisions(cached, offline_hub, other_dir, tmp_path):
+def test_other_weights_under_the_id_load_the_recorded_revision_while_it_is_cached(cached, offline_hub, other_dir,
+                                                                                 tiny, tmp_path):
     path = build_by_id(tmp_path)
     hub_snapshot(offline_hub, REPO, REV2, other_dir)  # main moved to other weights; REV1 stays cached
+    lm = load_recorded_model(open_cartridge(path, verify="header")[0])
+    assert (lm.ref, lm.hub, lm.fingerprint) == (REPO, HubModel(REPO, REV1), tiny.fingerprint)
+    cart = cartridge.load(path)
+    assert cart.info.model_revision == REV1 and len(cart.tokens) > 0
+
+
+def test_other_weights_under_the_id_are_refused_naming_both_revisions(cached, offline_hub, other_dir, tmp_path):
+    path = build_by_id(tmp_path)
+    keep = tmp_path / "rev1"
+    shutil.copytree(cached, keep)
+    shutil.rmtree(cached)  # the cache moved on to other weights: REV1 is not cached any more
+    hub_snapshot(offline_hub, REPO, REV2, other_dir)
     with pytest.raises(ModelMismatchError) as e:
         cartridge.load(path)
     message = str(e.value)
     assert f"was built with model {REPO} at revision {REV1[:12]} (fingerprint " in message
     assert f"this model {REPO} at revision {REV2[:12]} (fingerprint " in message and "differs in weights" in message
-    assert f'--model "$(hf download {REPO} --revision {REV1})"' in message and "\n" not in message
+    assert f'--model "$(hf download {REPO} --revision {REV1} -q)"' in message and "\n" not in message
     assert f"model=cartridge.load_model('{REPO}', revision='{REV1}')" in message
+    hub_snapshot(offline_hub, REPO, REV1, keep, main=False)  # what `hf download --revision REV1` does
     assert cartridge.load(path, model=load_model(REPO, revision=REV1)).info.model_revision == REV1  # the way out
+    assert cartridge.load(path).info.model_revision == REV1  # and then found by itself
+
+
+def test_hf_download_quiet_prints_the_bare_path(offline_hub, tiny_dir):
+    """The suggested command's output is the snapshot folder alone, as `--model "$(...)"` needs."""
+    snapshot = hub_snapshot(offline_hub, REPO, REV1, tiny_dir)
+    hf = Path(sys.executable).parent / "hf"
+    r = subprocess.run([str(hf), "download", REPO, "--revision", REV1, "-q"], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().strip() == str(snapshot)
 
 
 def test_revision_picks_a_snapshot_as_mlx_lm_load_does(cached, offline_hub, other_dir, tiny):

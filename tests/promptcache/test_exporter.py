@@ -1,6 +1,7 @@
 """`cartridge.export_prompt_cache`: a cartridge as the file mlx_lm.generate --prompt-cache-file loads, with the
 mlx-lm cache class of every layer that a fresh prefill makes, answering as the cartridge does; and back again."""
 
+import errno
 import json
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
@@ -14,11 +15,12 @@ from helpers.family_models import make_model
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 from helpers.promptfiles import mlx_generate, save_model_dir
 
-from cartridge.errors import InputError, ModelMismatchError, OutputExistsError
+from cartridge.errors import InputError, ModelMismatchError, OutputExistsError, WriteError
 from cartridge.promptcache.exporter import MlxLoadWarning
 from cartridge.format import keys as K
 from cartridge.format.reader import open_cartridge
 from cartridge.models.families import leaves
+from cartridge.promptcache import promptfile
 from cartridge.promptcache.promptfile import read_prompt_file
 
 DOC = ("The ferry to Inishmore leaves Rossaveal at 10:30 and returns at 17:00 daily in summer. Tickets cost 30 "
@@ -151,3 +153,17 @@ def test_a_gguf_models_file_warns_that_mlx_lm_cannot_load_it(tmp_path):
     with pytest.warns(MlxLoadWarning, match="mlx_lm.generate cannot load"):
         r = cartridge.export_prompt_cache(path, tmp_path / "s.safetensors")
     assert r.model == "default" and r.classes == {"KVCache": 2}
+
+
+def test_a_full_disk_names_the_file_and_leaves_nothing(wide, tmp_path, monkeypatch):
+    _, _, carts = wide
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(promptfile, "save_prompt_cache", full)
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(WriteError) as e:
+        cartridge.export_prompt_cache(carts["fp16"], out)
+    assert str(e.value) == f"cannot write {out}: No space left on device"
+    assert list(tmp_path.iterdir()) == []

@@ -22,6 +22,8 @@ from helpers.clirun import run_inprocess, run_process
 from helpers.tiny_models import TINY_CONFIG, make_tiny
 from helpers.servers import free_port as _free_port, raw as _raw, wait_ready as _wait_ready
 
+from cartridge.format.reader import open_cartridge
+
 openai = pytest.importorskip("openai")
 
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n" * 3
@@ -111,7 +113,7 @@ def _user(q=QUESTION):
 
 def test_models_lists_cartridges_and_base(client, server, carts, tiny_dir):
     rows = {m.id: m.model_extra for m in client.models.list().data}
-    assert set(rows) == {"lease", "other", "brief", "wrong", "broken", tiny_dir.name}
+    assert set(rows) == {"lease", "other", "brief", "broken", tiny_dir.name}  # wrong: another model, left out
     lease = rows["lease"]
     assert lease["tokens"] == len(carts["lease"].tokens)
     assert lease["bytes"] == carts["lease"].info.data_size == server[1]
@@ -496,3 +498,20 @@ def test_sigint_after_a_request_exits_quietly_with_status_0(shelf, tiny_dir, tmp
         text = log.read_text()
         assert "terminate called" not in text and "Traceback" not in text and "error:" not in text, text
         assert text.rstrip().endswith(f"Finished server process [{proc.pid}]"), text
+
+
+def test_pool_leaves_out_the_cartridges_of_another_model_in_one_warning_line(shelf, caplog):
+    """Read from the headers at start: another model's cartridge is not offered (not listed, not indexed); named
+    anyway, it is refused saying why."""
+    from cartridge.serve.pool import Pool, Refused, find_cartridges
+
+    folder, lm = shelf
+    with caplog.at_level("WARNING", logger="cartridge.serve"):
+        pool = Pool(find_cartridges([folder]), lm)
+    assert list(pool.left_out) == ["wrong"] and "wrong" not in {m["id"] for m in pool.models()}
+    wrong = open_cartridge(folder / "wrong.cart", verify="header")[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"1 cartridge left out, built with another model than {lm.label}: wrong ({wrong.model_ref})"]
+    with pytest.raises(Refused, match="^ModelMismatchError: cartridge .*wrong.cart was built with model") as e:
+        pool.get("wrong")
+    assert e.value.status == 422

@@ -4,8 +4,15 @@
 import json
 from pathlib import Path
 
+import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import cartridge.models.loader
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+from helpers.tiny_models import make_tiny
 from helpers.clirun import run_inprocess as run
+
+from cartridge.format.reader import open_cartridge
 
 
 def test_ask_reads_the_question_from_stdin(built):
@@ -198,3 +205,31 @@ def test_ask_with_cartridges_and_no_question_says_so_rather_than_asking_a_path(b
     assert r.returncode == 1 and err == [f"error: no QUESTION: the last argument {last} names a cartridge; give the "
                                          "question after the cartridges (or --questions FILE)"], err
     assert r.stdout == b""
+
+
+def test_ask_a_prompt_cache_file_says_to_import_it(tiny, tmp_path):
+    """A file of mlx-lm's save_prompt_cache (cache classes in its metadata) is named as one."""
+    path = tmp_path / "doc.safetensors"
+    cache = make_prompt_cache(tiny.model)
+    tiny.model(mx.array([[1, 2, 3]]), cache=cache)
+    save_prompt_cache(str(path), cache)
+    r = run("ask", path, "What?")
+    assert r.returncode == 1
+    assert r.stderr.decode().startswith(f"error: {path} is a file, not a cartridge (an mlx-lm prompt-cache file: "
+                                        "`cartridge import` it first): a cartridge is a directory")
+
+
+def test_ask_cartridges_of_two_models_names_both_before_loading_one(built, smol_tokenizer, tmp_path, monkeypatch):
+    other = cartridge.build("Another document about leases and rents. " * 4, tmp_path / "b.cart",
+                            model=make_tiny(smol_tokenizer, seed=1), page_size=16).path
+    a = open_cartridge(built[0], verify="header")[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(cartridge.models.loader, "_load_raw", refuse)  # what every load_model calls
+    r = run("ask", built[0], other, "What?")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.count("\n") == 1, err
+    assert (f"the cartridges were built with different models ({built[0]}: {a.model_ref} (fingerprint "
+            f"{a.fingerprint['id'][:12]}); {other}: tiny-seed1 (fingerprint ") in err

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
+import cartridge.models.loader
 import pytest
 from helpers.clirun import run_inprocess as run
 from helpers.tiny_models import TINY_CONFIG, hub_snapshot, make_scripted, save_model_dir
@@ -149,9 +150,44 @@ def test_system_prompt_is_the_cartridges_or_refused(built, tiny_dir, tmp_path):
     assert same.returncode == 0 and same.stdout == run("ask", out, Q1, "-m", "4").stdout
     for command, extra in (("ask", [Q1]), ("chat", [])):
         r = run(command, built[0], *extra, "--system-prompt", "Be brief.", stdin="")
-        err = r.stderr.decode()
-        assert r.returncode == 1 and err.startswith("error: this model's chat template puts the system message before "
-                                                    "the document") and err.count("\n") == 1, err
+        assert r.stderr.decode() == (f"error: --system-prompt must be the system message {built[0]} was built with "
+                                     "(`cartridge build --system-prompt`): it holds the document prefilled after no "
+                                     "system message; drop --system-prompt, or build a cartridge with yours\n")
+        assert r.returncode == 1
+        r = run(command, out, *extra, "--system-prompt", "Be verbose.", stdin="")
+        assert r.returncode == 1 and "prefilled after the system message 'Be brief.'; drop --system-prompt or give " \
+            "that one" in r.stderr.decode()
+
+
+def _no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cartridge.models.loader, "_load_raw", refuse)  # what every load_model calls
+
+
+@pytest.mark.parametrize("command, args, expect", [
+    ("ask", [Q1, "--system-prompt", "Be brief."], "error: --system-prompt must be the system message"),
+    ("chat", ["--system-prompt", "Be brief."], "error: --system-prompt must be the system message"),
+    ("ask", [" \n "], "error: the question is empty"),
+    ("ask", ["-p", " \n "], "error: the question is empty (or only whitespace)"),
+    ("ask", [""], "error: the question is empty"),
+    ("chat", ["-p", "  "], "error: the question is empty (or only whitespace)"),
+])
+def test_what_the_header_rules_out_is_refused_before_the_model_loads(built, base_built, monkeypatch, command, args,
+                                                                     expect):
+    _no_model_load(monkeypatch)
+    r = run(command, built[0], *args, stdin="")
+    assert r.returncode == 1 and r.stderr.decode().splitlines()[0] == expect + (
+        f" {built[0]} was built with (`cartridge build --system-prompt`): it holds the document prefilled after no "
+        "system message; drop --system-prompt, or build a cartridge with yours" if "system" in expect else ""), r.stderr
+
+
+def test_a_system_prompt_on_a_base_model_is_refused_before_it_loads(base_built, monkeypatch):
+    _no_model_load(monkeypatch)
+    r = run("ask", base_built[0], Q1, "--system-prompt", "Be brief.")
+    assert r.returncode == 1
+    assert r.stderr.decode() == f"error: --system-prompt needs a chat template; the model of {base_built[0]} has none\n"
 
 
 def test_chat_prompt_is_the_first_turn(built):
@@ -173,5 +209,28 @@ def test_serve_on_a_base_model_stops_before_the_next_question_line(base_built, b
                                            max_tokens=64, temperature=0)
         assert r.choices[0].message.content.strip() == SHOWN
         assert r.choices[0].finish_reason == "stop"
+    finally:
+        stop(proc)
+
+
+def test_serve_asks_the_base_model_the_plain_question_and_reuses_the_shelf_cartridge(base_built, base_dir, tmp_path):
+    """A request to the base model id (no chat template) with `document + "\\n\\n" + question` is rendered as the
+    plain prompt `ask` uses: the answer stops before the next "Question:" line, and the shelf cartridge built of
+    that document answers it as a prefix (cached_tokens = its tokens)."""
+    openai = pytest.importorskip("openai")
+
+    out, _ = base_built
+    tokens = json.loads(run("inspect", out, "--json").stdout)["tokens"]
+    proc, port = start_server([out.parent, "--model", base_dir], tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=base_dir.name, messages=[{"role": "user",
+                                           "content": DOC * 3 + "\n\n" + Q1}], max_tokens=64, temperature=0)
+        assert (r.choices[0].message.content.strip(), r.choices[0].finish_reason) == (SHOWN, "stop")
+        assert r.usage.prompt_tokens_details.cached_tokens == tokens
+        r = client.chat.completions.create(model=base_dir.name, messages=[{"role": "user", "content": Q1}],
+                                           max_tokens=64, temperature=0)
+        assert (r.choices[0].message.content.strip(), r.choices[0].finish_reason) == (SHOWN, "stop")
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         stop(proc)

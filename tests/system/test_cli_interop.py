@@ -6,6 +6,9 @@ from helpers.clirun import run_inprocess, run_process
 from mlx_lm.models.cache import load_prompt_cache
 from helpers.promptfiles import cache_prompt
 
+from cartridge.format.reader import open_cartridge
+from cartridge.promptcache.importer import cache_prompt_tokens
+
 DOC = "Opening hours: the museum opens at nine and closes at five, except on Mondays when it stays closed. " * 3
 
 
@@ -61,3 +64,20 @@ def test_a_real_process_refuses_an_output_without_the_safetensors_suffix(made, t
     _one_error_line(r, "must end in .safetensors: mlx_lm.generate --prompt-cache-file reads the file by that "
                        "extension")
     assert not (tmp_path / "doc.bin").exists() and r.stdout == b""
+
+
+def test_import_takes_the_document_without_the_newline_the_shell_dropped(tiny, tiny_dir, tmp_path):
+    """`mlx_lm.cache_prompt --prompt "$(cat doc.txt)"` prefills the text without its trailing newline: `import
+    --document doc.txt` takes it so, saying it in one warning line."""
+    text = DOC.rstrip()
+    (tmp_path / "doc.txt").write_text(text + "\n")
+    assert len(cache_prompt_tokens(tiny.tokenizer, text + "\n")) != len(cache_prompt_tokens(tiny.tokenizer, text))
+    pfile = cache_prompt(tiny_dir, tmp_path / "doc.safetensors", text)
+    r = run_inprocess("import", pfile, "-o", tmp_path / "doc.cart", "--document", tmp_path / "doc.txt")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.decode().splitlines() == [
+        f"warning: the document's trailing whitespace left out: {pfile} holds "
+        f"{len(cache_prompt_tokens(tiny.tokenizer, text))} tokens, the document without it (as `--prompt "
+        f"\"$(cat FILE)\"` passes it)"]
+    info, _ = open_cartridge(tmp_path / "doc.cart")
+    assert info.tokens.tolist() == cache_prompt_tokens(tiny.tokenizer, text) and info.source["bytes"] == len(text)
