@@ -191,6 +191,13 @@ def gemma_model():
     return cartridge.load_model("gemma3-270m")
 
 
+@pytest.fixture(scope="session", params=["default", "gemma3-270m"])
+def any_real_model(request):
+    """Each real model in turn (the slow tests that hold on both): SmolLM2-135M-Instruct (chat template) and
+    Gemma 3 270M (base model, sliding-window layers)."""
+    return request.getfixturevalue("real_model" if request.param == "default" else "gemma_model")
+
+
 def sample_questions(n=None):
     rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     return rows[:n] if n else rows
