@@ -98,6 +98,13 @@ def gemma_model():
     return cartridge.load_model("gemma3-270m")
 
 
+@pytest.fixture(scope="session", params=["default", "gemma3-270m"])
+def any_real_model(request):
+    """Each real model in turn (the slow tests that hold on both): SmolLM2-135M-Instruct (chat template) and
+    Gemma 3 270M (base model, sliding-window layers)."""
+    return request.getfixturevalue("real_model" if request.param == "default" else "gemma_model")
+
+
 @pytest.hookimpl(tryfirst=True)  # before the -m selection
 def pytest_collection_modifyitems(items):
     """Mark `slow` the tests a module names in SLOW_IDS ("test_x[portable-0-1000]"): combinations of a

@@ -143,24 +143,25 @@ class CartridgeInfo:
                 "fixed": fixed}
 
 
-def require_attention_layers(info, what):
+def require_attention_layers(info, what, kinds=("attention",)):
     """Refuse a cartridge with a layer that is not "attention" of the global (n_kv_heads, head_dim).
 
-    Extend, save, compose, convert and sharded loading handle paged attention layers of one shape
-    only; dense, window and state layers (format 1.4, section 5.5) and protected tokens (1.5, section
-    4.5.4) are refused in one line.
+    Save, compose, convert and sharded loading handle paged attention layers of one shape only; extend
+    also window layers (`kinds`); dense, window and state layers (format 1.4, section 5.5) and protected
+    tokens (1.5, section 4.5.4) are otherwise refused in one line.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
+        kinds (tuple): the layer kinds the operation takes. Default: ("attention",).
 
     Raises:
         InputError: naming the first such layer, its kind and shapes.
     """
     shape = (info.n_kv_heads, info.head_dim)
     for i, layer in enumerate(info.layers):
-        if layer.kind != "attention" or layer.k_shape != shape or layer.v_shape != shape:
+        if layer.kind not in kinds or layer.k_shape != shape or layer.v_shape != shape:
             raise InputError(f"layer {i} is a {layer.kind} layer (K {layer.k_shape}, V {layer.v_shape}); {what} "
-                             f"takes attention layers of {shape} only")
+                             f"takes {' and '.join(kinds)} layers of {shape} only")
     if info.protect_first + info.protect_last:  # their fp16 copies sit at positions a new cartridge would move
         raise InputError(f"the cartridge keeps {info.protect_first} first and {info.protect_last} last tokens in "
                          f"fp16; {what} takes cartridges without protected tokens only (convert the fp16 cartridge without "

@@ -6,7 +6,9 @@
     verified before it is published)
 
 Both write what a one-shot build of the same tokens would write, except for the values of the new
-tokens' K/V: they were computed attending over the stored (possibly quantized) prefix.
+tokens' K/V: they were computed attending over the stored (possibly quantized) prefix. A sliding-window
+layer (extend only) continues from its stored window in mlx-lm's RotatingKVCache and stores its new last
+`window` tokens, encoded anew in its tiers as `build` encodes them.
 """
 
 import os
@@ -17,6 +19,7 @@ from ..write.append import (ExtendResult, destination, grown_header, require_per
                             write_grown)
 from ..attention import route
 from ..attention.cache import CartridgeCache
+from ..attention.layers import WindowLayer
 from ..attention.prefill import PrefillCache
 from ..write.build import (DEFAULT_PREFILL_STEP, DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length,
                            prefill, warn_context_left)
@@ -87,15 +90,31 @@ DENSE_PREFILL = ("auto", "dequantize-once")  # extend's policies that prefill ov
 
 def _caches(cart, keep, attention):
     """Caches over the first `keep` stored tokens (all of them unless the seam moved): the decoded
-    prefix in `PrefillCache`s for a policy of `DENSE_PREFILL`, else the stored pages (`CartridgeCache`)."""
+    prefix in `PrefillCache`s for a policy of `DENSE_PREFILL`, else the stored pages (`CartridgeCache`);
+    a window layer's stored window in mlx-lm's RotatingKVCache (`_window_cache`)."""
     route.install()
-    if attention in DENSE_PREFILL:
-        dtype = model_dtype(cart.model)
-        return [PrefillCache(p, keep, dtype) for p in cart.prefixes]
-    prefixes = cart.prefixes
-    if keep < len(cart.tokens):  # the portable path masks page tokens at and beyond n_tokens
-        prefixes = [replace(p, n_tokens=keep, backend=None) for p in prefixes]
-    return [CartridgeCache(p) for p in prefixes]
+    dtype = model_dtype(cart.model)
+    out = []
+    for p in cart.prefixes:
+        if isinstance(p, WindowLayer):
+            out.append(_window_cache(p, keep))
+        elif attention in DENSE_PREFILL:
+            out.append(PrefillCache(p, keep, dtype))
+        else:  # the portable path masks page tokens at and beyond n_tokens
+            out.append(CartridgeCache(p if keep == len(cart.tokens) else replace(p, n_tokens=keep, backend=None)))
+    return out
+
+
+def _window_cache(layer, keep):
+    """A window layer's RotatingKVCache as mlx-lm's prefill leaves it (`WindowLayer.cache`), cut to the stored
+    tokens before `keep`. Those cut are prefilled again; each of them attends to at most `window` tokens before
+    it, and the window stored after the whole document holds all of those."""
+    cache = layer.cache()
+    drop = layer.total - keep
+    if drop:  # the window is in temporal order: its last tokens are the last positions
+        cache.keys, cache.values = cache.keys[:, :, :-drop], cache.values[:, :, :-drop]
+        cache.offset, cache._idx = keep, cache.keys.shape[2]
+    return cache
 
 
 def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, prefill_step=DEFAULT_PREFILL_STEP,
@@ -131,8 +150,8 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         ExtendResult
 
     Raises:
-        InputError: empty text, a conversation or packed cartridge, a layer other than attention, a
-            result longer than the model's context. OutputExistsError: `output` exists and `force` is False. Any `cartridge.load` error.
+        InputError: empty text, a conversation or packed cartridge, a layer other than attention or
+            window, a result longer than the model's context. OutputExistsError: `output` exists and `force` is False. Any `cartridge.load` error.
 
     Example:
         >>> cartridge.extend("log.cart", open("today.txt").read())  # doctest: +SKIP
@@ -145,7 +164,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         model = load_model(model)
     # the dense prefill decodes the stored pages itself: loaded as stored, nothing is decoded twice
     cart = load(path, model=model, attention="portable" if attention in DENSE_PREFILL else attention)
-    require_attention_layers(cart.info, "extend")
+    require_attention_layers(cart.info, "extend", kinds=("attention", "window"))
     require_per_token_tiers(cart.info, "extend")
     ids, keep = extended_tokens(cart, text, separator)
     limit = context_length(cart.model)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..attention.cache import CartridgeCache
 from ..attention.pages import encode_pages
+from ..storage.kinds import KINDS, LayerPlan
 from ..storage.store import to_numpy
 from .build import DEFAULT_PREFILL_STEP, prefill
 from ..errors import InputError
@@ -132,20 +133,28 @@ def _new_pages(codec, x, params, lead, page_size):
 
 
 def write_grown(cart, caches, ids, keep, dest, force, header):
-    """Write stored pages [0, keep) + every cache's tail as a cartridge at `dest`; verify, then publish.
+    """Write stored pages [0, keep) + every cache's tail as a cartridge at `dest`; verify, then publish. A window
+    layer's cache (mlx-lm's RotatingKVCache, extend) is written whole: its last `window` tokens, as `build` does.
 
     Args:
-        cart (Cartridge): the loaded cartridge. caches (list): one per layer, with `tail_kv()`.
+        cart (Cartridge): the loaded cartridge. caches (list): one per layer, with `tail_kv()` (a window
+            layer's: its RotatingKVCache).
         ids (list[int]): every token of the result. keep (int): stored tokens kept.
         dest (str | Path): where. force (bool): replace an existing cartridge. header (dict): `grown_header`.
 
     Returns:
         Path: the published cartridge.
     """
-    info, data = cart.info, cart.data
+    info, data, header = cart.info, cart.data, dict(header)
     full, lead = divmod(keep, info.page_size)
     with CartridgeWriter(dest, force) as writer:
         for layer, cache in enumerate(caches):
+            meta = info.layers[layer]
+            if meta.kind == "window":  # its records (window start and count, params) replace the stored ones
+                plan = LayerPlan("window", meta.k_shape, meta.v_shape, window=meta.window)
+                header.update(KINDS["window"].write(writer, layer, plan, cache, info.tiers[layer], info.page_size,
+                                                    len(ids)))
+                continue
             tail = dict(zip(SIDES, cache.tail_kv()))  # side -> (n_kv_heads, T_new, head_dim)
             for side in SIDES:
                 codec, params = TIERS[info.tiers[layer][side]], info.params[(layer, side)]

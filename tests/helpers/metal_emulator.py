@@ -9,6 +9,7 @@ decodes, the softmax and merges. It cannot check Apple's compiler or GPU (see do
 """
 
 import ctypes
+import functools
 import hashlib
 import re
 import subprocess
@@ -17,6 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from cartridge.attention.backends import cpu as cpu_backend, cuda as cuda_backend, metal as metal_backend
+from cartridge.attention.kernels import metal
 from helpers.metal_source import ATTRIBUTES, TYPE_STRINGS, assemble, compiler
 
 EMU = Path(__file__).with_name("metal_emu.h")
@@ -104,3 +107,28 @@ class EmulatedKernel:
         lib.emu_launch(ptrs, grid[0] // threadgroup[0], grid[1], grid[2], threadgroup[0])
         return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
                 for o, d in zip(outs, output_dtypes)]
+
+
+def emulate_metal_device(monkeypatch):
+    """Make this process's attention registry see a Mac whose Metal kernels run on `EmulatedKernel`: the Metal
+    entry is the current device (the CPU's and CUDA's are not), its kernel module is available, and each kernel it
+    builds is emulated (built once per variant). Returns the list of kernel names called, in order, that each call
+    appends."""
+    calls = []
+
+    class Counted(EmulatedKernel):
+        def __call__(self, *args, **kwargs):
+            calls.append(self.name)
+            return super().__call__(*args, **kwargs)
+
+    @functools.cache
+    def kernel(kind, consts):
+        name, inputs, outputs, body = metal.kernel_spec(kind, consts)
+        return Counted(name, inputs, outputs, body, metal.header())
+
+    monkeypatch.setattr(metal, "_kernel", kernel)
+    monkeypatch.setattr(metal, "available", lambda: True)
+    monkeypatch.setattr(metal_backend.METAL, "is_current", lambda: True)
+    for other in (cpu_backend.CPU, cuda_backend.CUDA):
+        monkeypatch.setattr(other, "is_current", lambda: False)
+    return calls
