@@ -19,6 +19,8 @@ OLD = "Section 1. The lessee may terminate the agreement with 30 days of written
 NEW = "Section 2. Rent is due on the first day of each month, payable to the lessor by bank transfer."
 PAGE = 16
 QUESTIONS = ("When is rent due?", "How much notice does the lessee give?")
+# float32 on the CPU; a GPU rounds its matmuls more (TF32), which an fp16 K/V then shows as a few ulps
+KV_TOL, LOGIT_TOL = (4e-3, 2e-3) if mx.default_device() == mx.cpu else (2e-2, 1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_extended_window_k_v_are_the_one_shot_build_s(carts, gemma3):
     for i in (0, 2):
         for a, b in ((e.prefixes[i].keys, o.prefixes[i].keys), (e.prefixes[i].values, o.prefixes[i].values)):
             assert a.shape == b.shape == (1, 2, WINDOW, 32)
-            np.testing.assert_allclose(np.array(a), np.array(b), atol=4e-3, err_msg=f"layer {i}")
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=KV_TOL, err_msg=f"layer {i}")
 
 
 def _last_logits(cart, question):
@@ -72,7 +74,7 @@ def test_extended_window_model_answers_like_the_one_shot_build(carts, gemma3):
     _, ext, one = carts
     e, o = (cartridge.load(p, model=gemma3) for p in (ext.path, one.path))
     for q in QUESTIONS:
-        np.testing.assert_allclose(_last_logits(e, q), _last_logits(o, q), atol=2e-3)
+        np.testing.assert_allclose(_last_logits(e, q), _last_logits(o, q), atol=LOGIT_TOL)
         assert _greedy(e, q) == _greedy(o, q)
 
 
@@ -89,5 +91,5 @@ def test_a_seam_that_moves_prefills_the_window_s_last_tokens_again(gemma3, tmp_p
     e, o = (cartridge.load(p, model=gemma3) for p in (ext.path, one.path))
     assert e.tokens == o.tokens
     for i in (0, 2):
-        np.testing.assert_allclose(np.array(e.prefixes[i].keys), np.array(o.prefixes[i].keys), atol=4e-3)
-    np.testing.assert_allclose(_last_logits(e, QUESTIONS[0]), _last_logits(o, QUESTIONS[0]), atol=2e-3)
+        np.testing.assert_allclose(np.array(e.prefixes[i].keys), np.array(o.prefixes[i].keys), atol=KV_TOL)
+    np.testing.assert_allclose(_last_logits(e, QUESTIONS[0]), _last_logits(o, QUESTIONS[0]), atol=LOGIT_TOL)
