@@ -1,4 +1,4 @@
-"""`auto` from measurements (cartridge/attention/calibration.py) and the bench gate: a bench result becomes a
+"""`auto` from measurements (cartridge/attention/auto_table.py) and the bench gate: a bench result becomes a
 table, lookups pick the nearest case, a user table replaces shipped cases, and slow tiers are flagged."""
 
 import json
@@ -7,7 +7,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
 from click.testing import CliRunner
 
-from cartridge.attention import calibration as C
+from cartridge.attention import auto_table as C
 from cartridge.cli.main import cli
 from cartridge.errors import InputError
 from cartridge.eval.bench import gate
