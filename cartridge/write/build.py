@@ -375,7 +375,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             options. With `calibrate`, safe/balanced/compact are byte budgets (1/2, 1/3, 1/4.5 of fp16's
             bytes/token) filled by measurement (`cartridge.calibrate`); without, the fixed recipes of
             `cartridge.tiers.presets`. Default: None.
-        budget (cartridge.calibrate.Budget | None): a target ratio, bytes/token or KL bound for a
+        budget (cartridge.calibrate.CalibrationTarget | None): a target ratio, bytes/token or KL bound for a
             measured schema; excludes `preset` and the tier options. Default: None.
         calibrate (bool): measure budget presets on the document (False: today's fixed recipes, no
             extra cost; a `budget` then is refused). Default: True.
@@ -402,71 +402,72 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    budget, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
+    target, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
                                                         boundary_protect, schema, protect_first, protect_last)
     check_options(document, options, page_size, prefill_step, reserve)
     if system is not None:
         check_text(system, "the system message")
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    declined = None if budget is None else calibrate_mod.checked_model(lm.model, budget)
+    declined = None if target is None else calibrate_mod.checked_model(lm.model, target)
     schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system, page_size)
     page_size = fit_page_size(page_size, len(tokens))
-    if budget is not None and declined is None:
-        calibrate_mod.check_reachable(budget, plans)
+    if target is not None and declined is None:
+        calibrate_mod.check_reachable(target, plans)
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
 
     t0 = time.perf_counter()
-    holds = budget is not None and declined is None and any(p.kind == "window" for p in plans)
+    holds = target is not None and declined is None and any(p.kind == "window" for p in plans)
     caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
         (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
     path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras,
-                                           protected, (budget, declined, calibration_progress), held)
+                                           protected, (target, declined, calibration_progress), held)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)
     result.prompt_mode = mode
     return result
 
 
-def resolve_options(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect, schema, protect_first,
+def resolve_options(preset, target, calibrate, tier, k_tier, v_tier, boundary_protect, schema, protect_first,
                     protect_last):
     """`build`'s tier, preset and budget options resolved (arguments as `build` takes them).
 
     Returns:
-        tuple: (budget Budget | None (a budget preset included), options (tier, k_tier, v_tier, boundary_protect,
-        schema), (protect_first, protect_last) before clamping, the `cartridge.preset` header key or {}).
+        tuple: (target CalibrationTarget | None (a budget preset included), options (tier, k_tier, v_tier,
+        boundary_protect, schema), (protect_first, protect_last) before clamping, the `cartridge.preset` header key
+        or {}).
 
     Raises:
         InputError: clashing options (a preset beside the options it sets, a budget without calibration).
     """
     named = {} if preset is None else {K.PRESET: preset}
-    budget, preset = calibrate_mod.resolve_budget(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect,
+    target, preset = calibrate_mod.resolve_target(preset, target, calibrate, tier, k_tier, v_tier, boundary_protect,
                                                   schema, protect_first, protect_last)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     protect.check_counts(o["protect_first"], o["protect_last"])
     options = tuple(o[k] for k in ("tier", "k_tier", "v_tier", "boundary_protect", "schema"))
-    return budget, options, (o["protect_first"], o["protect_last"]), named
+    return target, options, (o["protect_first"], o["protect_last"]), named
 
 
 def measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras, protected,
                       calibration=(None, None, None), held=None):
-    """Measure the schema where a budget asks for it (`calibrate.schema_or_fallback`), then `write_layers`.
+    """Measure the schema where a calibration target asks for it (`calibrate.schema_or_fallback`), then `write_layers`.
 
     Args:
         output, lm, mode, tokens, caches, schema, plans, page_size, force: as `write_layers` takes them;
             `caches` is a list (it is emptied layer by layer as each is written).
         extras (dict): more header keys (`write_layers`'s `source`); a measured schema adds its record.
         protected (tuple): (first, last) tokens to keep in fp16, before clamping.
-        calibration (tuple): (budget Budget | None, `calibrate.checked_model`'s reason, progress callable).
+        calibration (tuple): (target CalibrationTarget | None, `calibrate.checked_model`'s reason, progress callable).
         held (dict | None): window layers' K/V held at calibration's split (`prefill_holding`). Default: None.
 
     Returns:
         tuple: (Path of the cartridge, the schema written, (first, last) protected tokens as clamped).
     """
-    budget, declined, progress = calibration
-    if budget is not None:
-        schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, budget, plans,
+    target, declined, progress = calibration
+    if target is not None:
+        schema, protected, record = calibrate_mod.schema_or_fallback(lm, mode, caches, tokens, target, plans,
                                                                      declined, progress, held)
         extras.update({} if record is None else {K.CALIBRATION: record})
         check_layer_tiers(plans, schema)
