@@ -275,8 +275,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, _prefill_layers(prefixes, choices, head_dims),
-                                                     dtype)
+    layers = _prefill_layers(prefixes, choices, head_dims)
+    decoded, packed, resident, peak, prefill = _plan_memory(sides, held, limit, layers, dtype)
     dense, unpacking = _by_layer(decoded), _by_layer(packed)
     out = prefixes
     for i, (p, c) in enumerate(zip(prefixes, choices)):
@@ -303,7 +303,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
                         max(prefill.values(), default=0))
 
 
-def _plan(sides, held, limit, layers, dtype):
+def _plan_memory(sides, held, limit, layers, dtype):
     """`budget.plan_unpacked`, then a question's prefill over the pages decoded for the call on the `layers`
     ((layer, shapes) of `_prefill_layers`) that keep a side not decoded to dense pages (over float32 pages the
     portable path is as fast: docs/performance.md), where the resident bytes leave room for the largest of them
@@ -343,7 +343,7 @@ def _report(layers, sides, decoded, packed, limit, stored, resident, peak, prefi
                        "planned_peak_bytes": peak}}
 
 
-def plan_header(info, dtype, max_memory=None, entries=None):
+def plan_from_header(info, dtype, max_memory=None, entries=None):
     """What `place` does under "auto" for a cartridge, from its header alone (no pages read, no model).
 
     Args:
@@ -380,7 +380,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, layers, dtype)
+    decoded, packed, resident, peak, prefill = _plan_memory(sides, held, limit, layers, dtype)
     return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, stored_bytes, resident, peak,
                    max(prefill.values(), default=0))
 

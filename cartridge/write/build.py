@@ -278,7 +278,7 @@ def check_options(document, options, page_size, prefill_step, reserve=0):
     read_tier_options(*options)
 
 
-def plan(document, lm, geometry, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
+def schema_and_tokens(document, lm, geometry, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
     """Resolve the schema and tokenize the document for a model of `geometry` (n_layers, n_kv_heads, head_dim).
 
     Returns:
@@ -296,8 +296,8 @@ def plan(document, lm, geometry, options, reserve=0, system=None, page_size=DEFA
     return schema, mode, tokens, _check_context(lm, tokens, reserve)
 
 
-def probe_plan(document, lm, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
-    """Like `plan`, with each layer's cache kind and K/V shapes probed from the model itself.
+def probed_schema_and_tokens(document, lm, options, reserve=0, system=None, page_size=DEFAULT_PAGE_SIZE):
+    """Like `schema_and_tokens`, with each layer's cache kind and K/V shapes probed from the model itself.
 
     Returns:
         tuple: (schema list[dict], plans list[LayerPlan], prompt mode str, tokens list[int],
@@ -409,7 +409,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         check_text(system, "the system message")
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     declined = None if target is None else calibrate_mod.checked_model(lm.model, target)
-    schema, plans, mode, tokens, left = probe_plan(document, lm, options, reserve, system, page_size)
+    schema, plans, mode, tokens, left = probed_schema_and_tokens(document, lm, options, reserve, system, page_size)
     page_size = fit_page_size(page_size, len(tokens))
     if target is not None and declined is None:
         calibrate_mod.check_reachable(target, plans)
@@ -503,7 +503,7 @@ def write_layers(output, lm, tokens, caches, schema, plans, page_size, mode, for
         tokens (list[int]): the prefix tokens.
         caches (iterable): per layer in order, its filled mlx-lm cache (or `kv_caches` of (keys, values)).
         schema (list[dict]), plans (list[LayerPlan]): tiers and each layer's kind and shapes, already
-            checked (`probe_plan`; `attention_plans` for a model of full-attention layers only).
+            checked (`probed_schema_and_tokens`; `attention_plans` for a model of full-attention layers only).
         page_size (int): tokens per page. mode (str): the prompt mode.
         force (bool): replace an existing cartridge at `output`. Default: False.
         source (dict | None): more header keys: source.* (`format.source.source_keys`), prompt.system.

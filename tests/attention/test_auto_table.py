@@ -133,7 +133,7 @@ def test_bench_from_json_prints_the_gate_and_calibrates(tmp_path):
 
 
 def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(monkeypatch):
-    """inspect's policy line (plan_header) knows the layer by its tier names: a tier with no fused kernel must
+    """inspect's policy line (plan_from_header) knows the layer by its tier names: a tier with no fused kernel must
     not be planned as fused, or inspect would name a path load does not take."""
     from cartridge.attention import backends, policy
     from cartridge.tiers.affine import Int6Codec

@@ -10,7 +10,7 @@ from helpers.family_models import WINDOW, make_model
 from mlx_lm.models.base import create_causal_mask
 
 import cartridge
-from cartridge.storage.kinds import KINDS, kv_plan
+from cartridge.storage.kinds import KINDS, kv_layer_plan
 from cartridge.write.build import prefill_holding
 from cartridge.calibrate import CalibrationTarget, forwards, measure, search, sequence
 from cartridge.calibrate.attention_error import AttentionError
@@ -189,7 +189,7 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
     mode = prompt_mode(tiny.tokenizer)
     tokens = prefix_tokens(tiny.tokenizer, DOC, mode)
     caches = prefill(tiny.model, tokens)
-    plans = [kv_plan("attention", c) for c in caches]
+    plans = [kv_layer_plan("attention", c) for c in caches]
     path = write_layers(tmp_path / "old.cart", tiny, tokens, kv_caches((c.keys, c.values) for c in caches),
                         schema_for(2), plans, 64, mode, source={K.CALIBRATION: old})
     cart = cartridge.load(path, model=tiny)
