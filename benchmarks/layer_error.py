@@ -51,7 +51,7 @@ from mlx_lm.models.cache import KVCache
 
 from cartridge.attention import route
 from cartridge.attention.pages import encode_pages
-from cartridge.write.build import prefill
+from cartridge.write.prefill import prefill
 from cartridge.calibrate import PRESET_RATIOS, CalibrationTarget, head, search, sequence
 from cartridge.calibrate import measure as calibration
 from cartridge.calibrate.walk import SharedPrefixCache

@@ -122,7 +122,7 @@ def check_room(cart, cache, prompt, max_tokens, what):
         InputError: the prompt does not fit, or prefix + cache tail + prompt + a given max_tokens exceed the
             model's context length.
     """
-    from cartridge.write.build import context_length
+    from cartridge.write.options import context_length
 
     from cartridge.attention.layers import cache_offset
 

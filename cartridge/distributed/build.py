@@ -14,8 +14,10 @@ from ..format.writer import check_output_path, check_space
 from ..models.loader import LoadedModel
 from ..storage.shard import slice_for
 from ..tiers import DEFAULT_TIER
-from ..write.build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options,
-                           fit_page_size, header_extras, kv_caches, schema_and_tokens, prefill, write_layers)
+from ..write.build import build_result
+from ..write.encode import attention_plans, cartridge_bytes, header_extras, kv_caches, write_layers
+from ..write.options import DEFAULT_RESERVE, check_options, fit_page_size, schema_and_tokens
+from ..write.prefill import prefill
 from .agreement import agree, digest_bytes
 
 

@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx_lm
 
 from .. import __version__
-from ..write.build import context_length, prefill
+from ..write.options import context_length
+from ..write.prefill import prefill
 from ..errors import InputError
 from ..format.keys import CALIBRATION
 from ..read.load import load

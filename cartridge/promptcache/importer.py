@@ -22,8 +22,10 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 from .. import calibrate as calibrate_mod
 from ..write.append import token_sha256
-from ..write.build import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, build_result, check_reserve, context_length, fit_page_size,
-                    layers_bytes, layers_schema, measure_and_write, resolve_options, warn_context_left)
+from ..write.build import build_result, measure_and_write
+from ..write.encode import layers_bytes
+from ..write.options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_reserve, context_length, fit_page_size,
+                             layers_schema, resolve_options, warn_context_left)
 from ..errors import InputError, ModelLoadError, ModelMismatchError
 from ..format import keys as K
 from ..format.source import FIELDS, source_keys

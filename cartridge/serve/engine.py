@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..write.build import context_length
+from ..write.options import context_length
 from ..errors import CartridgeError
 from ..models.prompt import prompt_mode
 from .pool import Refused

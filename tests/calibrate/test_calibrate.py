@@ -155,7 +155,7 @@ def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
 
 @pytest.mark.parametrize("group", [1, 2])
 def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers_measures(tiny64, group, monkeypatch):
-    from cartridge.write.build import prefill
+    from cartridge.write.prefill import prefill
     from cartridge.calibrate import measure
     from cartridge.models.prompt import prefix_tokens, prompt_mode
 
@@ -304,7 +304,7 @@ def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_p
 
 
 def test_the_evaluation_sequence_asks_every_probe_as_a_follow_up_turn(tiny64, monkeypatch):
-    from cartridge.write.build import prefill
+    from cartridge.write.prefill import prefill
     from cartridge.calibrate import sequence
     from cartridge.models.prompt import (
         followup_tokens,

@@ -11,7 +11,7 @@ from mlx_lm.models.base import create_causal_mask
 
 import cartridge
 from cartridge.storage.kinds import KINDS, kv_layer_plan
-from cartridge.write.build import prefill_holding
+from cartridge.write.prefill import prefill_holding
 from cartridge.calibrate import CalibrationTarget, forwards, measure, search, sequence
 from cartridge.calibrate.attention_error import AttentionError
 from cartridge.cli.report import calibration_lines
@@ -179,7 +179,8 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
         tiny, tmp_path):
     from click.testing import CliRunner
 
-    from cartridge.write.build import kv_caches, prefill, write_layers
+    from cartridge.write.encode import kv_caches, write_layers
+    from cartridge.write.prefill import prefill
     from cartridge.cli import main
     from cartridge.tiers import schema_for
 
