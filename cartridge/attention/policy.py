@@ -261,7 +261,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
         "policy", "reason"} (None for layers that are not page-attended); "memory": {"budget_bytes",
         "stored_bytes", "resident_bytes", "planned_peak_bytes"}}.
     """
-    from .layers import ListLayer  # (mlx-lm's cache classes)
+    from .layers import ListLayer  # (loads mlx-lm's cache classes: not at import, for `cartridge inspect`)
 
     unpack = backends.device() == "cpu" if unpack is None else unpack
     for i, p in enumerate(prefixes):  # a CacheList layer: its parts as layers of their own

@@ -9,8 +9,10 @@ own forwards (`forwards`).
 import warnings
 from dataclasses import dataclass
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from ..errors import CalibrationUnsupportedError, InputError
-from ..tiers import TIERS
+from ..tiers import TIERS, presets, protect, schema_for
 from . import forwards, measure, search
 from .sequence import hold_windows, split_of  # noqa: F401  (build's: the window layers' K/V at the split)
 
@@ -92,8 +94,7 @@ def resolve_target(preset, target, calibrate, *given):
             raise InputError("a target ratio, bytes/token or KL budget needs calibration; drop --no-calibrate")
         return target.check(), None
     if calibrate and preset in PRESET_RATIOS:
-        from ..tiers import presets  # the clash check of a preset: it excludes every tier option
-        presets.apply(preset, *given)
+        presets.apply(preset, *given)  # the clash check of a preset: it excludes every tier option
         return CalibrationTarget(preset=preset).check(), None
     return None, preset
 
@@ -122,8 +123,6 @@ def checked_model(model, target):
         CalibrationUnsupportedError: a model calibration cannot measure, for a budget that is not a preset (a
             target ratio, bytes/token or KL bound has no fixed recipe).
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
     try:
         measure.check_plain(make_prompt_cache(model))
     except CalibrationUnsupportedError as e:
@@ -205,8 +204,6 @@ def schema_or_fallback(lm, mode, caches, tokens, target, plans, reason=None, pro
             if target.preset is None:
                 raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
             reason = str(e)
-    from ..tiers import presets, schema_for
-
     recipe = presets.resolve(target.preset)
     warnings.warn(CalibrationFallbackWarning(f"{reason}: preset {target.preset} is built with its fixed recipe "
                                              f"(K {recipe['k_tier']}, V {recipe['v_tier']}), not measured"),
@@ -296,8 +293,6 @@ def _best(sens, parts, shapes, bounds, max_kl, tokens, protect_heavy_hitters=Non
     Args:
         parts, bounds, tokens: as `search.choose_parts` takes them. max_kl (float | None): the KL bound.
     """
-    from ..tiers import protect
-
     plain = search.choose_parts(sens.kl, parts, shapes, bounds, max_kl, tokens)
     n = sens.protect_first
     if not n or not parts[0] or not (PROTECT_HEAVY_HITTERS if protect_heavy_hitters is None else protect_heavy_hitters):

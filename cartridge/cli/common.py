@@ -158,7 +158,7 @@ def target_options(command):
 
 def read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
     """The CalibrationTarget of the budget options (None when none is given; a budget preset is resolved by build)."""
-    from cartridge.calibrate import CalibrationTarget, parse_ratio
+    from cartridge.calibrate import CalibrationTarget, parse_ratio  # (loads mlx-lm: not at CLI start)
 
     given = {"--target-ratio": target_ratio, "--max-bytes-per-token": max_bytes_per_token, "--max-kl": max_kl}
     named = [k for k, v in given.items() if v is not None]

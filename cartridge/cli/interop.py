@@ -2,6 +2,10 @@
 
 import click
 
+import cartridge
+from cartridge.format.writer import check_output_path
+from cartridge.tiers.schema import tier_runs_text
+
 from .common import (model_ref, progress_bar, read_corpus, read_target, refuse_tier_clashes, target_options,
                      tier_options, warnings_as_lines)
 
@@ -25,11 +29,6 @@ def import_command(file, output, model, document, tier, k_tier, v_tier, boundary
                    protect_last, preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate, page_size, reserve,
                    force):
     """Turn FILE, an mlx-lm prompt cache (mlx_lm.cache_prompt, save_prompt_cache), into a cartridge: no prefill."""
-    import cartridge
-
-    from cartridge.format.writer import check_output_path
-    from cartridge.tiers.schema import tier_runs_text
-
     target = read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     model_ref(model)
@@ -58,8 +57,6 @@ def import_command(file, output, model, document, tier, k_tier, v_tier, boundary
 @click.option("--force", is_flag=True, help="Replace an existing file at OUTPUT.")
 def export_command(source, output, model, dequantize, force):
     """Write CARTRIDGE as an mlx-lm prompt-cache file for mlx_lm.generate --prompt-cache-file."""
-    import cartridge
-
     model_ref(model)
     with warnings_as_lines():
         r = cartridge.export_prompt_cache(source, output, model=model, quantized=not dequantize, force=force)
