@@ -11,8 +11,8 @@ buffer of the cache's scratch; otherwise the finish is a second kernel. When bot
 at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the tensor-core variant
 `flash_pass1_mma`. A question of many query rows per KV head takes `cuda_prefill`'s kernel as pass 1 (the rows in
 `cuda_prefill.reads`) or, from `decoded_min_rows` rows, the pages decoded for MLX's SDPA (`dense`). The launch shapes
-and crossovers are the layer's `CudaTuning` (docs/cuda-tuning.md). The plain reference for all of them is
-`cartridge.attention.kernels.portable` (tests compare them against float64).
+and crossovers are the layer's `CudaTuning` (docs/performance.md "CUDA tuning constants"). The plain reference for
+all of them is `cartridge.attention.kernels.portable` (tests compare them against float64).
 
 Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX builds and hashes
 the kernel source on every call. The source handed to MLX is a few lines (`cuda_source`), and kernels, grids,
@@ -183,7 +183,7 @@ def _launch(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks
         per, n_splits = split_tokens(inputs.end - inputs.start, n_kv, 1, 16 * t.mma_warps, target, granule=16)
         kind, fixed, threads = "mma", [inputs.sgk, *inputs.k_in, *inputs.v_in], t.mma_warps * 32
         consts = [("T", dtype), ("HD", D), ("NKV", n_kv), ("PAGE", page), ("WARPS", t.mma_warps),
-                  ("STAGES", t.mma_stages), ("DIAG", 0), ("RK", inputs.k_rot)]
+                  ("STAGES", t.mma_stages), ("RK", inputs.k_rot)]
         grid = (n_splits * threads, n_kv, 1)
     elif uses_tensor_cores(inputs, R, D):
         target = t.tc_target_blocks_d64 if D == 64 else t.tc_target_blocks
@@ -195,7 +195,7 @@ def _launch(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks
         kind, threads = "tc", warps * 32
         fixed = [inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv]
         consts = [("T", dtype), ("TK", tk), ("BK", bk), ("TV", tv), ("BV", bv), ("HD", D), ("NKV", n_kv),
-                  ("PAGE", page), ("WARPS", warps), ("STAGES", t.tc_stages), ("DIAG", 0), ("RK", inputs.k_rot),
+                  ("PAGE", page), ("WARPS", warps), ("STAGES", t.tc_stages), ("RK", inputs.k_rot),
                   ("LREG", lreg)]
         grid = (n_splits * threads, n_kv, row_blocks)
         smem = tc_smem_bytes(inputs.k_spec, inputs.v_spec, D, lreg, warps, t.tc_stages)
@@ -211,8 +211,7 @@ def _launch(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks
         kind, threads = "pass1", t.warps * 32
         fixed = [inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv]
         consts = [("T", dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D), ("EPL", epl),
-                  ("ROWS", rows), ("NKV", n_kv), ("PAGE", page), ("WARPS", t.warps), ("UNR", t.unroll),
-                  ("DIAG", 0)]
+                  ("ROWS", rows), ("NKV", n_kv), ("PAGE", page), ("WARPS", t.warps), ("UNR", t.unroll)]
         grid = (n_splits * threads, n_kv, row_blocks)
     consts.append(("SCALE", float(scale)))
     if single and threads == 128:
