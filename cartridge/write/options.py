@@ -54,7 +54,7 @@ def _check_context(lm, tokens, reserve):
         return None
     if len(tokens) >= limit:
         raise InputError(f"the corpus is {len(tokens)} tokens; the model's context is {limit} tokens")
-    return warn_context_left(len(tokens), limit, reserve, stacklevel=5)  # this, _check_context, (probed_)schema_and_tokens, build
+    return warn_context_left(len(tokens), limit, reserve, stacklevel=5)  # this, _check_context, its caller, build
 
 
 def warn_context_left(n_tokens, limit, reserve, stacklevel=2):
