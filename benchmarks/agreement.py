@@ -61,7 +61,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from cartridge.compose import blend
-from cartridge.write.build import prefill
+from cartridge.write.prefill import prefill
 from cartridge.calibrate import fitting, measure, search, sequence
 from cartridge.compose.composed import ComposedCartridge, Part, compose
 from cartridge.eval.composed import by_class, sources, timed_greedy

@@ -45,20 +45,20 @@ def variants():
                     continue
                 consts = (("T", mx.float16), ("TK", tid), ("BK", bits), ("TV", tid), ("BV", bits), ("HD", D),
                           ("NKV", 8), ("PAGE", 256), ("WARPS", TUNING.tc_warps), ("STAGES", TUNING.tc_stages),
-                          ("DIAG", 0), ("RK", rk), ("LREG", lreg), ("SCALE", D ** -0.5))
+                          ("RK", rk), ("LREG", lreg), ("SCALE", D ** -0.5))
                 yield f"tc {name} d{D}{' rot' if rk else ''}{' regs' if lreg else ''}", "tc", consts
                 if rk and not lreg:  # a +rot tier's single launch: the finish rotates V's prefix output back
                     yield f"tc+finish {name} d{D} rot", "tc+finish", consts + (("CH", 256), ("VROT", True))
         for rk in (False, True):
             consts = (("T", mx.float16), ("HD", D), ("NKV", 8), ("PAGE", 256), ("WARPS", TUNING.mma_warps),
-                      ("STAGES", TUNING.mma_stages), ("DIAG", 0), ("RK", rk), ("SCALE", D ** -0.5))
+                      ("STAGES", TUNING.mma_stages), ("RK", rk), ("SCALE", D ** -0.5))
             yield f"mma mlx4g32 d{D}{' rot' if rk else ''}", "mma", consts
             yield f"mma+finish mlx4g32 d{D}{' rot' if rk else ''}", "mma+finish", consts + (("CH", 256), ("VROT", rk))
         for name, tid, bits in (("fp16", cuda.FP16, 0), ("float32 pages", cuda.F32, 0), ("int8", cuda.AFF8, 0),
                                 ("mlx4g32", cuda.AFF4, 0), ("fp8", cuda.MXFP8, 0), ("turbo4", cuda.TURBO, 4)):
             consts = (("T", mx.float16), ("TK", tid), ("TV", tid), ("BK", bits), ("BV", bits), ("HD", D), ("EPL", 8),
                       ("ROWS", 4), ("NKV", 8), ("PAGE", 256), ("WARPS", TUNING.warps), ("UNR", TUNING.unroll),
-                      ("DIAG", 0), ("SCALE", D ** -0.5))
+                      ("SCALE", D ** -0.5))
             yield f"pass1 {name} d{D}", "pass1", consts
             yield f"pass1+finish {name} d{D}", "pass1+finish", consts + (("CH", 256), ("VROT", False))
         finish = (("T", mx.float16), ("HD", D), ("NKV", 8), ("NCH", 2), ("CH", 256), ("VROT", True), ("SINKS", True),

@@ -51,8 +51,8 @@ from mlx_lm.models.cache import KVCache
 
 from cartridge.attention import route
 from cartridge.attention.pages import encode_pages
-from cartridge.write.build import prefill
-from cartridge.calibrate import BUDGETS, Budget, head, search, sequence
+from cartridge.write.prefill import prefill
+from cartridge.calibrate import PRESET_RATIOS, CalibrationTarget, head, search, sequence
 from cartridge.calibrate import measure as calibration
 from cartridge.calibrate.walk import SharedPrefixCache
 from cartridge.eval.dataset import load_questions
@@ -170,7 +170,7 @@ def run(doc_path, questions_path, n_questions, lm):
     return out
 
 
-UNIFORM = {name: (presets.PRESETS[name]["k_tier"], presets.PRESETS[name]["v_tier"]) for name in BUDGETS}
+UNIFORM = {name: (presets.PRESETS[name]["k_tier"], presets.PRESETS[name]["v_tier"]) for name in PRESET_RATIOS}
 
 
 def calibration_run(path, lm):
@@ -190,8 +190,8 @@ def calibration_run(path, lm):
            "calibrate_over_prefill": round(sens.seconds / (t1 - t0), 3), "eval_tokens": sens.eval_tokens,
            "forwards": sens.forwards, "heavy_hitters": sens.protect_first,
            "budgets": {}}
-    for name in BUDGETS:
-        choice = search.choose(sens.kl, len(caches), shapes, Budget(preset=name).bounds([fp16, 0])[0])
+    for name in PRESET_RATIOS:
+        choice = search.choose(sens.kl, len(caches), shapes, CalibrationTarget(preset=name).bounds([fp16, 0])[0])
         kl, agree = calibration.verify(lm.model, sens.probe, choice.schema)
         ku, vu = UNIFORM[name]
         uniform = [{"layer": i, "k": ku, "v": vu} for i in range(len(caches))]
@@ -272,9 +272,9 @@ def budgets(lm, sens, reference, n_layers, shapes, fp16, reference_budgets=None)
     each choice is the best for the sequence it was measured on, so the two cross measurements tell a worse
     choice from the noise of a sequence of ~30-60 positions."""
     out = {}
-    for name in BUDGETS:
+    for name in PRESET_RATIOS:
         clock = Clock()
-        choice = search.choose(sens.kl, n_layers, shapes, Budget(preset=name).bounds([fp16, 0])[0])
+        choice = search.choose(sens.kl, n_layers, shapes, CalibrationTarget(preset=name).bounds([fp16, 0])[0])
         kl, agree = calibration.verify(lm.model, sens.probe, choice.schema)
         cost = clock.lap()
         ref_kl, ref_agree = calibration.verify(lm.model, reference.probe, choice.schema)
@@ -314,13 +314,13 @@ def document_run(path, lm, variants):
                "measure": cost, "stages_wall": sens.stages, "stages_cpu": sens.cpu_stages, "calibration": build,
                "over_prefill": {key: round(build[key] / out["prefill"][key], 3) for key in build},
                "budgets": chosen}
-        for b in BUDGETS:
+        for b in PRESET_RATIOS:
             chosen[b]["layer_sides_differing"] = differing(chosen[b]["schema"], (first or chosen)[b]["schema"])
         out["variants"][name] = row
         kls = " ".join(f"{b} {chosen[b]['measured_kl_on_reference']:.5f} ({chosen[b]['layer_sides_differing']}; "
                        f"own E {chosen[b]['measured_kl']:.5f} vs reference's choice "
                        f"{chosen[b].get('reference_choice_measured_kl', chosen[b]['measured_kl']):.5f})"
-                       for b in BUDGETS)
+                       for b in PRESET_RATIOS)
         print(f"{Path(path).name:22} {len(tokens):5} tok {name:6} E {sens.eval_tokens:3}: prefill "
               f"{out['prefill']['wall']:.1f} s wall / {out['prefill']['cpu']:.1f} cpu, calibration "
               f"{build['wall']:.1f} / {build['cpu']:.1f} ({row['over_prefill']['wall']:.2f}x / {row['over_prefill']['cpu']:.2f}x) "

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 
-from cartridge.write.build import prefill
+from cartridge.write.prefill import prefill
 from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS
 

@@ -2,7 +2,7 @@
 and which stay as stored.
 
 Decoding a side into dense pages ("dequantize-once") makes its attention faster where compute is scarce
-(the CPU) and costs its dense bytes instead of its stored bytes. `plan` decides side by side, K sides
+(the CPU) and costs its dense bytes instead of its stored bytes. `plan_decoded` decides side by side, K sides
 first (scores over compressed K are the slower half on CPU: docs/performance.md "Memory on CPU"), in layer
 order, and decodes a side only if the bytes held while it is decoded (all stored pages, the sides decoded
 so far and this side's decode buffers) stay within the budget; the rest keep their stored pages and take
@@ -77,7 +77,7 @@ def default_budget(stored, sides):
     return int(stored * STORED_FACTOR) + max(per_layer.values(), default=0)
 
 
-def plan(sides, held, budget, reserve=0):
+def plan_decoded(sides, held, budget, reserve=0):
     """Which sides to decode within `budget` bytes.
 
     Sides are decoded at load layer by layer, so the peak is bounded whatever the order: while a side
@@ -108,21 +108,21 @@ def plan(sides, held, budget, reserve=0):
 
 
 def plan_unpacked(sides, held, budget):
-    """`plan` after unpacking every K side that can be unpacked, if all of them fit `budget`.
+    """`plan_decoded` after unpacking every K side that can be unpacked, if all of them fit `budget`.
 
     The K sides are unpacked in layer order; they fit if, for each, the bytes held while it is unpacked
     (the sides before it as after, its stored pages, its unpacked arrays and temporaries) and the bytes
     held after it plus the float32 cast a decode step makes of the largest unpacked side stay within the
-    budget. Then `plan` decodes sides to dense (an unpacked one from its stored pages instead of unpacking
-    it) within the budget less that cast. If not all of them fit, nothing is unpacked (`plan` alone):
+    budget. Then `plan_decoded` decodes sides to dense (an unpacked one from its stored pages instead of unpacking
+    it) within the budget less that cast. If not all of them fit, nothing is unpacked (`plan_decoded` alone):
     a few unpacked sides gain less than the dense ones their cast's room would hold.
 
     Args:
         sides (list[Side]): the candidates. held (int): bytes held before. budget (int | None): None
-            unpacks nothing and decodes every side (as `plan`).
+            unpacks nothing and decodes every side (as `plan_decoded`).
 
     Returns:
-        tuple: (decoded, unpacked, resident, peak): `plan`'s decoded sides; the (layer, side) that are
+        tuple: (decoded, unpacked, resident, peak): `plan_decoded`'s decoded sides; the (layer, side) that are
         unpacked and not decoded, in layer order; the bytes held after; the most held while loading or
         while a decode step reads an unpacked side (this accounting).
     """
@@ -133,11 +133,11 @@ def plan_unpacked(sides, held, budget):
         resident, reserve = resident + s.unpacked - s.stored, max(reserve, s.step)
         peak = max(peak, during)
     if budget is None or not candidates or max(peak, resident + reserve) > budget:
-        decoded, resident, peak = plan(sides, held, budget)
+        decoded, resident, peak = plan_decoded(sides, held, budget)
         return decoded, [], resident, peak
     keys = {(s.layer, s.side) for s in candidates}
     rest = [replace(s, stored=s.unpacked) if (s.layer, s.side) in keys else s for s in sides]
-    decoded, resident, dense_peak = plan(rest, resident, budget, reserve)
+    decoded, resident, dense_peak = plan_decoded(rest, resident, budget, reserve)
     left = [(s.layer, s.side) for s in candidates if (s.layer, s.side) not in set(decoded)]
     step = max((s.step for s in candidates if (s.layer, s.side) in set(left)), default=0)
     return decoded, left, resident, max(peak, dense_peak, resident + step)
@@ -146,7 +146,7 @@ def plan_unpacked(sides, held, budget):
 def prefill_reserve(layers, dtype):
     """Bytes a question's prefill holds beside the resident pages where each layer's pages are decoded for
     the call (`kernels.cpu.question_prefill`): the largest layer's K and V as dense pages of `dtype`. It runs
-    where the plan's resident bytes leave that room within the budget (after, not instead of, what `plan` and
+    where the plan's resident bytes leave that room within the budget (after, not instead of, what `plan_decoded` and
     `plan_unpacked` decode or unpack: a decode step's reads of those pages come first).
 
     Args:

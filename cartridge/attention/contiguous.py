@@ -4,7 +4,7 @@ An fp16/bf16 cartridge's pages (or the dense pages of "dequantize-once") are lai
 (1, n_kv_heads, n_tokens + room, head_dim), the layout mlx-lm's `KVCache` holds, with room for a tail (grown
 `ROOM_STEP` tokens at a time, as `KVCache.step`). Each call writes the calling cache's new tail tokens into the room
 in place and calls `mx.fast.scaled_dot_product_attention` over the first `offset` tokens: one kernel, no split of
-prefix and tail, no merge (why, measured: docs/cuda-tuning.md "Dense pages").
+prefix and tail, no merge (why, measured: docs/performance.md "Dense pages").
 
 The buffer (`ContiguousKV`) is a second copy of the prefix beside the pages, shared by every cache made from one
 loaded cartridge (the layer's record, `Contiguous`, holds it). Each cache keeps its tail in its own chunks (trim,
@@ -135,7 +135,7 @@ class Contiguous:
 
     def without_copy(self):
         """The flash-decoding kernels' record of the same dense pages (`kernels.cuda`): no second copy of the
-        prefix, a little slower than MLX's SDPA (docs/cuda-tuning.md "Dense pages")."""
+        prefix, a little slower than MLX's SDPA (docs/performance.md "Dense pages")."""
         return self.pages
 
 

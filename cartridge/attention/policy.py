@@ -6,7 +6,7 @@
 - "dequantize-once": decode the prefix into dense pages of the model's dtype at load (more memory,
   no per-step decode work), then attend with the backend's dense path.
 - "auto": per layer, the policy measured fastest for its tiers, head_dim and context on this backend
-  (`calibration`: tables from `cartridge bench` runs), within a memory budget (`budget`): a layer whose
+  (`auto_table`: tables from `cartridge bench` runs), within a memory budget (`budget`): a layer whose
   choice is "dequantize-once" decodes only the sides that fit; the others read their stored pages (on
   the CPU, affine K sides with their codes unpacked to bytes where that fits: `unpacked`).
 """
@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..errors import InputError
 from ..tiers import get_tier
 from ..tiers.float16 import Float16Codec
-from . import backends, budget, calibration, unpacked
+from . import auto_table, backends, budget, unpacked
 from .prefix import LayerPrefix
 from .pages import decode_pages
 
@@ -151,7 +151,7 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
     """Per layer (policy, reason) for page-attended layers, None for the others."""
     if policy != "auto":
         return [(policy, f"{policy}: asked for") if isinstance(p, LayerPrefix) else None for p in prefixes]
-    entries = calibration.merged_entries() if entries is None else entries
+    entries = auto_table.merged_entries() if entries is None else entries
     out = []
     for p, dims in zip(prefixes, head_dims):
         if not isinstance(p, LayerPrefix):  # (a ListLayer's dims are a list of pairs: placed by itself)
@@ -159,7 +159,7 @@ def _choices(prefixes, policy, head_dims, n_tokens=None, entries=None):
             continue
         k_dim = dims[0]
         tiers = (p.k_codec.name, p.v_codec.name)
-        out.append(calibration.choose(entries, backends.device(), tiers, k_dim, p.n_tokens, "decode",
+        out.append(auto_table.choose(entries, backends.device(), tiers, k_dim, p.n_tokens, "decode",
                                       allowed(p, k_dim, prove=True)))
     return out
 
@@ -241,7 +241,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             (`cartridge.attention.layers`) pass through unchanged. The list is updated in place
             layer by layer, so a decoded layer's stored pages are freed before the next one is decoded.
         policy (str): from `resolve`: a concrete policy, or "auto" (per layer from the measured table,
-            `cartridge.attention.calibration`).
+            `cartridge.attention.auto_table`).
         dtype (mx.Dtype): the model's activation dtype (dense pages use it).
         head_dims (list): per layer (K head_dim, V head_dim), a list of them for a ListLayer; ignored
             for other layers.
@@ -250,7 +250,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             layer (`budget.default_budget`) when any page-attended layer is stored compressed (an fp16/bf16
             cartridge decodes as before: its pages are already the size of dense ones); with a concrete
             policy, no limit. Sides that do not fit keep their stored pages and take the portable path.
-        entries (list | None): the table for "auto" (default: shipped + user, `calibration.merged_entries`).
+        entries (list | None): the table for "auto" (default: shipped + user, `auto_table.merged_entries`).
         unpack (bool | None): under a limit, first unpack the K sides of affine tiers to one byte per code
             (`cartridge.attention.unpacked`; `budget.plan_unpacked`). None: on the CPU only, where MLX's
             quantized scores are scalar code. Default: None.
@@ -261,7 +261,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
         "policy", "reason"} (None for layers that are not page-attended); "memory": {"budget_bytes",
         "stored_bytes", "resident_bytes", "planned_peak_bytes"}}.
     """
-    from .layers import ListLayer  # (mlx-lm's cache classes)
+    from .layers import ListLayer  # (loads mlx-lm's cache classes: not at import, for `cartridge inspect`)
 
     unpack = backends.device() == "cpu" if unpack is None else unpack
     for i, p in enumerate(prefixes):  # a CacheList layer: its parts as layers of their own
@@ -275,8 +275,8 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
     stored_tiers = [t for p in prefixes if isinstance(p, LayerPrefix) for t in (p.k_codec.name, p.v_codec.name)]
     if limit is None and policy == "auto" and _compressed(stored_tiers):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, _prefill_layers(prefixes, choices, head_dims),
-                                                     dtype)
+    layers = _prefill_layers(prefixes, choices, head_dims)
+    decoded, packed, resident, peak, prefill = _plan_memory(sides, held, limit, layers, dtype)
     dense, unpacking = _by_layer(decoded), _by_layer(packed)
     out = prefixes
     for i, (p, c) in enumerate(zip(prefixes, choices)):
@@ -303,7 +303,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
                         max(prefill.values(), default=0))
 
 
-def _plan(sides, held, limit, layers, dtype):
+def _plan_memory(sides, held, limit, layers, dtype):
     """`budget.plan_unpacked`, then a question's prefill over the pages decoded for the call on the `layers`
     ((layer, shapes) of `_prefill_layers`) that keep a side not decoded to dense pages (over float32 pages the
     portable path is as fast: docs/performance.md), where the resident bytes leave room for the largest of them
@@ -343,7 +343,7 @@ def _report(layers, sides, decoded, packed, limit, stored, resident, peak, prefi
                        "planned_peak_bytes": peak}}
 
 
-def plan_header(info, dtype, max_memory=None, entries=None):
+def plan_from_header(info, dtype, max_memory=None, entries=None):
     """What `place` does under "auto" for a cartridge, from its header alone (no pages read, no model).
 
     Args:
@@ -354,7 +354,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
         dict: {"policy", "reason", "memory"} as in `place`'s report (held: the stored pages, and the dense K/V
         that dense and window layers are decoded into at load).
     """
-    entries = calibration.merged_entries() if entries is None else entries
+    entries = auto_table.merged_entries() if entries is None else entries
     choices, sides, layers = [], [], []
     stored_bytes = sum(e.page_bytes * e.shape[0] for ext in info.extents.values() for e in ext)
     held = stored_bytes + sum(_decoded_at_load(unit, dtype) for _, unit in info.units())
@@ -365,7 +365,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
             choices.append(None)
             continue
         tiers = (info.tiers[i]["k"], info.tiers[i]["v"])
-        c = calibration.choose(entries, backends.device(), tiers, meta.k_shape[1], meta.count, "decode",
+        c = auto_table.choose(entries, backends.device(), tiers, meta.k_shape[1], meta.count, "decode",
                                _allowed_by_name(tiers, meta.k_shape[1]))
         choices.append(c)
         if _reads_prefill(c[0]) is not None:
@@ -380,7 +380,7 @@ def plan_header(info, dtype, max_memory=None, entries=None):
     limit = max_memory
     if limit is None and _compressed(info.tiers[i][s] for i, c in enumerate(choices) if c for s in ("k", "v")):
         limit = budget.default_budget(held, sides)
-    decoded, packed, resident, peak, prefill = _plan(sides, held, limit, layers, dtype)
+    decoded, packed, resident, peak, prefill = _plan_memory(sides, held, limit, layers, dtype)
     return _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, stored_bytes, resident, peak,
                    max(prefill.values(), default=0))
 

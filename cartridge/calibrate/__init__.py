@@ -9,21 +9,23 @@ own forwards (`forwards`).
 import warnings
 from dataclasses import dataclass
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from ..errors import CalibrationUnsupportedError, InputError
-from ..tiers import TIERS
+from ..tiers import TIERS, presets, protect, schema_for
 from . import forwards, measure, search
 from .sequence import hold_windows, split_of  # noqa: F401  (build's: the window layers' K/V at the split)
 
 CALIBRATION_VERSION = 4  # bump when the measurement or search changes what a budget preset builds
-BUDGETS = {"safe": 2.0, "balanced": 3.0, "compact": 4.5}  # preset -> at most 1/ratio of fp16's bytes/token
+PRESET_RATIOS = {"safe": 2.0, "balanced": 3.0, "compact": 4.5}  # preset -> at most 1/ratio of fp16's bytes/token
 
 
 @dataclass(frozen=True)
-class Budget:
-    """What a calibrated build aims at; one of the three bounds.
+class CalibrationTarget:
+    """What a calibrated build aims at (the `budget` of `cartridge.build`, the record's "target"): one bound.
 
     Attributes:
-        preset (str | None): a BUDGETS name (sets `target_ratio`). target_ratio (float | None): fp16
+        preset (str | None): a PRESET_RATIOS name (sets `target_ratio`). target_ratio (float | None): fp16
             bytes/token over at most this. max_bytes_per_token (int | None): K+V payload bytes/token.
         max_kl (float | None): least bytes whose predicted KL (nats/token) vs fp16 is at most this.
     """
@@ -38,8 +40,8 @@ class Budget:
         given = [n for n in ("preset", "target_ratio", "max_bytes_per_token", "max_kl") if getattr(self, n) is not None]
         if len(given) != 1:
             raise InputError(f"give one of preset, target_ratio, max_bytes_per_token, max_kl; got {given or 'none'}")
-        if self.preset is not None and self.preset not in BUDGETS:
-            raise InputError(f"preset {self.preset!r} is not a budget; budget presets: {', '.join(BUDGETS)}")
+        if self.preset is not None and self.preset not in PRESET_RATIOS:
+            raise InputError(f"preset {self.preset!r} is not a budget; budget presets: {', '.join(PRESET_RATIOS)}")
         if self.target_ratio is not None and not 1.0 <= self.target_ratio <= 64.0:
             raise InputError(f"target ratio {self.target_ratio!r} is out of range 1..64 (x smaller than fp16)")
         if self.max_bytes_per_token is not None and (isinstance(self.max_bytes_per_token, bool) or
@@ -58,7 +60,7 @@ class Budget:
         Args:
             fp16 (list[int]): each part's fp16 K+V bytes/token (0 for an empty part).
         """
-        ratio = BUDGETS.get(self.preset, self.target_ratio)
+        ratio = PRESET_RATIOS.get(self.preset, self.target_ratio)
         if ratio:
             return [int(b // ratio) for b in fp16]
         if self.max_bytes_per_token is None:
@@ -67,33 +69,33 @@ class Budget:
         return [b * self.max_bytes_per_token // base for b in fp16]
 
     def record(self):
-        """This budget as the header record's "target" object."""
+        """This target as the header record's "target" object."""
         return {k: getattr(self, k) for k in ("preset", "target_ratio", "max_bytes_per_token", "max_kl")
                 if getattr(self, k) is not None}
 
 
-def resolve_budget(preset, budget, calibrate, *given):
-    """(budget, fixed preset): a budget preset becomes a Budget when calibrating; the other preset stays.
+def resolve_target(preset, target, calibrate, *given):
+    """(target, fixed preset): a budget preset becomes a CalibrationTarget when calibrating; the other preset stays.
 
     Args:
-        preset (str | None), budget (Budget | None), calibrate (bool): as `cartridge.build` takes them.
+        preset (str | None), target (CalibrationTarget | None: build's `budget`), calibrate (bool): as
+            `cartridge.build` takes them.
         given: build's tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last.
 
     Raises:
         InputError: a budget with a preset or with a tier or protection option, or without calibration.
     """
-    if budget is not None:
+    if target is not None:
         names = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last")
         clash = [n for n, v in zip(names, given) if v not in (None, 0, "fp16")]
         if preset is not None or clash:
             raise InputError(f"a budget chooses the tiers; it cannot be combined with {', '.join(clash or ['preset'])}")
         if not calibrate:
             raise InputError("a target ratio, bytes/token or KL budget needs calibration; drop --no-calibrate")
-        return budget.check(), None
-    if calibrate and preset in BUDGETS:
-        from ..tiers import presets  # the clash check of a preset: it excludes every tier option
-        presets.apply(preset, *given)
-        return Budget(preset=preset).check(), None
+        return target.check(), None
+    if calibrate and preset in PRESET_RATIOS:
+        presets.apply(preset, *given)  # the clash check of a preset: it excludes every tier option
+        return CalibrationTarget(preset=preset).check(), None
     return None, preset
 
 
@@ -113,7 +115,7 @@ class CalibrationFallbackWarning(UserWarning):
     """A budget preset was built with its fixed recipe because calibration cannot measure the model."""
 
 
-def checked_model(model, budget):
+def checked_model(model, target):
     """Before the prefill: None if calibration can measure `model` (by the walk or by its own forwards), else the
     reason (str) for a budget preset's fixed recipe.
 
@@ -121,12 +123,10 @@ def checked_model(model, budget):
         CalibrationUnsupportedError: a model calibration cannot measure, for a budget that is not a preset (a
             target ratio, bytes/token or KL bound has no fixed recipe).
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
     try:
         measure.check_plain(make_prompt_cache(model))
     except CalibrationUnsupportedError as e:
-        if budget.preset is None:
+        if target.preset is None:
             raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
         return str(e)
     return None
@@ -146,12 +146,12 @@ def least_bytes_per_token(n_layers, shapes, tiers):
     return n_layers * sum(min(TIERS[t].bytes_per_token(*shapes[s]) for t in tiers) for s in ("k", "v"))
 
 
-def check_reachable(budget, plans):
+def check_reachable(target, plans):
     """Before the prefill: refuse a byte budget below the cheapest schema the search could choose (every layer-side
     in its smallest candidate tier), in the words `search.choose_parts` would use after the measurement.
 
     Args:
-        budget (Budget): checked. plans (list[LayerPlan]): the probe's layers (attention, dense and window layers
+        target (CalibrationTarget): checked. plans (list[LayerPlan]): the probe's layers (attention, dense and window layers
             of one K/V shape, as calibration measures them; other plans are left to `checked_model`'s fallback).
 
     Raises:
@@ -161,7 +161,7 @@ def check_reachable(budget, plans):
         return
     shapes = {"k": plans[0].k_shape, "v": plans[0].v_shape}
     parts = parts_of([p.window if p.kind == "window" else None for p in plans])
-    bounds = budget.bounds([least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts])
+    bounds = target.bounds([least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts])
     if bounds is None:
         return
     try:
@@ -180,12 +180,12 @@ def check_reachable(budget, plans):
 PROTECT_HEAVY_HITTERS = False
 
 
-def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, progress=None, held=None):
-    """The measured schema within `budget`, or for a budget preset calibration cannot measure its fixed
+def schema_or_fallback(lm, mode, caches, tokens, target, plans, reason=None, progress=None, held=None):
+    """The measured schema within `target`, or for a budget preset calibration cannot measure its fixed
     recipe (`cartridge.tiers.presets`; a CalibrationFallbackWarning says so).
 
     Args:
-        lm, mode, caches, tokens, budget, progress, held: as `calibrated_schema` takes them.
+        lm, mode, caches, tokens, target, progress, held: as `calibrated_schema` takes them.
         plans (list[LayerPlan]): the layers' kinds and shapes. reason (str | None): `checked_model`'s.
 
     Returns:
@@ -198,29 +198,27 @@ def schema_or_fallback(lm, mode, caches, tokens, budget, plans, reason=None, pro
     """
     if reason is None:
         try:
-            schema, record, first = calibrated_schema(lm, mode, caches, tokens, budget, progress, held)
+            schema, record, first = calibrated_schema(lm, mode, caches, tokens, target, progress, held)
             return schema, (first, 0), record
         except CalibrationUnsupportedError as e:
-            if budget.preset is None:
+            if target.preset is None:
                 raise CalibrationUnsupportedError(f"{e}; build with --preset, a tier or --schema") from None
             reason = str(e)
-    from ..tiers import presets, schema_for
-
-    recipe = presets.resolve(budget.preset)
-    warnings.warn(CalibrationFallbackWarning(f"{reason}: preset {budget.preset} is built with its fixed recipe "
+    recipe = presets.resolve(target.preset)
+    warnings.warn(CalibrationFallbackWarning(f"{reason}: preset {target.preset} is built with its fixed recipe "
                                              f"(K {recipe['k_tier']}, V {recipe['v_tier']}), not measured"),
                   stacklevel=2)
     schema = schema_for(len(plans), "fp16", recipe["k_tier"], recipe["v_tier"])
     return schema, (recipe["protect_first"], recipe["protect_last"]), None
 
 
-def calibrated_schema(lm, mode, caches, tokens, budget, progress=None, held=None):
-    """Measure this document's sensitivity and choose the schema (and protected first tokens) within `budget`.
+def calibrated_schema(lm, mode, caches, tokens, target, progress=None, held=None):
+    """Measure this document's sensitivity and choose the schema (and protected first tokens) within `target`.
 
     Args:
         lm (LoadedModel). mode (str): prompt mode. caches (list): the filled prefill caches (KVCache, and
             RotatingKVCache for sliding-window layers). tokens (list[int]): the prefix tokens.
-        budget (Budget): checked. progress (callable | None): progress(done, total) over the layers of the
+        target (CalibrationTarget): checked. progress (callable | None): progress(done, total) over the layers of the
             measurement. held (dict | None): the window layers' K/V at the measurement's split
             (`hold_windows`), when the prefill went on past it. Default: None.
 
@@ -245,10 +243,10 @@ def calibrated_schema(lm, mode, caches, tokens, budget, progress=None, held=None
     fp16 = [least_bytes_per_token(len(part), shapes, ("fp16",)) for part in parts]
     windows = [min(len(tokens), w) for w in sens.probe.windows if w]
     stored = (len(tokens), max(windows, default=0))  # tokens a layer of each part keeps
-    first, choices = _best(sens, parts, shapes, budget.bounds(fp16), budget.max_kl, stored)
+    first, choices = _best(sens, parts, shapes, target.bounds(fp16), target.max_kl, stored)
     schema = sorted(choices[0].schema + choices[1].schema, key=lambda r: r["layer"])
     kl, agree = measure.verify(lm.model, sens.probe, schema, first)
-    record = {"target": budget.record(), "bytes_per_token": choices[0].bytes_per_token, "fp16_bytes_per_token": fp16[0],
+    record = {"target": target.record(), "bytes_per_token": choices[0].bytes_per_token, "fp16_bytes_per_token": fp16[0],
               "window_bytes_per_token": choices[1].bytes_per_token, "fp16_window_bytes_per_token": fp16[1],
               "predicted_kl": round(_kl(choices), 6), "measured_kl": round(kl, 6),
               "top1_agreement": round(agree, 4), "protect_first": first,
@@ -295,8 +293,6 @@ def _best(sens, parts, shapes, bounds, max_kl, tokens, protect_heavy_hitters=Non
     Args:
         parts, bounds, tokens: as `search.choose_parts` takes them. max_kl (float | None): the KL bound.
     """
-    from ..tiers import protect
-
     plain = search.choose_parts(sens.kl, parts, shapes, bounds, max_kl, tokens)
     n = sens.protect_first
     if not n or not parts[0] or not (PROTECT_HEAVY_HITTERS if protect_heavy_hitters is None else protect_heavy_hitters):

@@ -7,11 +7,15 @@ import time
 from pathlib import Path
 
 import click
+import mlx.core as mx
 
 import cartridge
 from cartridge.errors import InputError
 from cartridge.eval.dataset import load_questions
-from cartridge.models.prompt import check_text
+from cartridge.format.header import require_attention_layers
+from cartridge.format.reader import open_cartridge
+from cartridge.format.writer import check_output_path
+from cartridge.models.prompt import PLAIN, check_text, find_stop, stop_strings
 
 from .common import (MODEL_FORMS, PARALLEL_HELP, check_output_file, launched_group, model_ref, read_corpus,
                      warnings_as_lines)
@@ -45,7 +49,7 @@ def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memo
     t0 = time.perf_counter()
     group = launched_group(parallel)
     if group is not None:
-        from cartridge.distributed import load_sharded_model, recorded_model
+        from cartridge.distributed import load_sharded_model, recorded_model  # (loads mlx-lm: not at CLI start)
 
         if isinstance(path, list):
             raise InputError("--parallel takes one cartridge")
@@ -64,8 +68,6 @@ def load_cartridge(path, model, attention, parallel=None, recompute=16, max_memo
 def memory_lines(cart):
     """The attention policy and why, and the prefix's bytes as held and planned, for each cartridge
     (named when several are composed); then the bytes MLX measured (active, peak)."""
-    import mlx.core as mx
-
     parts, mb = getattr(cart, "carts", None) or [cart], 1e6
     lines = []
     for part in parts:
@@ -122,9 +124,9 @@ def check_room(cart, cache, prompt, max_tokens, what):
         InputError: the prompt does not fit, or prefix + cache tail + prompt + a given max_tokens exceed the
             model's context length.
     """
-    from cartridge.write.build import context_length
+    from cartridge.write.options import context_length  # (loads mlx-lm: not at CLI start)
 
-    from cartridge.attention.layers import cache_offset
+    from cartridge.attention.layers import cache_offset  # (loads mlx-lm: not at CLI start)
 
     limit, held = context_length(cart.model), cache_offset(cache) or len(cart.tokens)
     if limit is None:
@@ -151,9 +153,8 @@ def answer(cart, prompt, cache, max_tokens, what="the question", echo=True, stop
     of "token_ids" (mlx-lm feeds a token before yielding it; those not kept are trimmed back off).
     `sampler`: mlx-lm's (`generation.make_sampler`); None: greedy.
     """
-    import mlx_lm
+    import mlx_lm  # (seconds to import: not at CLI start)
 
-    from cartridge.models.prompt import find_stop, stop_strings
 
     max_tokens = check_room(cart, cache, prompt, max_tokens, what)
     stops = stop_strings(cart.info.prompt_mode)
@@ -215,7 +216,7 @@ def _show(text, shown, end, echo):
 def _unfeed(cache, n):
     """Take the last `n` fed tokens back off `cache` where every layer can trim (a chat that cannot, a window or
     recurrent state, starts its next turn afresh anyway)."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache  # (seconds to import: not at CLI start)
 
     if n and can_trim_prompt_cache(cache):
         trim_prompt_cache(cache, n)
@@ -266,8 +267,6 @@ def check_system_prompt(path, system):
     Raises:
         InputError: as described. CartridgeError: the header cannot be read.
     """
-    from cartridge.format.reader import open_cartridge  # mlx: not at CLI start
-    from cartridge.models.prompt import PLAIN
 
     if system is None:
         return
@@ -293,7 +292,7 @@ class RecomputeRatioOption(click.Option):
     """--recompute-ratio, whose help shows compose's default; compose (it loads mlx-lm) is imported only for --help."""
 
     def get_help_record(self, ctx):
-        from cartridge.compose.composed import DEFAULT_RECOMPUTE_RATIO
+        from cartridge.compose.composed import DEFAULT_RECOMPUTE_RATIO  # (loads mlx-lm: not at CLI start)
 
         self.help = self.help.split("  [default:")[0] + f"  [default: {DEFAULT_RECOMPUTE_RATIO:g}]"
         return super().get_help_record(ctx)
@@ -330,8 +329,6 @@ def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, 
     fresh cache, after one load."""
     paths, question = _paths_and_question(args, questions_file, prompt)
     if save_as is not None:
-        from cartridge.format.writer import check_output_path
-
         if len(paths) > 1 or questions_file is not None:
             raise InputError("--save-as takes one cartridge and one question")
         check_output_path(save_as, force)  # before any work
@@ -341,7 +338,7 @@ def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, 
         raise InputError("--json needs --questions FILE (a .jsonl or .txt file of questions): it writes one "
                          "JSON row per answer; to ask one QUESTION, drop --json (the answer prints on stdout)")
     if recompute_ratio is not None:
-        from cartridge.compose.blend import check_ratio
+        from cartridge.compose.blend import check_ratio  # (loads mlx-lm: not at CLI start)
 
         check_ratio(recompute_ratio, "--recompute-ratio")
     if len(paths) == 1 and (recompute_ratio is not None or recompute != 16):
@@ -358,8 +355,7 @@ def ask(args, questions_file, json_path, force, prompt, max_tokens, generation, 
         if line is not None:
             click.echo(line, err=True)
     if save_as is not None:  # a cartridge that cannot be saved is refused before the answer, not after it
-        from cartridge.write.append import require_per_token_tiers
-        from cartridge.format.header import require_attention_layers
+        from cartridge.write.append import require_per_token_tiers  # (loads mlx-lm: not at CLI start)
 
         require_attention_layers(cart.info, "save")
         require_per_token_tiers(cart.info, "save")

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 import cartridge
 from cartridge.attention import backends
-from cartridge.attention import calibration as C
+from cartridge.attention import auto_table
 from cartridge.attention.policy import POLICIES
 from cartridge.errors import InputError
 from cartridge.format.atomic import write_file
@@ -167,9 +167,9 @@ def _kernel_checks(tiers, shape, n_tokens, table_path):
 
 
 def _calibrate(result, table_path):
-    """Write the table of `result` (`cartridge.attention.calibration`) and say where."""
-    table = C.table_from_bench(result)
-    path = C.write_calibrated(table, table_path or C.user_table_path())
+    """Write the table of `result` (`cartridge.attention.auto_table`) and say where."""
+    table = auto_table.table_from_bench(result)
+    path = auto_table.write_bench_table(table, table_path or auto_table.user_table_path())
     click.echo(f"calibrate: {len(table['entries'])} measured cases written to {path}; cartridge.load(attention=\"auto\") "
                "uses them", err=True)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from cartridge.errors import CartridgeError, InputError
+from cartridge.format.reader import open_cartridge
 from cartridge.models.prompt import check_text
 
 from .ask import (ATTENTION_HELP, MAX_TOKENS_HELP, MODEL_HELP, answer, check_room, check_system_prompt, load_cartridge,
@@ -67,8 +68,6 @@ def chat(path, prompt, max_tokens, generation, model, attention, max_memory):
 
 def _refuse_saved_conversation(path):
     """Chat renders conversations from the bare document: a saved one is continued with `ask`."""
-    from cartridge.format.reader import open_cartridge
-
     info, data = open_cartridge(path, "header")
     data.close()
     if info.document_tokens < len(info.tokens):

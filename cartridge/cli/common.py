@@ -138,7 +138,7 @@ def tier_options(command):
     return command
 
 
-_BUDGET_OPTIONS = (
+_TARGET_OPTIONS = (
     click.option("--target-ratio", default=None, metavar="3x", help="Measured schema at most 1/R of fp16's bytes/token."),
     click.option("--max-bytes-per-token", default=None, type=click.IntRange(1), metavar="N",
                  help="Measured schema of at most N K+V bytes per token."),
@@ -148,17 +148,17 @@ _BUDGET_OPTIONS = (
 )
 
 
-def budget_options(command):
+def target_options(command):
     """Click decorator: build's measured-schema options (--target-ratio, --max-bytes-per-token, --max-kl,
-    --no-calibrate), passed as keywords of those names; `read_budget` reads them."""
-    for option in reversed(_BUDGET_OPTIONS):
+    --no-calibrate), passed as keywords of those names; `read_target` reads them."""
+    for option in reversed(_TARGET_OPTIONS):
         command = option(command)
     return command
 
 
-def read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
-    """The Budget of the budget options (None when none is given; a budget preset is resolved by build)."""
-    from cartridge.calibrate import Budget, parse_ratio
+def read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate):
+    """The CalibrationTarget of the budget options (None when none is given; a budget preset is resolved by build)."""
+    from cartridge.calibrate import CalibrationTarget, parse_ratio  # (loads mlx-lm: not at CLI start)
 
     given = {"--target-ratio": target_ratio, "--max-bytes-per-token": max_bytes_per_token, "--max-kl": max_kl}
     named = [k for k, v in given.items() if v is not None]
@@ -169,7 +169,7 @@ def read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     if no_calibrate:
         raise InputError(f"{named[0]} needs calibration; drop --no-calibrate")
     ratio = parse_ratio(target_ratio) if target_ratio is not None else None
-    return Budget(target_ratio=ratio, max_bytes_per_token=max_bytes_per_token, max_kl=max_kl).check()
+    return CalibrationTarget(target_ratio=ratio, max_bytes_per_token=max_bytes_per_token, max_kl=max_kl).check()
 
 
 def refuse_tier_clashes(preset, schema):

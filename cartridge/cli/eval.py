@@ -86,7 +86,7 @@ def _bar():
 @click.option("--recompute", default="0,16,64", show_default=True,
               help="Several documents: comma-separated settings, tokens of each later document recomputed.")
 @click.option("--recompute-ratio", default="0", show_default=True,
-              help="Several documents: comma-separated CacheBlend budgets, the fraction of each later document's "
+              help="Several documents: comma-separated CacheBlend recompute ratios, the fraction of each later document's "
               "tokens recomputed (those whose K/V deviate most), each run with every --recompute setting.")
 @click.option("--reference", type=click.Choice(["fresh", "recompute-all"]), default="fresh", show_default=True,
               help="Several documents: what answers are compared with: a fresh prefill of the whole prompt per "

@@ -125,7 +125,7 @@ def write_plot(report, path):
     import matplotlib  # (1.5-2 s with pyplot on this machine: not at CLI start, only for --plot)
 
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (after matplotlib.use: not at CLI start)
 
     pts = _series(report)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

@@ -4,6 +4,7 @@ and defaults), the sampler they make, and the note about a model without a chat 
 import functools
 
 import click
+import mlx.core as mx
 
 from cartridge.models.prompt import PLAIN
 
@@ -37,8 +38,7 @@ def generation_options(f):
 def make_sampler(generation):
     """The mlx-lm sampler of the generation flags (`mlx_lm.sample_utils.make_sampler`: greedy at temp 0), after
     seeding MLX's generator where --seed was given, as `mlx_lm.generate` does."""
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler  # (seconds to import: not at CLI start)
 
     if generation["seed"] is not None:
         mx.random.seed(generation["seed"])

@@ -2,7 +2,11 @@
 
 import click
 
-from .common import (budget_options, model_ref, progress_bar, read_budget, read_corpus, refuse_tier_clashes,
+import cartridge
+from cartridge.format.writer import check_output_path
+from cartridge.tiers.schema import tier_runs_text
+
+from .common import (model_ref, progress_bar, read_corpus, read_target, refuse_tier_clashes, target_options,
                      tier_options, warnings_as_lines)
 
 CALIBRATING = "calibrating: measuring each layer's K/V tiers on the document (--no-calibrate skips it)"
@@ -16,7 +20,7 @@ CALIBRATING = "calibrating: measuring each layer's K/V tiers on the document (--
               help="The text given to mlx_lm.cache_prompt --prompt (- for stdin), re-tokenized and checked against "
                    "the file; needed unless the file holds its token ids (a `cartridge export` file).")
 @tier_options
-@budget_options
+@target_options
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
               help="Warn when fewer than N tokens of the model's context are left for questions.")
@@ -25,12 +29,7 @@ def import_command(file, output, model, document, tier, k_tier, v_tier, boundary
                    protect_last, preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate, page_size, reserve,
                    force):
     """Turn FILE, an mlx-lm prompt cache (mlx_lm.cache_prompt, save_prompt_cache), into a cartridge: no prefill."""
-    import cartridge
-
-    from cartridge.format.writer import check_output_path
-    from cartridge.tiers.schema import tier_runs_text
-
-    budget = read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
+    target = read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     model_ref(model)
     check_output_path(output, force)
@@ -39,7 +38,7 @@ def import_command(file, output, model, document, tier, k_tier, v_tier, boundary
         r = cartridge.import_prompt_cache(
             file, output, model=model, document=text, tier=tier, k_tier=k_tier, v_tier=v_tier,
             boundary_protect=boundary_protect, schema=schema, page_size=page_size, force=force,
-            protect_first=protect_first, protect_last=protect_last, preset=preset, budget=budget,
+            protect_first=protect_first, protect_last=protect_last, preset=preset, budget=target,
             calibrate=not no_calibrate, calibration_progress=calibration_progress, reserve=reserve)
     checked = f"K/V of {r.checked_tokens} tokens recomputed and matched" if r.checked_tokens else "K/V not checked"
     click.echo(f"imported {file} -> {r.path}: {r.tokens} tokens of model {r.model} (token ids from the "
@@ -58,8 +57,6 @@ def import_command(file, output, model, document, tier, k_tier, v_tier, boundary
 @click.option("--force", is_flag=True, help="Replace an existing file at OUTPUT.")
 def export_command(source, output, model, dequantize, force):
     """Write CARTRIDGE as an mlx-lm prompt-cache file for mlx_lm.generate --prompt-cache-file."""
-    import cartridge
-
     model_ref(model)
     with warnings_as_lines():
         r = cartridge.export_prompt_cache(source, output, model=model, quantized=not dequantize, force=force)

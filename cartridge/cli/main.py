@@ -18,8 +18,8 @@ from cartridge.tiers.schema import tier_runs_text
 from .ask import ask
 from .bench import bench as bench_command
 from .chat import chat
-from .common import (MODEL_FORMS, PARALLEL_HELP, budget_options, launched_group, model_ref, progress_bar, read_budget,
-                     read_corpus, refuse_tier_clashes, tier_options, warnings_as_lines)
+from .common import (MODEL_FORMS, PARALLEL_HELP, launched_group, model_ref, progress_bar, read_corpus, read_target,
+                     refuse_tier_clashes, target_options, tier_options, warnings_as_lines)
 from .convert import convert as convert_command
 from .eval import eval_command
 from .extend import extend
@@ -61,7 +61,7 @@ def cli():
 @click.option("-o", "--output", required=True, help="Cartridge directory to create.")
 @click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @tier_options
-@budget_options
+@target_options
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -76,12 +76,12 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
           target_ratio, max_bytes_per_token, max_kl, no_calibrate, prefill_step, page_size, reserve, system, force,
           parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
-    budget = read_budget(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
+    target = read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
-    if parallel and (preset or budget or protect_first or protect_last):
+    if parallel and (preset or target or protect_first or protect_last):
         raise InputError("--parallel builds take tier options only, not --preset or --protect-first/--protect-last")
     group = launched_group(parallel)
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
@@ -94,7 +94,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
             progress_bar("layer", "calibrate", intro=CALIBRATING) as calibration_progress, warnings_as_lines():
         if group is None:
             r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
-                                protect_last=protect_last, preset=preset, budget=budget,
+                                protect_last=protect_last, preset=preset, budget=target,
                                 calibrate=not no_calibrate, calibration_progress=calibration_progress,
                                 **options)
         else:

@@ -6,7 +6,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from cartridge.attention.backends import device
-from cartridge.attention.policy import plan_header
+from cartridge.attention.policy import plan_from_header
 from cartridge.format import keys as K
 from cartridge.format.kinds import KINDS
 from cartridge.tiers import DTYPES, TIERS
@@ -185,7 +185,7 @@ def calibration_lines(c, n_layers=None):
 def _auto(info):
     """What `auto` does with this cartridge on this device (model dtype: float32 on CPU, else as computed)."""
     dtype = mx.float32 if device() == "cpu" else DTYPES[info.source_dtype]
-    plan = plan_header(info, dtype)
+    plan = plan_from_header(info, dtype)
     return {"backend": device(), "auto": plan["policy"], "reason": plan["reason"], "memory": plan["memory"],
             "layers": [x["policy"] if x else None for x in plan["layers"]]}
 

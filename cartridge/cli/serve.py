@@ -164,7 +164,7 @@ def serve(paths, host, port, model, max_bytes, prompt_cache_size, verify, attent
     PATHS are cartridge directories, .cartz files, or folders holding them (default: the current folder).
     """
     from cartridge.serve import serve as run  # (loads mlx-lm and uvicorn: not at CLI start)
-    from cartridge.serve.protocol import Sampling
+    from cartridge.serve.protocol import Sampling  # (loads mlx-lm: not at CLI start)
 
     if model is not None and not model.strip():
         raise InputError("--model is empty; give a GGUF file, an mlx-lm model folder or \"default\"")

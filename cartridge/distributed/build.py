@@ -14,8 +14,10 @@ from ..format.writer import check_output_path, check_space
 from ..models.loader import LoadedModel
 from ..storage.shard import slice_for
 from ..tiers import DEFAULT_TIER
-from ..write.build import (DEFAULT_RESERVE, attention_plans, build_result, cartridge_bytes, check_options,
-                           fit_page_size, header_extras, kv_caches, plan, prefill, write_layers)
+from ..write.build import build_result
+from ..write.encode import attention_plans, cartridge_bytes, header_extras, kv_caches, write_layers
+from ..write.options import DEFAULT_RESERVE, check_options, fit_page_size, schema_and_tokens
+from ..write.prefill import prefill
 from .agreement import agree, digest_bytes
 
 
@@ -108,7 +110,7 @@ def build_sharded(document, output, model, group=None, tier=DEFAULT_TIER, k_tier
         check_options(document, options, page_size, prefill_step, reserve)
         _require_kv_caches(model.model)
         geometry = _global_geometry(model.model)
-        schema, mode, tokens, left = plan(document, model, geometry, options, reserve, system, page_size)
+        schema, mode, tokens, left = schema_and_tokens(document, model, geometry, options, reserve, system, page_size)
         page_size = fit_page_size(page_size, len(tokens))
         if group.rank() == 0:
             check_space(output, cartridge_bytes(schema, geometry[1], geometry[2], len(tokens), page_size))

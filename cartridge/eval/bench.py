@@ -413,7 +413,7 @@ def plot(result, path):
     import matplotlib  # (matplotlib.use must come before pyplot's import; only for --plot)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (after matplotlib.use)
 
     styles = {"fused": "-", "portable": "--", "dequantize-once": ":", "mlx-sdpa": "-", "mlx-lm-quantized": "-."}
     lines = {}

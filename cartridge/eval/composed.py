@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx_lm
 
 from ..compose.blend import DEFAULT_SELECT_LAYER, DEFAULT_SELECTION, check_ratio
-from ..write.build import context_length
+from ..write.options import context_length
 from ..compose.composed import compose
 from ..errors import InputError
 from ..read.load import load

@@ -6,7 +6,7 @@ For the fp16 reference and each spec (`cartridge.eval.spec`), two cartridges are
     probe  the corpus head + planted needles -> needle answers, held-out perplexity
 
 The held-out text is `--heldout` if given (then the probe holds the whole corpus), else the corpus
-tail cut off at a paragraph break (`evalset.split_heldout`). It is scored as a continuation of the
+tail cut off at a paragraph break (`dataset.split_heldout`). It is scored as a continuation of the
 document after a blank line, teacher-forced through the probe cartridge: every held-out token but the
 first is scored (the cartridge stores K/V, not the prefix's last logits). A "fresh prefill" row runs
 the same three measurements with no cartridge: mlx-lm on the full prompt, and a dense float32
@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx_lm
 
 from .. import __version__
-from ..write.build import context_length, prefill
+from ..write.options import context_length
+from ..write.prefill import prefill
 from ..errors import InputError
 from ..format.keys import CALIBRATION
 from ..read.load import load
@@ -46,7 +47,7 @@ class EvalConfig:
         fresh (bool): also run the no-cartridge "fresh prefill" row. Default: True.
         heldout (str | None): held-out text; None cuts the corpus tail. Default: None.
         heldout_fraction (float): share of the corpus's characters cut off when `heldout` is None. Default: 0.15.
-        work_dir (str | None): cartridge cache folder; None is `evalspec.default_work_dir()`. Default: None.
+        work_dir (str | None): cartridge cache folder; None is `spec.default_work_dir()`. Default: None.
         rebuild (bool): rebuild cartridges even if cached. Default: False.
         page_size (int): tokens per page. Default: 256.
     """
@@ -239,10 +240,10 @@ def evaluate(corpus, questions, model=None, specs=(), needles=(), config=None, p
     """Compare cartridges of `specs` against the fp16 cartridge (and a fresh prefill) on `questions`.
 
     Args:
-        corpus (str): the document. questions (list[dict]): from `evalset.load_questions`.
+        corpus (str): the document. questions (list[dict]): from `dataset.load_questions`.
         model (str | LoadedModel | None): model reference or loaded model. Default: None ("default").
         specs (list[Spec]): what to evaluate besides the fp16 reference. Default: ().
-        needles (list[dict]): from `evalset.load_needles`; empty skips needle recall. Default: ().
+        needles (list[dict]): from `dataset.load_needles`; empty skips needle recall. Default: ().
         config (EvalConfig | None): options. Default: EvalConfig().
         progress (callable | None): progress(done_steps, total_steps, what) after each step.
 

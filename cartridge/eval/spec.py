@@ -30,7 +30,7 @@ from .. import __version__
 from ..write.build import build
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
-from ..calibrate import BUDGETS, CALIBRATION_VERSION
+from ..calibrate import CALIBRATION_VERSION, PRESET_RATIOS
 from ..tiers import TIERS, get_tier, presets
 from ..tiers.schema import check_layer_count
 
@@ -210,7 +210,7 @@ def cache_key(document, fingerprint_id, spec, page_size):
         "cartridge": __version__,
         "codecs": {name: get_tier(name).codec_version for name in _tiers_used(spec.options) or ["fp16"]},
     }
-    if spec.options.get("preset") in BUDGETS:  # measured at build since issue 33: not the fixed recipe's bytes
+    if spec.options.get("preset") in PRESET_RATIOS:  # measured at build since issue 33: not the fixed recipe's bytes
         key["calibration"] = CALIBRATION_VERSION
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

@@ -21,8 +21,8 @@ from ..attention import route
 from ..attention.cache import CartridgeCache
 from ..attention.layers import WindowLayer
 from ..attention.prefill import PrefillCache
-from ..write.build import (DEFAULT_PREFILL_STEP, DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length,
-                           prefill, warn_context_left)
+from ..write.options import DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length, warn_context_left
+from ..write.prefill import DEFAULT_PREFILL_STEP, prefill
 from ..errors import InputError
 from ..format.header import require_attention_layers
 from ..format.source import source_entry
@@ -143,7 +143,7 @@ def extend(path, text, output=None, model=None, separator=EXTEND_SEPARATOR, pref
         progress (callable | None): progress(done_tokens, total_new_tokens) during prefill.
         source_name (str | None): the file `text` came from, recorded (its last component) with the text's
             bytes and SHA-256 as one more source (`source.documents`, spec/FORMAT.md 4.5.1). Default: None.
-        reserve (int): warn (`cartridge.write.build.ContextWarning`) when fewer tokens than this are left of
+        reserve (int): warn (`cartridge.write.options.ContextWarning`) when fewer tokens than this are left of
             the model's context after the extended document, as `build` does. Default: 256.
 
     Returns:

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..attention import route
-from ..storage.kinds import KINDS, plan_cache
+from ..storage.kinds import KINDS, layer_plan
 from ..errors import InputError
 
 SUPPORTED = "KVCache, RotatingKVCache (keep=0), ArraysCache and CacheLists of them"
@@ -147,7 +147,7 @@ def plan_layers(model, tokens):
     for c in leaves(caches):
         if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is None:
             raise InputError(f"model family {family(model)}: a {type(c).__name__} layer got no keys in the probe")
-    plans = [plan_cache(c, routed) for c in caches]
+    plans = [layer_plan(c, routed) for c in caches]
     if _restored_runs(model, plans, caches, tokens) is None:
         return plans
     plans = [KINDS[p.kind].unrouted(p) for p in plans]

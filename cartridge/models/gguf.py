@@ -21,6 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from mlx.utils import tree_unflatten
 
 from ..errors import ModelLoadError
@@ -85,9 +87,6 @@ def _mlx_tensors(path):
 
 def _dequantized_tensors(path, header):
     """{GGUF name: float32 array of the tensor's shape} by `gguf.quants.dequantize` over a memory map."""
-    from gguf import GGMLQuantizationType  # (llama.cpp's package: imported only for such files)
-    from gguf.quants import dequantize
-
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for t in header.tensors:

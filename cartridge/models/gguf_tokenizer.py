@@ -11,6 +11,11 @@ BOS is prepended when `tokenizer.ggml.add_bos_token` says so; a SentencePiece vo
 gets it, as llama.cpp and transformers do (gemma expects `<bos>` first).
 """
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
 from ..errors import ModelLoadError
 from .gguf_arch import plain_metadata
 
@@ -48,11 +53,6 @@ def tokenizer_from_metadata(meta):
     Raises:
         ModelLoadError: a tokenizer model other than "gpt2" and "llama", or an unknown BPE pre-tokenizer.
     """
-    # (mlx-lm, tokenizers and transformers take seconds to import: not at CLI start)
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-
     meta = plain_metadata(meta)
     kind = meta.get("tokenizer.ggml.model")
     if kind == "gpt2":
@@ -88,8 +88,6 @@ def tokenizer_from_metadata(meta):
 def _byte_level_bpe(meta):
     """A `tokenizers.Tokenizer` for a "gpt2" vocabulary: BPE over bytes, its pre-tokenizer, control tokens
     (and user-defined ones) kept whole."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # (slow import)
-
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
@@ -114,11 +112,6 @@ def _byte_level_bpe(meta):
 
 def _sentencepiece(meta):
     """A `tokenizers.Tokenizer` for a "llama" (SentencePiece) vocabulary, by transformers' GGUF converter."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # (slow import)
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
-
     fields = {}
     for group in GGUF_TOKENIZER_MAPPING.values():
         for key, name in group.items():

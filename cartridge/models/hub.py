@@ -13,6 +13,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import constants, errors
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from mlx_lm.utils import _download  # mlx-lm's own resolution: its allow-patterns, HF_HUB_OFFLINE, ModelScope
+
 from ..errors import ModelLoadError
 
 CACHE_FOLDER_PREFIX = "models--"  # huggingface_hub's repo_folder_name for repo_type "model"
@@ -51,8 +55,6 @@ def is_repo_id(ref):
     """
     if ref.count("/") != 1 or ref.startswith((".", "~")) or ref.lower().endswith(".gguf"):
         return False
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # with mlx-lm: only for a repo id
-
     try:
         validate_repo_id(ref)
     except HFValidationError:
@@ -110,8 +112,6 @@ def cached_snapshot(repo_id, revision):
     """
     if not revision or not COMMIT.fullmatch(revision):
         return None
-    from huggingface_hub import constants  # with mlx-lm: only for a repo id
-
     folder = Path(constants.HF_HUB_CACHE) / (CACHE_FOLDER_PREFIX + repo_id.replace("/", "--")) / SNAPSHOTS / revision
     return folder if (folder / "config.json").is_file() else None
 
@@ -137,9 +137,6 @@ def resolve(repo_id, revision=None):
         ModelLoadError: one line naming the repo id and what to do: not cached where the hub cannot be
             reached (offline), an incomplete snapshot, an unknown repo or revision, a hub error.
     """
-    from huggingface_hub import constants, errors  # with mlx-lm: only for a repo id
-    from mlx_lm.utils import _download  # mlx-lm's own resolution: its allow-patterns, HF_HUB_OFFLINE, ModelScope
-
     at = "" if revision is None else f" --revision {revision}"
     fetch = f"fetch it with `hf download {repo_id}{at}`"
     try:

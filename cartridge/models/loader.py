@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import load as mlx_lm_load
 
 from ..errors import ModelLoadError
 from .gguf import is_gguf, load_gguf
@@ -103,8 +104,6 @@ def _no_revision(revision, ref):
 
 def _load_mlx_lm(path):
     """(model, tokenizer) of an mlx-lm model folder, by mlx-lm's loader."""
-    from mlx_lm.utils import load as mlx_lm_load
-
     try:
         model, tok = mlx_lm_load(str(path))
     except Exception as e:  # mlx-lm raises FileNotFoundError/ValueError/KeyError for bad dirs

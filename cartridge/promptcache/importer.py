@@ -22,8 +22,10 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 from .. import calibrate as calibrate_mod
 from ..write.append import token_sha256
-from ..write.build import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, build_result, check_reserve, context_length, fit_page_size,
-                    layers_bytes, layers_schema, measure_and_write, resolve_options, warn_context_left)
+from ..write.build import build_result, measure_and_write
+from ..write.encode import layers_bytes
+from ..write.options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_reserve, context_length, fit_page_size,
+                             layers_schema, resolve_options, warn_context_left)
 from ..errors import InputError, ModelLoadError, ModelMismatchError
 from ..format import keys as K
 from ..format.source import FIELDS, source_keys
@@ -237,7 +239,7 @@ def import_prompt_cache(file, output, model=None, document=None, tier=DEFAULT_TI
     t0 = time.perf_counter()
     check_output_path(output, force)
     check_reserve(reserve)
-    budget, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
+    target, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
                                                         boundary_protect, schema, protect_first, protect_last)
     pf = read_prompt_file(file)
     lm = _model(pf, model)
@@ -245,19 +247,19 @@ def import_prompt_cache(file, output, model=None, document=None, tier=DEFAULT_TI
     tokens_from = "record" if document is None else "document"
     if context_length(lm.model):
         warn_context_left(len(tokens), context_length(lm.model), reserve, stacklevel=3)
-    declined = None if budget is None else calibrate_mod.checked_model(lm.model, budget)
+    declined = None if target is None else calibrate_mod.checked_model(lm.model, target)
     plans = plan_layers(lm.model, tokens)
     page_size = fit_page_size(page_size, len(tokens))
     schema = layers_schema(plans, options, page_size)
-    if budget is not None and declined is None:
-        calibrate_mod.check_reachable(budget, plans)
+    if target is not None and declined is None:
+        calibrate_mod.check_reachable(target, plans)
     caches, quant = model_caches(pf, plans, lm)
     checked = check_kv(lm, tokens, caches, quant, pf.path, opening_tokens(lm.tokenizer))
     check_space(output, layers_bytes(schema, plans, len(tokens), page_size))
     extras = _source(pf, document) | prompt_keys | named
     path, schema, kept = measure_and_write(output, lm, prompt_keys[K.PROMPT_MODE], tokens, caches, schema, plans,
                                            page_size, force, extras, protected,
-                                           (budget, declined, calibration_progress))
+                                           (target, declined, calibration_progress))
     r = build_result(path, tokens, 0.0, time.perf_counter() - t0, schema, plans, None, kept)
     return ImportResult(r.path, r.tokens, r.seconds, r.bytes, r.bytes_per_token, r.schema, lm.ref, tokens_from,
                         checked, extras.get(K.CALIBRATION))

@@ -19,7 +19,7 @@ import warnings
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
-from ..write.build import prefill
+from ..write.prefill import prefill
 from ..errors import ModelMismatchError
 from .promptfile import leaf_caches
 

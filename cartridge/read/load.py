@@ -5,6 +5,7 @@
                     prompt_cache=cart.prompt_cache(), max_tokens=100)
 """
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,6 +22,18 @@ from ..models.loader import LoadedModel, load_model, model_fingerprint
 from .stored import check_fingerprint, load_recorded_model, model_dtype, stored_layer
 
 __all__ = ["Cartridge", "PromptCache", "check_fingerprint", "check_max_memory", "load"]
+
+PACKAGE_DIR = str(Path(__file__).parent.parent)  # cartridge/, as this package's frames name their files
+
+
+def _caller_stacklevel():
+    """The `stacklevel` of `warnings.warn`, called in the function that calls this, that names the first caller
+    outside the cartridge package: the user's line whichever entry point (`cartridge.load`, `load_many`, this
+    `load`) they called, as Python 3.12's `skip_file_prefixes` would."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _head_dims(meta):
@@ -94,7 +107,7 @@ def load(path, model=None, tokenizer=None, verify="pages", attention="auto", max
     head_dims = [_head_dims(m) for m in info.layers]
     prefixes, plan = place(prefixes, policy, model_dtype(model), head_dims, max_memory)
     for line in budget.notes(plan, policy):
-        warnings.warn(f"{Path(path).name}: {line}", budget.MemoryBudgetWarning, stacklevel=2)
+        warnings.warn(f"{Path(path).name}: {line}", budget.MemoryBudgetWarning, stacklevel=_caller_stacklevel())
     _start_decodes(prefixes)
     cart = Cartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"], plan)
     cart.data = data  # keeps the mapping alive where MLX wrapped it without a copy

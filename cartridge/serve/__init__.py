@@ -15,13 +15,18 @@ import logging
 import sys
 from pathlib import Path
 
+import uvicorn
+
 from ..attention.policy import resolve
 from ..errors import CartridgeError, InputError
 from ..format.reader import open_cartridge
 from ..models.hub import recorded_ref
 from ..models.loader import DEFAULT_MODEL, load_model, model_fingerprint
+from .app import make_app
+from .engine import Engine
 from .pool import Pool, find_cartridges
 from .protocol import Sampling
+from .shelf import Shelf
 
 
 def recorded_model(paths):
@@ -114,12 +119,6 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
         WriteError: the shelf folder cannot be written.
         ModelLoadError: the model cannot be loaded.
     """
-    import uvicorn
-
-    from .app import make_app
-    from .engine import Engine
-    from .shelf import Shelf
-
     resolve(attention)  # refuse an unknown policy now, not as every cartridge's refusal
     shelf_folder = _shelf_folder(paths, save_over)
     found = find_cartridges(paths)

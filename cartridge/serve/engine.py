@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..write.build import context_length
+from ..write.options import context_length
 from ..errors import CartridgeError
 from ..models.prompt import prompt_mode
 from .pool import Refused
@@ -58,9 +58,9 @@ class Job:
 
 
 @dataclass
-class Plan:
-    """What to generate: a model, the prompt tokens after the cache, the cache and its cached tokens, the
-    sampler, and the prefix to save after the answer (`save`: (tokens, text) or None)."""
+class Generation:
+    """What one request generates with: a model, the prompt tokens after the cache, the cache and its cached
+    tokens, the sampler, and the prefix to save after the answer (`save`: (tokens, text) or None)."""
 
     model: object
     tokenizer: object
@@ -191,21 +191,21 @@ class Engine:
             self._count("cancelled")
             return
         try:
-            plan = self._plan(job.request)
+            gen = self._prepare(job.request)
         except (Refused, APIError, CartridgeError) as e:
             self._count("refused")
             return self._refuse(job, e)
         except Exception as e:  # a bug must not stop the server: report it, keep serving
             self._count("failed")
             return job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
-        job.emit("start", prompt_tokens=plan.cached + len(plan.prompt), cached_tokens=plan.cached)
+        job.emit("start", prompt_tokens=gen.cached + len(gen.prompt), cached_tokens=gen.cached)
         try:
-            generated = self._generate(job, plan)
+            generated = self._generate(job, gen)
         except Exception as e:
             self._count("failed")
             return job.emit("error", error=APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
-        if plan.save is not None and generated:  # the answer is sent: the prompt's prefix is prefilled in plan.cache
-            self._save(plan)
+        if gen.save is not None and generated:  # the answer is sent: the prompt's prefix is prefilled in gen.cache
+            self._save(gen)
 
     @staticmethod
     def _refuse(job, e):
@@ -213,21 +213,21 @@ class Engine:
             return job.emit("error", error=APIError(e.status, e.message, "model", e.code))
         job.emit("error", error=e if isinstance(e, APIError) else bad(str(e)))
 
-    def _plan(self, request):
+    def _prepare(self, request):
         cart = self.pool.get(request.model)
         if cart is None:
-            plan = self._base_plan(request)
+            gen = self._prepare_base(request)
         else:
-            plan = Plan(cart.model, cart.tokenizer, cartridge_prompt(cart, request), cart.prompt_cache(),
+            gen = Generation(cart.model, cart.tokenizer, cartridge_prompt(cart, request), cart.prompt_cache(),
                         len(cart.tokens), 0, cart.info.prompt_mode)
-        plan.max_tokens = fit_max_tokens(context_length(plan.model), plan.cached, len(plan.prompt),
+        gen.max_tokens = fit_max_tokens(context_length(gen.model), gen.cached, len(gen.prompt),
                                          request.sampling.max_tokens, self.default_max_tokens,
                                          "prompt" if request.kind == "completion" else "messages")
-        plan.sampler, plan.processors = make_generation(request.sampling, plan.model, plan.tokenizer)
-        return plan
+        gen.sampler, gen.processors = make_generation(request.sampling, gen.model, gen.tokenizer)
+        return gen
 
-    def _base_plan(self, request):
-        """The base model's plan: from the longest cartridge the prompt starts with, else a fresh cache
+    def _prepare_base(self, request):
+        """The base model's generation: from the longest cartridge the prompt starts with, else a fresh cache
         (kept to save the prompt's prefix from, when the shelf wants it)."""
         lm = self.pool.lm
         base = base_prompt(lm.tokenizer, request, self.template_args)
@@ -243,36 +243,36 @@ class Engine:
             self._count("cached_tokens", n)
             log.info("prompt of %s tokens: %s from cartridge %s, %s to prefill", f"{len(base.tokens):,}", f"{n:,}",
                      name, f"{len(base.tokens) - n:,}")
-            return Plan(cart.model, cart.tokenizer, base.tokens[n:], cart.prompt_cache(), n, 0, base.mode)
-        plan = Plan(lm.model, lm.tokenizer, base.tokens, None, 0, 0, prompt_mode(lm.tokenizer))
+            return Generation(cart.model, cart.tokenizer, base.tokens[n:], cart.prompt_cache(), n, 0, base.mode)
+        gen = Generation(lm.model, lm.tokenizer, base.tokens, None, 0, 0, prompt_mode(lm.tokenizer))
         if self.shelf is not None:
             keep = base.prefix_length(lm.tokenizer)
             if keep > self.shelf.min_tokens:
-                plan.cache, plan.save = make_prompt_cache(lm.model), (base.tokens[:keep], base.text[:base.cut])
-        return plan
+                gen.cache, gen.save = make_prompt_cache(lm.model), (base.tokens[:keep], base.text[:base.cut])
+        return gen
 
-    def _save(self, plan):
+    def _save(self, gen):
         try:
-            self.shelf.capture(*plan.save, plan.cache)
+            self.shelf.capture(*gen.save, gen.cache)
         except Exception as e:  # the answer is sent: a prefix that cannot be saved is one line, never a failure
-            log.warning("prefix of %s tokens not saved: %s: %s", f"{len(plan.save[0]):,}", type(e).__name__, e)
+            log.warning("prefix of %s tokens not saved: %s: %s", f"{len(gen.save[0]):,}", type(e).__name__, e)
 
-    def _generate(self, job, plan):
+    def _generate(self, job, gen):
         """Stream the answer's events; returns the tokens generated (0 if cancelled before the first)."""
         s = job.request.sampling
         if s.seed is not None:
             mx.random.seed(s.seed)
-        stops, n, finish = StopText(s.stop + default_stops(plan.tokenizer, plan.mode)), 0, "length"
-        for r in mlx_lm.stream_generate(plan.model, plan.tokenizer, plan.prompt, max_tokens=plan.max_tokens,
-                                        sampler=plan.sampler, logits_processors=plan.processors,
-                                        prompt_cache=plan.cache, prefill_step_size=self.prefill_step):
+        stops, n, finish = StopText(s.stop + default_stops(gen.tokenizer, gen.mode)), 0, "length"
+        for r in mlx_lm.stream_generate(gen.model, gen.tokenizer, gen.prompt, max_tokens=gen.max_tokens,
+                                        sampler=gen.sampler, logits_processors=gen.processors,
+                                        prompt_cache=gen.cache, prefill_step_size=self.prefill_step):
             n = r.generation_tokens
             if job.cancelled.is_set() or self._closed:
                 self._count("cancelled")
                 return n
             self._count("generated_tokens")
             text, stopped = stops.feed(r.text)
-            logprobs = token_logprobs(r.logprobs, int(r.token), s.top_logprobs, plan.tokenizer) if s.logprobs else None
+            logprobs = token_logprobs(r.logprobs, int(r.token), s.top_logprobs, gen.tokenizer) if s.logprobs else None
             job.emit("delta", text=text, token=int(r.token), logprobs=logprobs)
             if stopped or r.finish_reason == "stop":
                 finish = "stop"

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..write.build import DEFAULT_PAGE_SIZE, fit_page_size, header_extras, write_layers
+from ..write.encode import header_extras, write_layers
+from ..write.options import DEFAULT_PAGE_SIZE, fit_page_size
 from ..errors import CartridgeError, InputError
 from ..format.atomic import clean_stale
 from ..format.writer import CartridgeWriter, check_output_folder, check_space

@@ -4,7 +4,7 @@ back (spec/FORMAT.md section 5.5). One class per kind, found through `KINDS`.
 Each class extends the kind's header class (`cartridge.format.kinds`: parse, extents, `inspect`) with
 the methods of `CacheKind`; `KINDS` has the same names in the same order as `format.kinds.KINDS`.
 
-    plan = plan_cache(cache, routed)                          # what the probe found in one layer
+    plan = layer_plan(cache, routed)                          # what the probe found in one layer
     records = KINDS[plan.kind].write(writer, i, plan, cache, row, page_size, n_tokens)
     layer = KINDS[info.layers[i].kind].load(source, i, info.layers[i])
 """
@@ -61,7 +61,7 @@ def _dtype_name(x):
     return str(x.dtype).replace("mlx.core.", "")
 
 
-def kv_plan(kind, cache, window=None):
+def kv_layer_plan(kind, cache, window=None):
     """A `LayerPlan` of kind `kind` with the K/V shapes and dtype the model wrote into `cache`.
 
     Args:
@@ -83,7 +83,7 @@ class CacheKind:
 
     cache_type = None
 
-    def plan(self, cache, routed):
+    def layer_plan(self, cache, routed):
         """The `LayerPlan` of a filled mlx-lm cache of `cache_type` (`routed`: id -> attention routed)."""
         raise NotImplementedError
 
@@ -131,8 +131,8 @@ class KVCacheKind(CacheKind):
 
     cache_type = KVCache
 
-    def plan(self, cache, routed):
-        return kv_plan(self.name, cache)
+    def layer_plan(self, cache, routed):
+        return kv_layer_plan(self.name, cache)
 
     def unrouted(self, plan):
         return plan
@@ -171,8 +171,8 @@ class KVCacheKind(CacheKind):
 class AttentionKind(KVCacheKind, header.AttentionKind):
     """A KVCache layer attended over its pages: loaded as its LayerPrefix (`CartridgeCache` per question)."""
 
-    def plan(self, cache, routed):
-        return kv_plan(self.name if routed.get(id(cache)) else "dense", cache)
+    def layer_plan(self, cache, routed):
+        return kv_layer_plan(self.name if routed.get(id(cache)) else "dense", cache)
 
     def unrouted(self, plan):
         return LayerPlan("dense", plan.k_shape, plan.v_shape, dtype=plan.dtype)
@@ -184,7 +184,7 @@ class AttentionKind(KVCacheKind, header.AttentionKind):
 class DenseKind(KVCacheKind, header.DenseKind):
     """A KVCache layer whose model attends itself: decoded into an mlx-lm KVCache (`DenseLayer`)."""
 
-    cache_type = None  # an attention layer the probe could not route (`AttentionKind.plan`)
+    cache_type = None  # an attention layer the probe could not route (`AttentionKind.layer_plan`)
 
     def from_prefix(self, prefix, dtype, window, total):
         return DenseLayer(prefix, dtype)
@@ -195,8 +195,8 @@ class WindowKind(KVCacheKind, header.WindowKind):
 
     cache_type = RotatingKVCache
 
-    def plan(self, cache, routed):
-        return kv_plan(self.name, cache, window=cache.max_size)
+    def layer_plan(self, cache, routed):
+        return kv_layer_plan(self.name, cache, window=cache.max_size)
 
     def stored_kv(self, cache, n_tokens):
         n = min(n_tokens, cache.max_size)
@@ -218,7 +218,7 @@ class StateKind(CacheKind, header.StateKind):
 
     cache_type = ArraysCache
 
-    def plan(self, cache, routed):
+    def layer_plan(self, cache, routed):
         arrays = [(i, _dtype_name(a), list(a.shape)) for i, a in enumerate(cache.cache) if a is not None]
         return LayerPlan(self.name, state=arrays, size=len(cache.cache))
 
@@ -243,8 +243,8 @@ class ListKind(CacheKind, header.ListKind):
 
     cache_type = CacheList
 
-    def plan(self, cache, routed):
-        return LayerPlan(self.name, parts=[plan_cache(c, routed) for c in cache.caches])
+    def layer_plan(self, cache, routed):
+        return LayerPlan(self.name, parts=[layer_plan(c, routed) for c in cache.caches])
 
     def unrouted(self, plan):
         return LayerPlan(self.name, parts=[KINDS[p.kind].unrouted(p) for p in plan.parts])
@@ -268,7 +268,7 @@ class ListKind(CacheKind, header.ListKind):
 KINDS = {k.name: k for k in (AttentionKind(), DenseKind(), WindowKind(), StateKind(), ListKind())}
 
 
-def plan_cache(cache, routed):
+def layer_plan(cache, routed):
     """The `LayerPlan` of one filled mlx-lm cache, by the kind whose `cache_type` it is.
 
     Args:
@@ -276,4 +276,4 @@ def plan_cache(cache, routed):
         routed (dict): id(cache) -> True if its attention reached the cartridge route unchanged.
     """
     kind = next(k for k in KINDS.values() if k.cache_type is not None and isinstance(cache, k.cache_type))
-    return kind.plan(cache, routed)
+    return kind.layer_plan(cache, routed)

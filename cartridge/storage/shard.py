@@ -3,7 +3,7 @@
 Under tensor parallel (mlx-lm `Model.shard`) rank r of N holds KV heads [r*H/N, (r+1)*H/N) of every
 layer; under pipeline parallel (mlx-lm `PipelineMixin.pipeline`) it holds layers [start_idx, end_idx).
 Inside a page the KV heads are contiguous (page = (n_kv_heads, P, W)), so a rank's bytes of one page
-are one run of (h1 - h0) * head_bytes; `read_slice` reads those runs with pread, nothing else, and
+are one run of (h1 - h0) * head_bytes; `SliceData` reads those runs with pread, nothing else, and
 checks them against the per-(page, head) checksums of format 1.2 (spec/FORMAT.md 4.5.2).
 """
 

@@ -17,7 +17,7 @@ from ..attention.cache import CartridgeCache
 from ..attention.pages import encode_pages
 from ..storage.kinds import KINDS, LayerPlan
 from ..storage.store import to_numpy
-from .build import DEFAULT_PREFILL_STEP, prefill
+from .prefill import DEFAULT_PREFILL_STEP, prefill
 from ..errors import InputError
 from ..format import keys as K
 from ..format.source import FIELDS

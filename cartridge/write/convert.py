@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..attention.pages import encode_pages
 from ..storage.store import to_numpy
-from .build import cartridge_bytes, tier_keys
+from .encode import cartridge_bytes, tier_keys
 from ..errors import InputError
 from ..format import keys as K
 from ..format.header import SIDES, require_attention_layers

@@ -10,7 +10,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from cartridge.attention import backends, calibration, policy
+from cartridge.attention import auto_table, backends, policy
 from cartridge.attention.backends import metal, proof
 from cartridge.attention.backends.base import AttentionBackend
 from cartridge.attention.pages import make_prefix
@@ -62,14 +62,14 @@ def test_the_registry_lists_each_backend_once_and_the_devices_defaults():
     names = [b.name for b in backends.REGISTRY]
     assert names == ["portable", "dense", "cpu", "cuda", "metal"]
     assert backends.devices() == {"cpu": "dequantize-once", "cuda": "fused", "metal": "portable"}
-    assert calibration.FALLBACK == backends.devices()
+    assert auto_table.FALLBACK == backends.devices()
     assert backends.device() == "cpu"  # this machine's tests run on the CPU
     assert backends.kernel("cpu") is None and backends.policies(False) == ("portable", "dequantize-once")
     assert [b.name for b in backends.REGISTRY if b.needs_proof] == ["metal"]
 
 
-def test_policy_and_calibration_name_no_backend_except_as_data():
-    for path in ("cartridge/attention/policy.py", "cartridge/attention/calibration.py"):
+def test_policy_and_auto_table_name_no_backend_except_as_data():
+    for path in ("cartridge/attention/policy.py", "cartridge/attention/auto_table.py"):
         text = (ROOT / path).read_text()
         assert '"cuda"' not in text and '"metal"' not in text, path
 
@@ -192,10 +192,10 @@ def test_a_kernel_that_matches_is_proven_once_recorded_and_then_chosen(fake):
         builds = entry.builds  # the check's small case, its timing, the layer's kernel
         _place(_layer())
     assert entry.builds == builds + 1  # the second load builds the layer's kernel only: no new check
-    rec = calibration.find_proof("fake-right", ("mlx4g32", "mlx4g32"), 64)
+    rec = auto_table.find_proof("fake-right", ("mlx4g32", "mlx4g32"), 64)
     assert rec["ok"] and rec["error"] is None and rec["rel_err"] < proof.TOL and rec["context"] == 300
     assert set(rec["us"]) == {"fused", "portable"} and rec["dense_us"] > 0
-    table = calibration.read_table(calibration.user_table_path())  # its times, as decode entries for auto
+    table = auto_table.read_table(auto_table.user_table_path())  # its times, as decode entries for auto
     assert [(e["backend"], e["tier"], e["head_dim"], e["mode"], set(e["us"])) for e in table] == \
         [("cpu", "mlx4g32", 64, "decode", {"fused", "portable"})]
     assert policy._allowed_by_name(("mlx4g32", "mlx4g32"), 64) == ("fused", "portable", "dequantize-once")
@@ -217,9 +217,9 @@ def test_a_kernel_that_fails_its_check_warns_once_and_takes_the_portable_path(fa
         warnings.simplefilter("error")  # the stored failure: no second check, no second warning
         layer, _ = _place(_layer())
     assert layer.backend is None and entry.builds == builds
-    rec = calibration.find_proof(f"fake-{how}", ("mlx4g32", "mlx4g32"), 64)
+    rec = auto_table.find_proof(f"fake-{how}", ("mlx4g32", "mlx4g32"), 64)
     assert not rec["ok"] and rec["us"] is None
-    assert calibration.read_table(calibration.user_table_path()) == []  # no times from a failed proof
+    assert auto_table.read_table(auto_table.user_table_path()) == []  # no times from a failed proof
     assert policy._allowed_by_name(("mlx4g32", "mlx4g32"), 64) == ("portable", "dequantize-once")
 
 
@@ -233,18 +233,18 @@ def test_fused_runs_a_kernel_never_checked_and_says_so_once(fake):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert policy.backend_for("fused", _layer(), 64) is not None  # once per process
-    assert calibration.find_proof("fake-wrong", ("mlx4g32", "mlx4g32"), 64) is None  # "fused" proves nothing
+    assert auto_table.find_proof("fake-wrong", ("mlx4g32", "mlx4g32"), 64) is None  # "fused" proves nothing
 
 
 def test_an_unwritable_table_keeps_the_proof_for_this_process(fake, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("CARTRIDGE_AUTO_TABLE", str(blocker / "auto-table.json"))  # its folder is a file
-    monkeypatch.setattr(calibration, "_SESSION_PROOFS", [])
+    monkeypatch.setattr(auto_table, "_SESSION_PROOFS", [])
     fake("raises")
     with pytest.warns(proof.KernelProofWarning):
         _place(_layer())
-    assert not calibration.find_proof("fake-raises", ("mlx4g32", "mlx4g32"), 64)["ok"]
+    assert not auto_table.find_proof("fake-raises", ("mlx4g32", "mlx4g32"), 64)["ok"]
 
 
 def test_calibrate_checks_each_tier_the_kernel_reads_and_prints_the_checks(fake):
@@ -254,7 +254,7 @@ def test_calibrate_checks_each_tier_the_kernel_reads_and_prints_the_checks(fake)
     records = _kernel_checks(["fp16", "kivi4", "turbo2"], (6, 2, 64), 300, None)
     assert [(r["tiers"], r["ok"]) for r in records] == [(["fp16", "fp16"], False), (["kivi4", "kivi4"], False),
                                                         (["turbo2", "turbo2"], False)]
-    assert [p["tiers"][0] for p in calibration.proofs()] == ["fp16", "kivi4", "turbo2"]
+    assert [p["tiers"][0] for p in auto_table.proofs()] == ["fp16", "kivi4", "turbo2"]
     text = _check_lines(records)
     assert text[2].split()[:5] == ["fake-wrong", "fp16", "64", "300", "NO"]
     assert text[2].split()[6:9] == ["-", "-", "-"] and "relative error" in text[2]
@@ -262,14 +262,14 @@ def test_calibrate_checks_each_tier_the_kernel_reads_and_prints_the_checks(fake)
     assert _kernel_checks(["fp16"], (6, 2, 64), 300, None) == []
 
 
-def test_a_full_calibration_keeps_the_proofs(fake, tmp_path):
+def test_a_bench_table_keeps_the_proofs(fake, tmp_path):
     fake("raises")
     with pytest.warns(proof.KernelProofWarning):
         _place(_layer())
-    path = calibration.user_table_path()
-    calibration.write_calibrated({"version": 1, "entries": FUSED_FASTEST}, path)
-    assert calibration.read_table(path) == FUSED_FASTEST
-    assert [p["backend"] for p in calibration.proofs()] == ["fake-raises"]
+    path = auto_table.user_table_path()
+    auto_table.write_bench_table({"version": 1, "entries": FUSED_FASTEST}, path)
+    assert auto_table.read_table(path) == FUSED_FASTEST
+    assert [p["backend"] for p in auto_table.proofs()] == ["fake-raises"]
 
 
 def test_tail_chunks_are_the_caches_own_chunks_holding_the_tail():

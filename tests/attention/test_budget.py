@@ -82,10 +82,10 @@ def test_plan_decodes_k_sides_first_in_layer_order_within_the_budget():
     sides = [budget.Side(i, s, 100, 400, 400) for i in range(3) for s in "kv"]
     held = 600
     # K0 peaks at 600 + 400, then 900 held; K1 would peak at 1300 > 1299, and so would every other side
-    assert budget.plan(sides, held, 1299) == ([(0, "k")], 900, 1000)
-    assert budget.plan(sides, held, 1300) == ([(0, "k"), (1, "k")], 1200, 1300)
-    assert budget.plan(sides, held, 599)[0] == []  # below the stored bytes: nothing decoded
-    assert budget.plan(sides, held, None) == ([(0, "k"), (1, "k"), (2, "k"), (0, "v"), (1, "v"), (2, "v")],
+    assert budget.plan_decoded(sides, held, 1299) == ([(0, "k")], 900, 1000)
+    assert budget.plan_decoded(sides, held, 1300) == ([(0, "k"), (1, "k")], 1200, 1300)
+    assert budget.plan_decoded(sides, held, 599)[0] == []  # below the stored bytes: nothing decoded
+    assert budget.plan_decoded(sides, held, None) == ([(0, "k"), (1, "k"), (2, "k"), (0, "v"), (1, "v"), (2, "v")],
                                               2400, 2100 + 400)
 
 
@@ -214,13 +214,13 @@ def test_plan_unpacked_unpacks_every_k_side_or_none():
              for i in range(3) for s in "kv"]
     # all three K sides: 600 + 3 x 50 held after, + the 400-byte step cast; the third's unpacking peaks at 930
     assert budget.plan_unpacked(sides, 600, 1150) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
-    # one byte less: nothing unpacked; the dense plan decodes K0 (peak 1000) as `plan` does
+    # one byte less: nothing unpacked; the dense plan decodes K0 (peak 1000) as `plan_decoded` does
     assert budget.plan_unpacked(sides, 600, 1149) == ([(0, "k")], [], 900, 1000)
     # K0 dense: 750 + 250 held after, and the larger of 150 more while it decodes and the 400-byte step cast
     assert budget.plan_unpacked(sides, 600, 1400) == ([(0, "k")], [(1, "k"), (2, "k")], 1000, 1400)
     assert budget.plan_unpacked(sides, 600, 1399) == ([], [(0, "k"), (1, "k"), (2, "k")], 750, 1150)
-    assert budget.plan_unpacked(sides, 600, None) == budget.plan(sides, 600, None)[:1] + ([],) + \
-        budget.plan(sides, 600, None)[1:]
+    assert budget.plan_unpacked(sides, 600, None) == budget.plan_decoded(sides, 600, None)[:1] + ([],) + \
+        budget.plan_decoded(sides, 600, None)[1:]
 
 
 @pytest.mark.parametrize("max_memory, decoded, packed", [

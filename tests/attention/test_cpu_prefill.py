@@ -140,7 +140,7 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     from helpers.dense_caches import DOC
 
     from cartridge.attention.kernels import dense
-    from cartridge.attention.policy import plan_header
+    from cartridge.attention.policy import plan_from_header
 
     if mx.default_device() != mx.cpu:
         pytest.skip("the question prefill over decoded pages is the CPU's")
@@ -150,11 +150,11 @@ def test_auto_question_prefill_gives_the_portable_logits(options, tmp_path, smol
     ref = cartridge.load(r.path, model=lm, attention="portable", verify="header")
     assert all(isinstance(p.backend, cpu.QuestionPrefill) for p in fast.prefixes)
     said = "a question's prefill decodes each layer's pages for the call"
-    assert said in fast.plan["reason"] and said in plan_header(fast.info, mx.float32)["reason"]  # inspect's too
+    assert said in fast.plan["reason"] and said in plan_from_header(fast.info, mx.float32)["reason"]  # inspect's too
     assert all(p.backend is None for p in ref.prefixes)
     fp16 = cartridge.load(cartridge.build(DOC, tmp_path / "b.cart", model=lm, page_size=64, reserve=0).path, model=lm)
     assert all(p.backend is None for p in fp16.prefixes)  # float32 pages: the portable path is as fast
-    assert said not in fp16.plan["reason"] and said not in plan_header(fp16.info, mx.float32)["reason"]
+    assert said not in fp16.plan["reason"] and said not in plan_from_header(fp16.info, mx.float32)["reason"]
     stored = ref.plan["memory"]["stored_bytes"]  # a budget with no room for one layer decoded per call: portable
     with pytest.warns(budget.MemoryBudgetWarning):
         tight = cartridge.load(r.path, model=lm, max_memory=stored - 1, verify="header")

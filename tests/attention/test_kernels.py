@@ -255,14 +255,14 @@ def test_float32_pages_never_take_the_tensor_core_pass(monkeypatch):
     assert not cuda.supported(mixed, 128) and cuda.supported(dequantize(mixed, mx.float16), 128)
 
 
-def test_split_plan_rounds_splits_to_the_granule():
-    from cartridge.attention.kernels.cuda import split_plan
+def test_split_tokens_rounds_splits_to_the_granule():
+    from cartridge.attention.kernels.cuda import split_tokens
 
     # 264 target blocks over 8 KV heads: 33 splits; 64-token rounding leaves the last split half the work
-    assert split_plan(131072, 8, 1, 64, 264) == (4032, 33)
-    assert split_plan(131072, 8, 1, 64, 264, granule=16) == (3984, 33)  # 32 x 3984 + 3584
-    assert split_plan(1000, 8, 1, 64, 264, granule=16) == (256, 4)  # at least 4 rounds of 64 tokens a split
-    assert split_plan(17, 1, 1, 64, 264, granule=16) == (32, 1)
+    assert split_tokens(131072, 8, 1, 64, 264) == (4032, 33)
+    assert split_tokens(131072, 8, 1, 64, 264, granule=16) == (3984, 33)  # 32 x 3984 + 3584
+    assert split_tokens(1000, 8, 1, 64, 264, granule=16) == (256, 4)  # at least 4 rounds of 64 tokens a split
+    assert split_tokens(17, 1, 1, 64, 264, granule=16) == (32, 1)
 
 
 def test_cuda_source_is_included_by_path_with_its_digest_in_every_kernel_name():

@@ -143,7 +143,7 @@ def test_decode_rows_beyond_eight_per_kv_head_are_not_taken():
     record = metal.lay_out(prefix)
     cache = _cache(prefix, tk, tv, mx.float32)
     assert metal.attend(record, prefix, mx.array(q), cache.tail(), 0.125, None, cache.scratch) is None
-    assert record.plans == {}
+    assert record.launches == {}
 
 
 # ---- on the CPU: the same kernels run by tests/helpers/metal_emulator.py (no Mac needed) ----

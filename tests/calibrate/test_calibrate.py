@@ -4,7 +4,7 @@ import pytest
 from helpers.tiny_models import make_tiny
 
 import cartridge
-from cartridge.calibrate import BUDGETS, Budget, parse_ratio, search
+from cartridge.calibrate import PRESET_RATIOS, CalibrationTarget, parse_ratio, search
 from cartridge.errors import InputError
 from cartridge.format import keys as K
 from cartridge.tiers import TIERS
@@ -40,16 +40,16 @@ def test_search_spends_the_budget_where_the_measured_damage_is():
 
 
 def test_budgets_and_ratios():
-    assert BUDGETS == {"safe": 2.0, "balanced": 3.0, "compact": 4.5}
-    assert Budget(preset="balanced").check().bounds([23040, 0]) == [7680, 0]
-    assert Budget(target_ratio=4.5).check().bounds([23040, 0]) == [5120, 0]
+    assert PRESET_RATIOS == {"safe": 2.0, "balanced": 3.0, "compact": 4.5}
+    assert CalibrationTarget(preset="balanced").check().bounds([23040, 0]) == [7680, 0]
+    assert CalibrationTarget(target_ratio=4.5).check().bounds([23040, 0]) == [5120, 0]
     assert (parse_ratio("3x"), parse_ratio(" 4.5X "), parse_ratio("2")) == (3.0, 4.5, 2.0)
     with pytest.raises(InputError, match="target ratio 'three' is not a number"):
         parse_ratio("three")
     with pytest.raises(InputError, match="give one of preset, target_ratio"):
-        Budget(target_ratio=3.0, max_kl=0.1).check()
+        CalibrationTarget(target_ratio=3.0, max_kl=0.1).check()
     with pytest.raises(InputError, match="target ratio 0.5 is out of range"):
-        Budget(target_ratio=0.5).check()
+        CalibrationTarget(target_ratio=0.5).check()
 
 
 def test_a_calibrated_build_stores_the_chosen_schema_its_bytes_and_measured_kl(tiny64, tmp_path):
@@ -68,9 +68,9 @@ def test_a_calibrated_build_stores_the_chosen_schema_its_bytes_and_measured_kl(t
 
 def test_budget_options_are_refused_with_tiers_or_without_calibration(tiny64, tmp_path):
     with pytest.raises(InputError, match="a budget chooses the tiers; it cannot be combined with tier"):
-        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(target_ratio=3.0), tier="int8")
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=CalibrationTarget(target_ratio=3.0), tier="int8")
     with pytest.raises(InputError, match="needs calibration; drop --no-calibrate"):
-        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(max_kl=0.1), calibrate=False)
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=CalibrationTarget(max_kl=0.1), calibrate=False)
     with pytest.raises(InputError, match="cannot be combined with tier"):
         cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, preset="compact", tier="int8")
     assert not (tmp_path / "x.cart").exists()
@@ -155,7 +155,7 @@ def test_heavy_hitters_are_the_leading_tokens_of_large_attention_mass():
 
 @pytest.mark.parametrize("group", [1, 2])
 def test_the_batched_walk_measures_what_one_forward_per_replaced_group_of_layers_measures(tiny64, group, monkeypatch):
-    from cartridge.write.build import prefill
+    from cartridge.write.prefill import prefill
     from cartridge.calibrate import measure
     from cartridge.models.prompt import prefix_tokens, prompt_mode
 
@@ -229,7 +229,7 @@ def test_a_ratio_budget_for_a_model_calibration_cannot_measure_is_refused_before
 
     lm = make_model("qwen3_next", smol_tokenizer)
     with pytest.raises(CalibrationUnsupportedError, match="ArraysCache caches; build with --preset, a tier or --schema"):
-        cartridge.build(DOC, tmp_path / "x.cart", model=lm, reserve=0, budget=Budget(target_ratio=3.0),
+        cartridge.build(DOC, tmp_path / "x.cart", model=lm, reserve=0, budget=CalibrationTarget(target_ratio=3.0),
                         progress=lambda d, t: pytest.fail("prefilled"))
     assert not (tmp_path / "x.cart").exists()
 
@@ -297,14 +297,14 @@ def test_a_budget_below_every_schema_is_refused_before_the_prefill(tiny64, tmp_p
     build_mod = importlib.import_module("cartridge.write.build")  # (the package's `build` attribute is the function)
     monkeypatch.setattr(build_mod, "prefill", lambda *a, **k: pytest.fail("prefilled before refusing the budget"))
     with pytest.raises(InputError, match="budget 1 bytes/token is below the cheapest measured schema"):
-        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(max_bytes_per_token=1))
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=CalibrationTarget(max_bytes_per_token=1))
     with pytest.raises(InputError, match="budget 16 bytes/token is below the cheapest measured schema"):
-        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=Budget(target_ratio=64.0))
+        cartridge.build(DOC, tmp_path / "x.cart", model=tiny64, budget=CalibrationTarget(target_ratio=64.0))
     assert not (tmp_path / "x.cart").exists()
 
 
 def test_the_evaluation_sequence_asks_every_probe_as_a_follow_up_turn(tiny64, monkeypatch):
-    from cartridge.write.build import prefill
+    from cartridge.write.prefill import prefill
     from cartridge.calibrate import sequence
     from cartridge.models.prompt import (
         followup_tokens,

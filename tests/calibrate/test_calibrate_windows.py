@@ -10,9 +10,9 @@ from helpers.family_models import WINDOW, make_model
 from mlx_lm.models.base import create_causal_mask
 
 import cartridge
-from cartridge.storage.kinds import KINDS, kv_plan
-from cartridge.write.build import prefill_holding
-from cartridge.calibrate import Budget, forwards, measure, search, sequence
+from cartridge.storage.kinds import KINDS, kv_layer_plan
+from cartridge.write.prefill import prefill_holding
+from cartridge.calibrate import CalibrationTarget, forwards, measure, search, sequence
 from cartridge.calibrate.attention_error import AttentionError
 from cartridge.cli.report import calibration_lines
 from cartridge.errors import CalibrationUnsupportedError, InputError
@@ -169,17 +169,18 @@ def test_a_byte_budget_bounds_each_part_and_a_kl_bound_takes_the_least_stored_by
     assert window.schema == [{"layer": 1, "k": "fp16", "v": "fp16"}]
     full, window = search.choose_parts(kl, parts, shapes, max_kl=0.0115, tokens=(10, 1000))  # the other way round
     assert full.schema == [{"layer": 0, "k": "fp16", "v": "fp16"}] and window.bytes_per_token == b8 + b4
-    assert Budget(preset="balanced").check().bounds([3072, 15360]) == [1024, 5120]
-    assert Budget(max_bytes_per_token=1000).check().bounds([3072, 15360]) == [1000, 5000]  # the same share
-    assert Budget(max_bytes_per_token=1000).check().bounds([0, 15360]) == [0, 1000]  # only window layers
-    assert Budget(max_kl=0.1).check().bounds([3072, 15360]) is None
+    assert CalibrationTarget(preset="balanced").check().bounds([3072, 15360]) == [1024, 5120]
+    assert CalibrationTarget(max_bytes_per_token=1000).check().bounds([3072, 15360]) == [1000, 5000]  # the same share
+    assert CalibrationTarget(max_bytes_per_token=1000).check().bounds([0, 15360]) == [0, 1000]  # only window layers
+    assert CalibrationTarget(max_kl=0.1).check().bounds([3072, 15360]) is None
 
 
 def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_layers_were_full_attention(
         tiny, tmp_path):
     from click.testing import CliRunner
 
-    from cartridge.write.build import kv_caches, prefill, write_layers
+    from cartridge.write.encode import kv_caches, write_layers
+    from cartridge.write.prefill import prefill
     from cartridge.cli import main
     from cartridge.tiers import schema_for
 
@@ -189,7 +190,7 @@ def test_a_record_written_before_version_4_still_loads_and_inspect_says_all_laye
     mode = prompt_mode(tiny.tokenizer)
     tokens = prefix_tokens(tiny.tokenizer, DOC, mode)
     caches = prefill(tiny.model, tokens)
-    plans = [kv_plan("attention", c) for c in caches]
+    plans = [kv_layer_plan("attention", c) for c in caches]
     path = write_layers(tmp_path / "old.cart", tiny, tokens, kv_caches((c.keys, c.values) for c in caches),
                         schema_for(2), plans, 64, mode, source={K.CALIBRATION: old})
     cart = cartridge.load(path, model=tiny)
@@ -209,8 +210,8 @@ def test_a_budget_below_the_window_layers_cheapest_schema_is_refused_before_the_
     least = 2 * 2 * TIERS["turbo2"].bytes_per_token(2, 64)
     with pytest.raises(InputError, match=f"budget 32 bytes/token of the sliding-window layers is below the "
                                          f"cheapest measured schema .{least} bytes/token"):
-        check_reachable(Budget(target_ratio=32.0), plans)  # fp16: 1,024 bytes/token, 32 asked
-    check_reachable(Budget(target_ratio=4.5), plans)  # within reach: no error
+        check_reachable(CalibrationTarget(target_ratio=32.0), plans)  # fp16: 1,024 bytes/token, 32 asked
+    check_reachable(CalibrationTarget(target_ratio=4.5), plans)  # within reach: no error
 
 
 def test_eval_of_a_base_model_without_a_chat_template_asks_plain_questions_and_measures_its_presets(

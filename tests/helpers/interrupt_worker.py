@@ -37,9 +37,9 @@ def pausing(progress):
 
 
 def pause_in_prefill():
-    build = importlib.import_module("cartridge.write.build")  # the module (`cartridge.build` is the function)
-    feed = build._feed
-    build._feed = lambda model, tokens, step, progress, caches: feed(model, tokens, step, pausing(progress), caches)
+    prefill = importlib.import_module("cartridge.write.prefill")
+    feed = prefill._feed
+    prefill._feed = lambda model, tokens, step, progress, caches: feed(model, tokens, step, pausing(progress), caches)
 
 
 def pause_in_calibration():

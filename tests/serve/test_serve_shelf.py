@@ -258,7 +258,7 @@ def test_prompt_cache_size_bounds_the_cartridges_kept_loaded(shelf, lm, tmp_path
 
 
 def _capture(shelf, lm, text):
-    from cartridge.write.build import prefill
+    from cartridge.write.prefill import prefill
     from cartridge.models.prompt import encode_text
 
     tokens = encode_text(lm.tokenizer, text, True)

@@ -126,6 +126,11 @@ def test_max_memory_below_the_stored_pages_and_a_dequantize_once_it_changed_are_
         f"pages, which are always held (the budget cannot go lower); {m['resident_bytes'] / mb:,.1f} MB are held",
         f"doc.cart: attention dequantize-once: within the memory budget of {1000 / mb:,.1f} MB, 2 of 2 layers take "
         "another path (portable on 2) instead of dense pages"]
+    assert {w.filename for w in caught} == {__file__}  # the caller's line, not cartridge/api.py's
+    with pytest.warns(MemoryBudgetWarning) as caught_many:
+        cartridge.load_many([out, out], max_memory=1000)
+    said = [w for w in caught_many if w.category is MemoryBudgetWarning]  # (not a ResourceWarning of the above)
+    assert len(said) == 2 and {w.filename for w in said} == {__file__}
     r = run("ask", out, "Who?", "--max-tokens", "2", "--max-memory", "1000", "--attention", "dequantize-once")
     warnings = [line for line in r.stderr.decode().splitlines() if line.startswith("warning:")]
     assert r.returncode == 0 and warnings == [f"warning: {w.message}" for w in caught], r.stderr.decode()

@@ -13,7 +13,7 @@ from helpers.dense_caches import dense_reference
 
 import cartridge
 from cartridge.attention.backends import device
-from cartridge.write.build import prefill
+from cartridge.write.prefill import prefill
 from cartridge.errors import FieldError, InputError
 from cartridge.format.container import read_index, read_manifest
 from cartridge.format.header import LayerInfo

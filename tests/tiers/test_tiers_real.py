@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers.samples import SAMPLE, sample_questions
 
-from cartridge.write.build import prefill
+from cartridge.write.prefill import prefill
 from cartridge.models.prompt import prefix_tokens, prompt_mode
 from cartridge.tiers import TIERS
 

@@ -7,7 +7,7 @@ import pytest
 from helpers.tiny_models import make_tiny
 
 import cartridge
-from cartridge.write.build import PageSizeWarning, fit_page_size
+from cartridge.write.options import PageSizeWarning, fit_page_size
 from cartridge.errors import InputError, OutputExistsError
 
 DOC = "Section 1. The lessee may terminate the agreement with 30 days of written notice. " * 6
@@ -167,7 +167,7 @@ def test_source_document_recorded(tiny, tmp_path):
 
 
 def test_context_reserve_warns_with_tokens_left(tiny, tmp_path):
-    from cartridge.write.build import ContextWarning
+    from cartridge.write.options import ContextWarning
 
     with pytest.warns(ContextWarning) as w:
         r = cartridge.build(DOC * 4, tmp_path / "d.cart", model=tiny)  # tiny context: 512 tokens
@@ -188,7 +188,7 @@ def test_disk_space_checked_before_prefill(tiny, tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from cartridge.write.build import cartridge_bytes
+    from cartridge.write.encode import cartridge_bytes
     from cartridge.errors import WriteError
 
     usage = namedtuple("usage", "total used free")

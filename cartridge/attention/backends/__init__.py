@@ -1,4 +1,4 @@
-"""The attention backends: one list (`REGISTRY`), queried by `cartridge.attention.policy` and `calibration`.
+"""The attention backends: one list (`REGISTRY`), queried by `cartridge.attention.policy` and `auto_table`.
 
 An entry is an `AttentionBackend` (base.py): a device ("cpu", "cuda", "metal": where MLX runs, and `auto`'s
 choice there without a measurement) or a kernel entry serving one attention policy ("portable", "dense" for

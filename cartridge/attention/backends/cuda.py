@@ -1,6 +1,6 @@
 """The CUDA backend: the flash-decoding kernels of `cartridge.attention.kernels.cuda` over stored pages, and MLX's
 own SDPA over one contiguous buffer for dense pages (`cartridge.attention.contiguous`: faster, at the cost of a second
-copy of the prefix, docs/cuda-tuning.md "Dense pages")."""
+copy of the prefix, docs/performance.md "Dense pages")."""
 
 import mlx.core as mx
 

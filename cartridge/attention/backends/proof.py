@@ -5,7 +5,7 @@ a small random case (two pages and an odd remainder, a 3-token tail, 4 query hea
 queries) against the portable path and accepts it if the relative error max|kernel - portable| /
 max|portable| is below `TOL` (tests/attention/test_kernels.py's float16 bound). It then times one decode step over the
 layer's own pages: kernel, portable path, and MLX's dense SDPA over random float16 K/V of the same shape.
-The record is kept in the user calibration table (`calibration.add_proof`), with its times as decode entries
+The record is kept in the user auto table (`auto_table.add_proof`), with its times as decode entries
 so `auto` chooses between kernel and portable path by measurement; a failure (build error, error or NaN in
 the output, no output) gives the portable path and, the first time a backend fails in a process, one
 `KernelProofWarning` line. Dense pages made at load are checked as their own pair ("dequantized").
@@ -16,7 +16,7 @@ import warnings
 import mlx.core as mx
 
 from ...tiers import get_tier
-from .. import calibration
+from .. import auto_table
 from ..cache import CartridgeCache, LayerPrefix
 from ..pages import make_prefix
 from ..timing import timeit
@@ -138,7 +138,7 @@ def check_tiers(backend, tiers, n_kv_heads, head_dim, n_tokens, path=None, page_
         prefix = make_prefix(codec, k, codec, v, page_size)
         if backend.supports(prefix, head_dim, "decode"):
             out.append(check(backend, prefix, head_dim))
-            calibration.add_proof(out[-1], path)
+            auto_table.add_proof(out[-1], path)
         del prefix
     return out
 
@@ -173,10 +173,10 @@ def proven(backend, prefix, head_dim, path=None):
     if not backend.needs_proof:
         return True
     tiers = tiers_of(prefix)
-    rec = calibration.find_proof(backend.name, tiers, head_dim, path)
+    rec = auto_table.find_proof(backend.name, tiers, head_dim, path)
     if rec is None:
         rec = check(backend, prefix, head_dim)
-        calibration.add_proof(rec, path)
+        auto_table.add_proof(rec, path)
         if not rec["ok"] and backend.name not in _failed:
             _failed.add(backend.name)
             warnings.warn(f"{_label(backend, tiers, head_dim)} failed its check on this machine ({rec['error']}); "
@@ -188,7 +188,7 @@ def proven_by_name(backend, tiers, head_dim, path=None):
     """`proven` from the stored record alone (a header's tier names: no pages to check); False without one."""
     if not backend.needs_proof:
         return True
-    rec = calibration.find_proof(backend.name, tuple(tiers), head_dim, path)
+    rec = auto_table.find_proof(backend.name, tuple(tiers), head_dim, path)
     return bool(rec and rec["ok"])
 
 
@@ -196,7 +196,7 @@ def warn_unchecked(backend, prefix, head_dim, path=None):
     """For `attention="fused"`: warn once per process if `backend` needs proof and was never checked here."""
     tiers = tiers_of(prefix)
     key = (backend.name, tiers, head_dim)
-    if not backend.needs_proof or key in _warned or calibration.find_proof(backend.name, tiers, head_dim, path):
+    if not backend.needs_proof or key in _warned or auto_table.find_proof(backend.name, tiers, head_dim, path):
         return
     _warned.add(key)
     warnings.warn(f"{_label(backend, tiers, head_dim)} was never checked on this machine (attention=\"fused\" runs "

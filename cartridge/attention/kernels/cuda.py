@@ -11,12 +11,12 @@ buffer of the cache's scratch; otherwise the finish is a second kernel. When bot
 at most 4 query rows per KV head and the GPU has tensor cores (sm_80 or newer), pass 1 is the tensor-core variant
 `flash_pass1_mma`. A question of many query rows per KV head takes `cuda_prefill`'s kernel as pass 1 (the rows in
 `cuda_prefill.reads`) or, from `decoded_min_rows` rows, the pages decoded for MLX's SDPA (`dense`). The launch shapes
-and crossovers are the layer's `CudaTuning` (docs/cuda-tuning.md). The plain reference for all of them is
-`cartridge.attention.kernels.portable` (tests compare them against float64).
+and crossovers are the layer's `CudaTuning` (docs/performance.md "CUDA tuning constants"). The plain reference for
+all of them is `cartridge.attention.kernels.portable` (tests compare them against float64).
 
 Host cost matters as much as the kernels here: a decode step calls this once per layer, and MLX builds and hashes
 the kernel source on every call. The source handed to MLX is a few lines (`cuda_source`), and kernels, grids,
-output shapes and decode parameters are made once per shape (`Plan`, `_params`, memoized in the `CudaInputs`).
+output shapes and decode parameters are made once per shape (`Launch`, `_params`, memoized in the `CudaInputs`).
 """
 
 import functools
@@ -37,7 +37,7 @@ TC_ONLY = (MXFP4, NVFP4, AFF6, KIVI4)  # tiers only `flash_pass1_tc` reads (no p
 HEAD_DIMS = (64, 128, 256)
 MMA_HEAD_DIMS = (64, 128)  # the tensor-core passes'
 MAX_CHUNKS = 8  # tail chunks the finish reads directly; more falls back to the portable path
-PREFILL, DECODED = "prefill", "decoded"  # `route`'s answers besides a plan
+PREFILL, DECODED = "prefill", "decoded"  # `route`'s answers besides a launch
 
 
 def _lut_bytes(tid, bits):
@@ -81,7 +81,7 @@ def supported(prefix, head_dim):
     return True
 
 
-def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks, granule=None):
+def split_tokens(n_tokens, n_kv, row_blocks, slots, target_blocks, granule=None):
     """(tokens per split, number of splits): about `target_blocks` blocks, each split at least 4 rounds of
     `slots` tokens and a multiple of `granule` tokens (default `slots`)."""
     granule = granule or slots
@@ -91,7 +91,7 @@ def split_plan(n_tokens, n_kv, row_blocks, slots, target_blocks, granule=None):
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: a key of the cache's scratch
-class Plan:
+class Launch:
     """Everything about one call that depends only on its shape: kernels, fixed inputs, grids, sizes."""
 
     kernel: object  # pass 1; with the finish when `single`
@@ -107,14 +107,14 @@ class Plan:
     work_size: int  # float32 elements of the single launch's scratch: partials and block counters
 
 
-def _params(inputs, plan, L, tail_len, chunk_size):
+def _params(inputs, launch, L, tail_len, chunk_size):
     """Kernel parameters [end of the stored tokens read, R, per split, splits, tail length, query tokens, first
     split's start, first stored token read] (int32 (8,)) on the device. Decode steps (L = 1) take a row made
     and evaluated once per tail length, so a step adds no operation for them."""
-    head = [inputs.end, plan.R, plan.per, plan.n_splits]
+    head = [inputs.end, launch.R, launch.per, launch.n_splits]
     if L > 1:
         return mx.array([*head, tail_len, L, inputs.start, inputs.first], dtype=mx.int32)
-    key = (plan.R, plan.per, plan.n_splits, chunk_size)
+    key = (launch.R, launch.per, launch.n_splits, chunk_size)
     rows = inputs.rows.get(key)
     if rows is None:
         table = np.zeros((MAX_CHUNKS * chunk_size + 1, 8), dtype=np.int32)
@@ -171,7 +171,7 @@ def uses_tensor_cores(inputs, R, D):
     return inputs.tc_reads and D in MMA_HEAD_DIMS and inputs.page % 16 == 0 and has_tensor_cores()
 
 
-def _plan(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks):
+def _launch(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks):
     t = inputs.tuning
     R = (n_q // inputs.n_kv) * L  # query rows per KV head: GQA group x query tokens
     smem = 0
@@ -180,22 +180,22 @@ def _plan(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks):
         target = t.mma_target_blocks_d64 if D == 64 else t.mma_target_blocks
         # splits of whole 16-token tiles, equal within a tile: at 131072 tokens, 32 x 3984 + 3584 tokens
         # rather than 32 x 4032 + 2048 (a block with half the work, and the others longer)
-        per, n_splits = split_plan(inputs.end - inputs.start, n_kv, 1, 16 * t.mma_warps, target, granule=16)
+        per, n_splits = split_tokens(inputs.end - inputs.start, n_kv, 1, 16 * t.mma_warps, target, granule=16)
         kind, fixed, threads = "mma", [inputs.sgk, *inputs.k_in, *inputs.v_in], t.mma_warps * 32
         consts = [("T", dtype), ("HD", D), ("NKV", n_kv), ("PAGE", page), ("WARPS", t.mma_warps),
-                  ("STAGES", t.mma_stages), ("DIAG", 0), ("RK", inputs.k_rot)]
+                  ("STAGES", t.mma_stages), ("RK", inputs.k_rot)]
         grid = (n_splits * threads, n_kv, 1)
     elif uses_tensor_cores(inputs, R, D):
         target = t.tc_target_blocks_d64 if D == 64 else t.tc_target_blocks
         row_blocks = -(-R // 8)
         warps = t.tc_warps_turbo if inputs.v_spec[0] == TURBO else t.tc_warps
-        per, n_splits = split_plan(inputs.end - inputs.start, n_kv, row_blocks, 16 * warps, target, granule=16)
+        per, n_splits = split_tokens(inputs.end - inputs.start, n_kv, row_blocks, 16 * warps, target, granule=16)
         (tk, bk, _), (tv, bv, _) = inputs.k_spec, inputs.v_spec
         lreg = bool(t.register_lookup & {tk, tv}) and inputs.table_ok
         kind, threads = "tc", warps * 32
         fixed = [inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv]
         consts = [("T", dtype), ("TK", tk), ("BK", bk), ("TV", tv), ("BV", bv), ("HD", D), ("NKV", n_kv),
-                  ("PAGE", page), ("WARPS", warps), ("STAGES", t.tc_stages), ("DIAG", 0), ("RK", inputs.k_rot),
+                  ("PAGE", page), ("WARPS", warps), ("STAGES", t.tc_stages), ("RK", inputs.k_rot),
                   ("LREG", lreg)]
         grid = (n_splits * threads, n_kv, row_blocks)
         smem = tc_smem_bytes(inputs.k_spec, inputs.v_spec, D, lreg, warps, t.tc_stages)
@@ -206,22 +206,21 @@ def _plan(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks):
         rows, epl = (R, t.decode_epl) if R <= 4 else (8, 8)
         slots = (32 // (D // epl)) * t.warps * t.unroll  # tokens a block consumes per round
         row_blocks = -(-R // rows)
-        per, n_splits = split_plan(inputs.end - inputs.start, n_kv, row_blocks, slots, t.target_blocks)
+        per, n_splits = split_tokens(inputs.end - inputs.start, n_kv, row_blocks, slots, t.target_blocks)
         (tk, bk, _), (tv, bv, _) = inputs.k_spec, inputs.v_spec
         kind, threads = "pass1", t.warps * 32
         fixed = [inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv]
         consts = [("T", dtype), ("TK", tk), ("TV", tv), ("BK", bk), ("BV", bv), ("HD", D), ("EPL", epl),
-                  ("ROWS", rows), ("NKV", n_kv), ("PAGE", page), ("WARPS", t.warps), ("UNR", t.unroll),
-                  ("DIAG", 0)]
+                  ("ROWS", rows), ("NKV", n_kv), ("PAGE", page), ("WARPS", t.warps), ("UNR", t.unroll)]
         grid = (n_splits * threads, n_kv, row_blocks)
     consts.append(("SCALE", float(scale)))
     if single and threads == 128:
         consts = (*consts, ("CH", chunk_size), ("VROT", inputs.v_back))
         work = (n_splits + 1) * n_kv * R * (D + 2) + n_kv
-        return Plan(kernel(kind + "+finish", 1, consts, smem), consts, fixed, grid, threads, True, None, R, per,
+        return Launch(kernel(kind + "+finish", 1, consts, smem), consts, fixed, grid, threads, True, None, R, per,
                     n_splits, work)
     consts = tuple(consts)
-    return Plan(kernel(kind, 0, consts, smem), consts, fixed, grid, threads, False,
+    return Launch(kernel(kind, 0, consts, smem), consts, fixed, grid, threads, False,
                 _finish_kernel(inputs, dtype, D, n_chunks, chunk_size, scale, sinks), R, per, n_splits, 0)
 
 
@@ -276,7 +275,7 @@ def question_kernel_takes(inputs, queries, tail):
 
 def route(inputs, n_q, L, D, dtype, scale, sinks, n_chunks, chunk_size, short_tail):
     """How calls of one shape run: PREFILL (`cuda_prefill`'s kernel as pass 1), DECODED (the pages decoded for
-    MLX's SDPA), a `Plan` (pass 1 and the finish, in one launch or two), or None (the portable path)."""
+    MLX's SDPA), a `Launch` (pass 1 and the finish, in one launch or two), or None (the portable path)."""
     t = inputs.tuning
     R = n_q // inputs.n_kv * L
     fits = _fits(n_chunks, D)
@@ -287,7 +286,7 @@ def route(inputs, n_q, L, D, dtype, scale, sinks, n_chunks, chunk_size, short_ta
     if not fits:
         return None
     single = R <= t.single_max_rows and short_tail and n_chunks == 1 and sinks is None and inputs.kept is None
-    return _plan(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks is not None)
+    return _launch(inputs, n_q, L, D, dtype, n_chunks, chunk_size, scale, single, sinks is not None)
 
 
 def attend(inputs, prefix, queries, tail, scale, sinks, scratch):
@@ -311,29 +310,29 @@ def attend(inputs, prefix, queries, tail, scale, sinks, scratch):
     n_chunks, short_tail = -(-tail.length // tail.chunk_size), tail.length <= inputs.tuning.single_max_tail
     # what a call does depends only on these (the tuning is the layer's)
     key = (n_q, L, D, queries.dtype, scale, sinks is None, n_chunks, tail.chunk_size, short_tail)
-    plan = inputs.plans.get(key)
-    if plan is None:
-        plan = inputs.plans[key] = route(inputs, n_q, L, D, queries.dtype, scale, sinks, n_chunks, tail.chunk_size,
-                                         short_tail)
-    if plan is None:
+    launch = inputs.routes.get(key)
+    if launch is None:
+        launch = inputs.routes[key] = route(inputs, n_q, L, D, queries.dtype, scale, sinks, n_chunks,
+                                            tail.chunk_size, short_tail)
+    if launch is None:
         return None
-    if plan is PREFILL:
+    if launch is PREFILL:
         *partials, prm = cuda_prefill.pass1(inputs, prefix, queries, scale, tail.length)
         finish = _finish_kernel(inputs, queries.dtype, D, n_chunks, tail.chunk_size, scale, sinks is not None)
         return _finish(inputs, finish, partials, n_q // inputs.n_kv * L, queries, prm, sinks, tail)
-    if plan is DECODED:
+    if launch is DECODED:
         n = prefix.n_tokens + tail.length
         sides = [decoded(inputs, prefix.n_tokens, side, n, queries.dtype, D) for side in "kv"]
         return dense.prefill_attention(prefix, tail, queries, scale, sinks, decoded=sides)
-    prm = _params(inputs, plan, L, tail.length, tail.chunk_size)
-    if plan.single:
-        return plan.kernel(
-            inputs=[queries, *plan.inputs, prm, scratch.buffer(plan, plan.work_size), tail.k_chunks[0],
+    prm = _params(inputs, launch, L, tail.length, tail.chunk_size)
+    if launch.single:
+        return launch.kernel(
+            inputs=[queries, *launch.inputs, prm, scratch.buffer(launch, launch.work_size), tail.k_chunks[0],
                     tail.v_chunks[0], inputs.sgv],
-            grid=plan.grid, threadgroup=(plan.threads, 1, 1), output_shapes=[queries.shape],
+            grid=launch.grid, threadgroup=(launch.threads, 1, 1), output_shapes=[queries.shape],
             output_dtypes=[queries.dtype])[0]
-    partial = [(plan.n_splits, inputs.n_kv, plan.R)]
-    partials = plan.kernel(
-        inputs=[queries, *plan.inputs, prm], grid=plan.grid, threadgroup=(plan.threads, 1, 1),
-        output_shapes=[(plan.n_splits, inputs.n_kv, plan.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3)
-    return _finish(inputs, plan.finish, partials, plan.R, queries, prm, sinks, tail)
+    partial = [(launch.n_splits, inputs.n_kv, launch.R)]
+    partials = launch.kernel(
+        inputs=[queries, *launch.inputs, prm], grid=launch.grid, threadgroup=(launch.threads, 1, 1),
+        output_shapes=[(launch.n_splits, inputs.n_kv, launch.R, D)] + partial * 2, output_dtypes=[mx.float32] * 3)
+    return _finish(inputs, launch.finish, partials, launch.R, queries, prm, sinks, tail)

@@ -87,8 +87,8 @@ class CudaInputs:
         v_back (bool): the finish rotates the prefix output back from V's stored basis.
         no_sinks (mx.array): float32 (1,), the finish's sinks input when the model has none.
         tuning (CudaTuning): the launch shapes and crossovers the layer's calls use.
-        plans, rows, kept_as (dict): memos of what depends only on a call's shape (`kernels.cuda`): plans by
-            shape, parameter rows by plan, the protected copies by dtype.
+        routes, rows, kept_as (dict): memos of what depends only on a call's shape (`kernels.cuda`): `route`'s
+            answer by shape, parameter rows by launch, the protected copies by dtype.
     """
 
     name: ClassVar[str] = "cuda"
@@ -114,7 +114,7 @@ class CudaInputs:
     v_back: bool
     no_sinks: object
     tuning: object
-    plans: dict = field(default_factory=dict)
+    routes: dict = field(default_factory=dict)
     rows: dict = field(default_factory=dict)
     kept_as: dict = field(default_factory=dict)
 

@@ -11,7 +11,7 @@ protected tokens. K stored rotated (+rot, TurboQuant) is met by rotating the que
 stored rotated is rotated back by the finish, as for decode.
 
 This module builds and launches pass 1 only, from the layer's `CudaInputs` (`kernels.cuda` routes calls here). Its
-launch shape and the rows it answers are the layer's `CudaTuning` (docs/cuda-tuning.md).
+launch shape and the rows it answers are the layer's `CudaTuning` (docs/performance.md "CUDA tuning constants").
 """
 
 import functools

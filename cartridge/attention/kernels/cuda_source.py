@@ -27,7 +27,7 @@ TC_CALL = """cart::flash_pass1_tc<T, TK, BK, TV, BV, HD, NKV, PAGE, WARPS, STAGE
     q, SCALE, sgk, (const void*)k0, (const void*)k1, (const void*)k2, (const void*)v0,
     (const void*)v1, (const void*)v2, cbk, cbv, prm, O, M, L);
 """
-MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, DIAG, RK>(
+MMA_CALL = """cart::flash_pass1_mma<T, HD, NKV, PAGE, WARPS, STAGES, RK>(
     q, SCALE, sgk, (const uint32_t*)(const void*)k0, (const __half*)(const void*)k1,
     (const __half*)(const void*)k2, (const uint32_t*)(const void*)v0, (const __half*)(const void*)v1,
     (const __half*)(const void*)v2, prm, O, M, L);
@@ -42,7 +42,7 @@ const int32_t* counter = reinterpret_cast<const int32_t*>(L + n_part);
 """
 SINGLE_FINISH = """if (blockIdx.x == gridDim.x - 1 && blockIdx.z == 0)
   cart::tail_rows<T, HD, NKV, CH>(q, SCALE, prm, tk0, tv0, O, M, L, blockIdx.y);
-if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z) && DIAG != 3)
+if (cart::last_block(counter, blockIdx.y, gridDim.x * gridDim.z))
   cart::finish_rows<T, HD, NKV, VROT>(O, M, L, prm, sgv, out, blockIdx.y);
 """
 

@@ -1,7 +1,7 @@
 """The CUDA kernels' tuning constants: launch shapes and the query-row crossovers between paths, in one record.
 
-Every value was chosen by measurement on an H100 or H200; docs/cuda-tuning.md gives each one's measurement and the
-result file under benchmarks/results/. The kernels read the record a layer was laid out with (`CudaInputs.tuning`,
+Every value was chosen by measurement on an H100 or H200; docs/performance.md "CUDA tuning constants" gives each
+one's measurement and the result file under benchmarks/results/. The kernels read the record a layer was laid out with (`CudaInputs.tuning`,
 `TUNING` unless a test or benchmark passes another: `dataclasses.replace(TUNING, ...)`).
 """
 

@@ -2,7 +2,7 @@
 
 The fused decode kernels (`cuda.py`) give each block a few query rows and stream the whole prefix for them,
 so their time grows with the rows (256 question tokens x a GQA group of 4 is 1,024 rows per KV head; where the
-paths cross over: docs/cuda-tuning.md "Questions"). For many rows the prefix is decoded to the queries' dtype as
+paths cross over: docs/performance.md "Questions"). For many rows the prefix is decoded to the queries' dtype as
 one sequence with the tail after it and handed to `mx.fast.scaled_dot_product_attention` (tensor cores, one pass
 over K/V for all rows). The decoded copy is a temporary of this call (one layer's K/V at a time); decode steps
 never take this path.

@@ -471,10 +471,8 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// DIAG (benchmarks only; 0 otherwise): 1 = copies without the math, 2 = the math without the copies
-// (3, no finish, is handled by the caller).
 // RK: K (and V, which the finish rotates back) stored by mlx4g32+rot: q is rotated first, (R q).(R k) = q.k.
-template <typename T, int D, int NKV, int P, int WARPS, int STAGES, int DIAG, bool RK>
+template <typename T, int D, int NKV, int P, int WARPS, int STAGES, bool RK>
 __device__ void flash_pass1_mma(const T* q, float scale, const float* sgk, const uint32_t* kc, const __half* ks,
                                 const __half* kb, const uint32_t* vc, const __half* vs, const __half* vb,
                                 const int32_t* prm, float* O, float* M, float* L) {
@@ -511,7 +509,6 @@ __device__ void flash_pass1_mma(const T* q, float scale, const float* sgk, const
   const uint32_t stage0 = (uint32_t)__cvta_generic_to_shared(&stage[warp][0][0]);
 
   auto load_tile = [&](int tile, int buf) {
-    if constexpr (DIAG == 2) return;
     const unsigned tb = t0 + 16 * tile, lim = t1 - tb;  // first token of the tile, tokens left
     const unsigned tok = ((tb / P) * NKV + h) * P + tb % P;  // its row in the pages
     const uint32_t st = stage0 + buf * (4 * STAGE_WORDS);
@@ -602,7 +599,6 @@ __device__ void flash_pass1_mma(const T* q, float scale, const float* sgk, const
     const uint32_t* st = stage[warp][rd];
     rd = rd + 1 == STAGES ? 0 : rd + 1;
     wr = wr + 1 == STAGES ? 0 : wr + 1;
-    if constexpr (DIAG == 1) continue;
     const uint32_t* skc = st;
     const uint32_t* svc = st + CODE_WORDS;
     const __half* sks = reinterpret_cast<const __half*>(st + 2 * CODE_WORDS);

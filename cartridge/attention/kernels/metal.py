@@ -11,7 +11,7 @@ Status: the generated sources are compile-checked on Linux against `metal_shim.h
 they have NOT been run on Apple hardware. Only shape-dependent values that change the registers a thread needs are
 compile-time constants (dtype, tiers, head_dim, query rows, rotation, tail chunks); KV heads, page size, split
 sizes, sinks and V rotation are runtime parameters (`prm`), so the variants are few enough to list (`sources`).
-Kernels are built once per variant and plans once per shape, as in cuda.py.
+Kernels are built once per variant and launches once per shape, as in cuda.py.
 """
 
 import functools
@@ -28,7 +28,7 @@ from ...tiers import TIERS
 from ...tiers.layout import AFF4, AFF6, AFF8, BF16, F32, FP16, KIVI4, MXFP4, MXFP8, NVFP4, TURBO, layout_of  # noqa: F401
 from ...tiers.rotation import sign_bits
 from .constants import constant_lines
-from .cuda import split_plan
+from .cuda import split_tokens
 from .cuda_inputs import rotation
 
 SOURCE = Path(__file__).with_name("flash_decode.metal")
@@ -230,7 +230,7 @@ def _padded(sinks):
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Launch:
     """What one call shape needs: the two kernels, rows, splits, grid and the parameter row."""
 
     pass1: object
@@ -253,7 +253,7 @@ class MetalInputs:
         n_kv (int): KV heads. page (int): tokens per page. first, end (int): the stored tokens pass 1 reads.
         kept (tuple | None): the protected tokens' fp16 copies (K, V), each (n_kv, N + M, D).
         no_sinks (mx.array): float32 placeholder for the finish's sinks.
-        plans, kept_as (dict): memos: plans by call shape, the protected copies by dtype.
+        launches, kept_as (dict): memos: launches by call shape, the protected copies by dtype.
     """
 
     name: ClassVar[str] = "metal"
@@ -273,7 +273,7 @@ class MetalInputs:
     end: int
     kept: tuple
     no_sinks: object
-    plans: dict = field(default_factory=dict)
+    launches: dict = field(default_factory=dict)
     kept_as: dict = field(default_factory=dict)
 
 
@@ -304,10 +304,10 @@ def _protected(inputs, dtype):
     return kept
 
 
-def _plan(inputs, n_q, L, D, dtype, scale, tail_len, chunk_size, sinks):
+def _launch(inputs, n_q, L, D, dtype, scale, tail_len, chunk_size, sinks):
     R = (n_q // inputs.n_kv) * L
     rows = next(r for r in ROW_VARIANTS if r >= R)
-    per, n_splits = split_plan(inputs.end - inputs.first, inputs.n_kv, 1, BN, TARGET_GROUPS)
+    per, n_splits = split_tokens(inputs.end - inputs.first, inputs.n_kv, 1, BN, TARGET_GROUPS)
     p1 = pass1_consts(dtype, inputs.k_spec, inputs.v_spec, D, rows, inputs.rk)[:-1] + (("SCALE", float(scale)),)
     fin = finish_consts(dtype, D)[:-1] + (("SCALE", float(scale)),)
     prm = np.zeros(N_PARAMS, dtype=np.int32)
@@ -315,7 +315,7 @@ def _plan(inputs, n_q, L, D, dtype, scale, tail_len, chunk_size, sinks):
                 0 if inputs.kept is None else inputs.kept[0].shape[1], sinks, inputs.v_back, chunk_size]
     prm = mx.array(prm)
     mx.eval(prm)
-    return _Plan(_kernel("pass1", p1), _kernel("finish", fin), R, n_splits, prm)
+    return _Launch(_kernel("pass1", p1), _kernel("finish", fin), R, n_splits, prm)
 
 
 def attend(inputs, prefix, queries, tail, scale, sinks, scratch):
@@ -338,20 +338,21 @@ def attend(inputs, prefix, queries, tail, scale, sinks, scratch):
     if (n_q // inputs.n_kv) * L > MAX_ROWS or not 1 <= n_chunks <= MAX_CHUNKS or D not in HEAD_DIMS:
         return None
     key = (n_q, L, D, queries.dtype, scale, tail.length, tail.chunk_size, sinks is None)
-    plan = inputs.plans.get(key)
-    if plan is None:
-        plan = inputs.plans[key] = _plan(inputs, n_q, L, D, queries.dtype, scale, tail.length, tail.chunk_size,
-                                         sinks is not None)
-    partial = (max(plan.n_splits * inputs.n_kv * plan.R, _DUMMY),)  # flat: an input of the finish, in device memory
-    O, M, Lsum = plan.pass1(
-        inputs=[queries, inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv, plan.prm],
-        grid=(plan.n_splits * BN * 32, inputs.n_kv, 1), threadgroup=(BN * 32, 1, 1),
-        output_shapes=[(plan.n_splits, inputs.n_kv, plan.R, D), partial, partial], output_dtypes=[mx.float32] * 3)
+    launch = inputs.launches.get(key)
+    if launch is None:
+        launch = inputs.launches[key] = _launch(inputs, n_q, L, D, queries.dtype, scale, tail.length,
+                                                tail.chunk_size, sinks is not None)
+    partial = (max(launch.n_splits * inputs.n_kv * launch.R, _DUMMY),)  # flat: a finish input, in device memory
+    O, M, Lsum = launch.pass1(
+        inputs=[queries, inputs.sgk, *inputs.k_in, *inputs.v_in, inputs.cbk, inputs.cbv, launch.prm],
+        grid=(launch.n_splits * BN * 32, inputs.n_kv, 1), threadgroup=(BN * 32, 1, 1),
+        output_shapes=[(launch.n_splits, inputs.n_kv, launch.R, D), partial, partial],
+        output_dtypes=[mx.float32] * 3)
     k_chunks, v_chunks = tail.k_chunks[:n_chunks], tail.v_chunks[:n_chunks]
     pad = MAX_CHUNKS - n_chunks  # unread slots: the first chunk again (no copy)
-    return plan.finish(
-        inputs=[O, M, Lsum, queries, plan.prm, inputs.sgv,
+    return launch.finish(
+        inputs=[O, M, Lsum, queries, launch.prm, inputs.sgv,
                 inputs.no_sinks if sinks is None else _padded(sinks), *_protected(inputs, queries.dtype),
                 *k_chunks, *k_chunks[:1] * pad, *v_chunks, *v_chunks[:1] * pad],
-        grid=(32, inputs.n_kv, plan.R), threadgroup=(32, 1, 1), output_shapes=[queries.shape],
+        grid=(32, inputs.n_kv, launch.R), threadgroup=(32, 1, 1), output_shapes=[queries.shape],
         output_dtypes=[queries.dtype])[0]

@@ -176,7 +176,7 @@ def _reason(best, total, picked):
             f"{e['measured']} on {e['machine']}")
 
 
-def write_calibrated(table, path):
+def write_bench_table(table, path):
     """Write a full table (`table_from_bench`) to `path`, keeping the kernel proofs already there."""
     try:
         kept = _document(path)["proofs"]

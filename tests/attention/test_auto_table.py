@@ -1,4 +1,4 @@
-"""`auto` from measurements (cartridge/attention/calibration.py) and the bench gate: a bench result becomes a
+"""`auto` from measurements (cartridge/attention/auto_table.py) and the bench gate: a bench result becomes a
 table, lookups pick the nearest case, a user table replaces shipped cases, and slow tiers are flagged."""
 
 import json
@@ -7,7 +7,7 @@ import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import pytest
 from click.testing import CliRunner
 
-from cartridge.attention import calibration as C
+from cartridge.attention import auto_table as C
 from cartridge.cli.main import cli
 from cartridge.errors import InputError
 from cartridge.eval.bench import gate
@@ -133,7 +133,7 @@ def test_bench_from_json_prints_the_gate_and_calibrates(tmp_path):
 
 
 def test_header_plan_on_cuda_offers_fused_only_where_a_kernel_reads_both_tiers(monkeypatch):
-    """inspect's policy line (plan_header) knows the layer by its tier names: a tier with no fused kernel must
+    """inspect's policy line (plan_from_header) knows the layer by its tier names: a tier with no fused kernel must
     not be planned as fused, or inspect would name a path load does not take."""
     from cartridge.attention import backends, policy
     from cartridge.tiers.affine import Int6Codec
