@@ -18,9 +18,8 @@ from dataclasses import replace
 from ..write.append import (ExtendResult, destination, grown_header, require_per_token_tiers, save, token_sha256,
                             write_grown)
 from ..attention import route
-from ..attention.cache import CartridgeCache
+from ..attention.caches import CartridgeCache, PrefillCache
 from ..attention.layers import WindowLayer
-from ..attention.prefill import PrefillCache
 from ..write.build import (DEFAULT_PREFILL_STEP, DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length,
                            prefill, warn_context_left)
 from ..errors import InputError
