@@ -48,7 +48,7 @@ from dataclasses import replace
 from mlx_lm.models.cache import KVCache
 
 from cartridge.attention import contiguous
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.kernels import cuda_inputs, cuda_tuning
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import dequantize

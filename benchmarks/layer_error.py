@@ -54,7 +54,7 @@ from cartridge.attention.pages import encode_pages
 from cartridge.write.prefill import prefill
 from cartridge.calibrate import PRESET_RATIOS, CalibrationTarget, head, search, sequence
 from cartridge.calibrate import measure as calibration
-from cartridge.calibrate.walk import SharedPrefixCache
+from cartridge.attention.caches import SharedPrefixCache
 from cartridge.eval.dataset import load_questions
 from cartridge.models.loader import load_model
 from cartridge.models.prompt import prefix_tokens, prompt_mode, question_tokens

@@ -38,7 +38,7 @@ SKIPPED_DIRS = {".git", ".venv", "__pycache__", "out", "node_modules"}
 
 
 def module_name(path, package=PACKAGE):
-    """'cartridge.attention.cache' for cartridge/attention/cache.py ('cartridge.tiers' for its __init__.py)."""
+    """'cartridge.attention.route' for cartridge/attention/route.py ('cartridge.tiers' for its __init__.py)."""
     parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

@@ -12,28 +12,15 @@
 
 Each class decodes once at load and hands every `prompt_cache()` a cache of its own: generation
 mutates a cache (a rotating cache writes in place; a recurrent step replaces its arrays), never the
-shared arrays. The page-attended kind ("attention") is `cartridge.attention.cache.CartridgeCache`.
+shared arrays. The page-attended kind ("attention") is `cartridge.attention.caches.CartridgeCache`.
 """
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
-from .cache import NOT_SAVED, CartridgeCache, LayerPrefix
-from .pages import decode_pages
-
-
-def decode_prefix(prefix, dtype):
-    """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`, with
-    protected tokens (if any) from their fp16 copies: each side decoded a chunk of pages at a time
-    (`pages.decode_pages`), then laid out as one sequence (the caller evaluates that copy)."""
-    out = []
-    for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
-                                       ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
-        x = decode_pages(codec, parts, params, dtype, prefix.protected, side, prefix.n_tokens)
-        n_pages, n_kv, page, d = x.shape
-        # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
-        out.append(x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens])
-    return out
+from .caches import CartridgeCache, PrefixKVCache
+from .pages import decode_prefix
+from .prefix import LayerPrefix
 
 
 class DenseLayer:
@@ -59,32 +46,6 @@ class DenseLayer:
     def nbytes(self):
         """Bytes of the decoded K/V this layer keeps."""
         return self.keys.nbytes + self.values.nbytes
-
-
-class PrefixKVCache(KVCache):
-    """mlx-lm's KVCache over a dense layer's shared decoded prefix: as `CartridgeCache`, it trims its tail and
-    never the prefix (so every layer of a cartridge's prompt cache trims alike, and no write lands in the
-    shared arrays), and mlx-lm's `save_prompt_cache` refuses it at once (`NotSaved`).
-
-    Args:
-        keys, values (mx.array): the decoded prefix, (1, n_kv_heads, T, head_dim), shared and never written.
-    """
-
-    def __init__(self, keys, values):
-        super().__init__()
-        self.keys, self.values = keys, values
-        self.offset = self.prefix_tokens = keys.shape[2]
-
-    @property
-    def state(self):
-        """(keys, values, offset, NOT_SAVED): mlx-lm's KVCache state and the marker `save_prompt_cache` stops at."""
-        return self.keys, self.values, self.offset, NOT_SAVED
-
-    def trim(self, n):
-        """Drop up to n tokens from the end of the tail, never from the prefix; returns how many were dropped."""
-        n = min(self.offset - self.prefix_tokens, n)
-        self.offset -= n
-        return n
 
 
 class WindowLayer(DenseLayer):

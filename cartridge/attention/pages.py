@@ -107,3 +107,17 @@ def decode_pages(codec, parts, params, dtype, protected=None, side="k", n_tokens
         protect.overwrite_in_place(out, protected, side, n_tokens)
         mx.eval(out)
     return out
+
+
+def decode_prefix(prefix, dtype):
+    """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`, with
+    protected tokens (if any) from their fp16 copies: each side decoded a chunk of pages at a time
+    (`decode_pages`), then laid out as one sequence (the caller evaluates that copy)."""
+    out = []
+    for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
+                                       ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
+        x = decode_pages(codec, parts, params, dtype, prefix.protected, side, prefix.n_tokens)
+        n_pages, n_kv, page, d = x.shape
+        # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
+        out.append(x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens])
+    return out

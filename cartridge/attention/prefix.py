@@ -1,6 +1,6 @@
 """`LayerPrefix`: one layer's stored pages as loaded, the read-only prefix a `CartridgeCache` attends.
 
-Apart from `cartridge.attention.cache` (which subclasses mlx-lm's cache) so that placing and reporting
+Apart from `cartridge.attention.caches` (which subclass mlx-lm's caches) so that placing and reporting
 (`cartridge inspect`) import no mlx-lm.
 """
 

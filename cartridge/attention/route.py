@@ -12,8 +12,7 @@ from contextlib import contextmanager
 
 from mlx_lm.models import base
 
-from .cache import CartridgeCache
-from .prefill import PrefillCache
+from .caches import CartridgeCache, PrefillCache
 
 # `__wrapped__` guards a re-import of this module after install(): the original stays mlx-lm's.
 _ORIGINAL = getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)

@@ -4,7 +4,7 @@ the measure by which a layer's measured KL is shared between its sides and candi
 import mlx.core as mx
 import numpy as np
 
-from .walk import shifted_exp, window_visible
+from ..attention.caches.shared_prefix import shifted_exp, window_visible
 
 LEAD_TOKENS = 32  # heavy hitters are looked for among the first prefix tokens (the format protects first N)
 
@@ -19,7 +19,7 @@ class AttentionError:
         q (mx.array): (n_heads, E, D) float32 queries. k, v (mx.array): (1, n_kv, S, D) reference K/V.
         scale (float | None): the layer's softmax scale. Default: None (D ** -0.5).
         window (int | None): a sliding-window layer's size: each query attends only the stored keys within
-            its window (`walk.window_visible`); queries that see none of them are left out. Leading tokens
+            its window (`shared_prefix.window_visible`); queries that see none of them are left out. Leading tokens
             are not protected (the layer does not store them). Default: None (every query sees every key).
     """
 

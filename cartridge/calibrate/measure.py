@@ -33,6 +33,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..attention import route
+from ..attention.caches import SharedPrefixCache
 from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
 from ..tiers import TIERS
@@ -49,7 +50,6 @@ from .sequence import (
     scored,
     split_of,
 )
-from .walk import SharedPrefixCache
 
 # rotated and plain tiers alike (which is better depends on the model), 216 .. 54 B at kv_dim 192
 CANDIDATES = ("int8+rot", "int8", "int6+rot", "int6", "mlx4g32+rot", "mlx4g32", "turbo4", "turbo3", "turbo2")

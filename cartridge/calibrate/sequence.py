@@ -177,7 +177,7 @@ def first_layer_input(model, ids):
 
 def log_softmax(logits):
     """(..., vocab) float32 logits -> log-probabilities (on CPU by numpy: MLX's CPU exp is scalar code,
-    `walk.shifted_exp`)."""
+    `attention.caches.shared_prefix.shifted_exp`)."""
     if mx.default_device() != mx.cpu:
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logits)

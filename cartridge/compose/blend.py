@@ -9,7 +9,7 @@ keys are rotated to their composed positions; from layer 1 on they deviate, and 
    `select_layer` only (the forward pass stops there; the paper checks layer 1, the default here is 4); the
    tokens whose K/V there deviate most from the stored ones (rotated to their composed positions) are selected,
    optionally weighted by the attention mass a probe question puts on them (`probe_mass`).
-2. recompute (`compose.BlendCache`): the selected tokens alone run through every layer, each attending
+2. recompute (`attention.caches.BlendCache`): the selected tokens alone run through every layer, each attending
    causally by composed position over the composed context, where the document's other tokens keep their
    stored K/V and the selected ones have their fresh K/V (the paper's fusion). Their fresh K/V become
    patches at their true positions; their stored copies are masked out of the part (`Part.skip`).
@@ -150,35 +150,12 @@ def deviation(fresh, stored):
     return out
 
 
-def part_mass(q, part, partials):
-    """Attention probability that query rows put on each of the part's stored tokens, summed over rows and heads.
-
-    Args:
-        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled, rotated back by the part's shift.
-        part (compose.Part): the stored part. partials (list[tuple]): every (o, m, l) partial of these rows
-            over the whole context (the part's included): they give each row's softmax normalizer.
-
-    Returns:
-        mx.array: (n_tokens - part.start,) float32.
-    """
-    m = partials[0][1]
-    for _, mi, _ in partials[1:]:
-        m = mx.maximum(m, mi)
-    lse = m + mx.log(sum(li * mx.exp(mi - m) for _, mi, li in partials))  # (n_kv, R)
-    p = part.prefix
-    s = p.k_codec.scores(q, p.k_parts, p.k_params)  # (n_pages, n_kv, R, P)
-    mass = mx.exp(s - lse[None, :, :, None]).sum(axis=(1, 2)).reshape(-1)
-    if part.skip is not None:
-        mass = mx.where(part.skip, 0.0, mass)
-    return mass[part.start:p.n_tokens]
-
-
 def probe_mass(model, caches, ids):
     """Attention mass that `ids`, fed after the composed context, put on the last part's stored tokens,
     summed over rows, heads and layers.
 
     Args:
-        model: the mlx-lm model. caches (list[compose.ComposedCache]): a fresh prompt cache of the composition.
+        model: the mlx-lm model. caches (list[ComposedCache]): a fresh prompt cache of the composition.
         ids (list[int]): the probe's tokens (a question prompt).
 
     Returns:

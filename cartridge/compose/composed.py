@@ -10,187 +10,26 @@ recomputed tokens and the tail. Each later document was built without seeing the
 opens with its own chat-template header: the header is skipped, and the separator plus its first N
 document tokens are prefilled again over what precedes them (EPIC's LegoLink recomputes ~16-32 tokens
 per chunk); N is `recompute`. Beyond them, `recompute_ratio` recomputes the stored tokens whose K/V moved
-most (CacheBlend's selective recompute, `cartridge.blend`): patches at their true positions (`BlendCache`),
-their stored copies masked out of the part (`Part.skip`).
+most (CacheBlend's selective recompute, `cartridge.compose.blend`): patches at their true positions (`BlendCache`),
+their stored copies masked out of the part (`Part.skip`). The caches of a composed context, `ComposedCache` and
+`BlendCache`, are in `cartridge.attention.caches`.
 """
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import mlx.core as mx
 
 from . import blend
 from ..attention import route
-from ..attention.cache import CartridgeCache, sink_partial
-from ..attention.kernels import merge, tail_partial
-from ..errors import CartridgeError, InputError
+from ..attention.caches import BlendCache, ComposedCache, Part
+from ..errors import InputError
 from ..format.header import require_attention_layers
 from ..models.prompt import SEPARATOR, encode_text, prompt_pieces, question_tokens
 
 DEFAULT_RECOMPUTE = 16
 DEFAULT_RECOMPUTE_RATIO = 0.0  # 0.2 raised BLEU on two pairs, on one within noise (docs/evaluation.md)
 MAX_BOUNDARY_SHIFT = 64  # stored tokens a seam may move on to find ids that tokenize back unchanged
-
-
-@dataclass(frozen=True)
-class Part:
-    """A stored prefix attended in a composed context.
-
-    Attributes:
-        prefix (LayerPrefix): one layer's stored pages. shift (int): Δ, true position - stored position.
-        start (int): first stored token attended (those before it are skipped or recomputed).
-        skip (mx.array | None): bool (n_pages * page_size,), True at stored tokens recomputed as a patch.
-    """
-
-    prefix: object
-    shift: int
-    start: int
-    skip: object = None
-
-
-def _part_partial(q, part, before=None):
-    """Attention partial over stored tokens [start, n_tokens) of one part, less `part.skip`
-    (`kernels.portable.prefix_partial`).
-
-    Args:
-        q (mx.array): (n_kv_heads, R, head_dim) float32, pre-scaled, rotated back by the part's shift.
-        part (Part): the stored part. before (mx.array | None): (R,) composed position of each query row;
-            given, a row sees only stored tokens at composed positions before it (causal). Default: None.
-    """
-    p = part.prefix
-    s = p.k_codec.scores(q, p.k_parts, p.k_params)  # (n_pages, n_kv, R, P)
-    n_pages, _, R, page = s.shape
-    pos = mx.arange(n_pages * page)
-    keep = (pos >= part.start) & (pos < p.n_tokens)
-    if part.skip is not None:
-        keep = keep & ~part.skip
-    keep = keep.reshape(n_pages, 1, 1, page)
-    if before is not None:  # (R, n_pages * page) -> (n_pages, 1, R, page)
-        causal = (pos[None, :] + part.shift) < before[:, None]
-        keep = keep & causal.reshape(R, n_pages, page).transpose(1, 0, 2)[:, None]
-    s = mx.where(keep, s, -mx.inf)
-    m = s.max(axis=(0, 3))  # (n_kv, R); -inf for a row that sees no token of this part
-    pr = mx.exp(s - mx.where(m == -mx.inf, 0.0, m)[None, :, :, None])
-    return p.v_codec.weighted_values(pr, p.v_parts, p.v_params), m, pr.sum(axis=(0, 3))
-
-
-class ComposedCache(CartridgeCache):
-    """One layer's cache over several stored parts, recomputed dense K/V, and a dense tail.
-
-    Args:
-        parts (list[Part]): stored parts, each with its shift.
-        patches (list[tuple]): recomputed (k, v), each (n_kv_heads, T, head_dim), at their true positions.
-        length (int): tokens of the composed context before the tail.
-        rope (callable): the layer's rotary embedding, called as rope(x, offset=...) (mlx-lm modules).
-    """
-
-    def __init__(self, parts, patches, length, rope, chunk_size=256):
-        super().__init__(parts[0].prefix, chunk_size)
-        self.parts, self.patches, self.length, self.rope = parts, patches, length, rope
-        self.record = None  # a list: each attention call appends its rows' mass on the last part (`blend.probe_mass`)
-
-    @property
-    def offset(self):
-        """Tokens held: composed context + tail (the position of the next token)."""
-        return self.length + self.tail_len
-
-    def _rotated(self, queries, shift):
-        """Queries rotated by −shift, every row alike: (1, n_q, L, D) seen as (n_q * L, 1, D) positions."""
-        if shift == 0:
-            return queries
-        _, n_q, L, D = queries.shape
-        return self.rope(queries.reshape(n_q * L, 1, D), offset=-shift).reshape(1, n_q, L, D)
-
-    def attention(self, queries, scale, mask=None, sinks=None):
-        """Attention of `queries` over every part, patch and the tail (see `CartridgeCache.attention`;
-        `sinks`, (n_q_heads,) sink logits, add one more logit per head).
-
-        Raises:
-            CartridgeError: for an array mask (composed contexts take None or "causal").
-        """
-        if mask is not None and not isinstance(mask, str):
-            raise CartridgeError("array masks are not supported over composed cartridges")
-        _, n_q, L, D = queries.shape
-        n_kv = self.prefix.n_kv_heads
-        group = n_q // n_kv
-
-        def flat(x):  # (1, n_q, L, D) -> (n_kv, group * L, D), pre-scaled float32
-            return (x.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
-
-        q = flat(queries)
-        rotated = [flat(self._rotated(queries.astype(mx.float32), p.shift)) for p in self.parts]
-        partials = [_part_partial(r, p) for r, p in zip(rotated, self.parts)]
-        partials += [tail_partial(q, k, v, True) for k, v in self.patches]
-        partials += self._tail_partials(q, None, n_kv, group, L)
-        if sinks is not None:
-            partials.append(sink_partial(sinks, n_kv, L, D))
-        if self.record is not None:
-            self.record.append(blend.part_mass(rotated[-1], self.parts[-1], partials))
-        # (n_kv, group * L, D) -> (1, n_q, L, D)
-        return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
-
-
-class BlendCache(ComposedCache):
-    """One layer's cache while selected tokens of the last part are recomputed (CacheBlend's fusion, `cartridge.blend`).
-
-    The model rotates each forward pass's L tokens at offset (selected tokens done) + 0..L-1; their queries
-    and keys are rotated on to `positions`. A selected token attends over the earlier parts and the patches,
-    the last part's stored tokens before it (less the selected ones, `Part.skip`), and the selected tokens'
-    fresh K/V up to itself.
-
-    Args:
-        parts, patches, length, rope: as `ComposedCache`; parts[-1] is the document being recomputed.
-        positions (mx.array): (S,) int32 composed positions of the selected tokens, ascending.
-    """
-
-    def __init__(self, parts, patches, length, rope, positions):
-        super().__init__(parts, patches, length, rope)
-        self.positions, self.done, self.fresh = positions, 0, ([], [])
-
-    @property
-    def offset(self):
-        """Selected tokens done: the model's rotary offset, moved on to `positions` here."""
-        return self.done
-
-    def _at_positions(self, x, start):
-        """(1, n, L, D) rotated at start..start+L-1 -> rotated at positions[start:start+L]."""
-        L = x.shape[2]
-        delta = self.positions[start:start + L] - mx.arange(start, start + L)
-        # (1, n, L, D) -> (L, n, 1, D): one rotary offset per token
-        return self.rope(x.transpose(2, 1, 0, 3), offset=delta).transpose(2, 1, 0, 3)
-
-    def update_and_fetch(self, keys, values):
-        """Keep the selected tokens' K/V (1, n_kv_heads, L, head_dim), keys moved to their positions."""
-        self.fresh[0].append(self._at_positions(keys, self.done)[0])
-        self.fresh[1].append(values[0])
-        self.done += keys.shape[2]
-        return self.fresh
-
-    def fresh_kv(self):
-        """The selected tokens' (k, v) so far, each (n_kv_heads, done, head_dim)."""
-        return tuple(mx.concatenate(side, axis=1) for side in self.fresh)
-
-    def attention(self, queries, scale, mask=None, sinks=None):
-        """Attention of the last L selected tokens, causal by composed position (`mask` is not read)."""
-        _, n_q, L, D = queries.shape
-        n_kv, start = self.prefix.n_kv_heads, self.done - L
-        group = n_q // n_kv
-        at = self._at_positions(queries.astype(mx.float32), start)
-        rows = self.positions[start:self.done][mx.arange(group * L) % L]  # (group * L,) composed positions
-
-        def flat(x):  # (1, n_q, L, D) -> (n_kv, group * L, D), pre-scaled
-            return (x * scale).reshape(n_kv, group * L, D)
-
-        last = len(self.parts) - 1
-        partials = [_part_partial(flat(self._rotated(at, p.shift)), p, rows if i == last else None)
-                    for i, p in enumerate(self.parts)]
-        q = flat(at)
-        partials += [tail_partial(q, k, v, True) for k, v in self.patches]
-        k, v = self.fresh_kv()
-        partials.append(tail_partial(q, k, v, self.positions[None, :self.done] <= rows[:, None]))
-        if sinks is not None:
-            partials.append(sink_partial(sinks, n_kv, L, D))
-        return merge(partials).reshape(1, n_q, L, D).astype(queries.dtype)
 
 
 def separator_tokens(tokenizer, before, separator, after, context=8):

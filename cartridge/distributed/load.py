@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..attention.cache import CartridgeCache
+from ..attention.caches import PipelineCache
 from ..attention.policy import place, resolve
 from ..errors import CartridgeError, InputError, ModelMismatchError, RankMismatchError, name_cartridge
 from ..format.container import check_index, open_snapshot
@@ -74,23 +74,6 @@ def load_sharded_model(ref, group, mode):
     return shard_model(load_model(ref), group, mode)
 
 
-class _PipelineCache(CartridgeCache):
-    """A CartridgeCache whose `keys` mlx-lm's pipeline models may chain a send onto (`mx.depends`),
-    so evaluating the cache evaluates the send to the next rank."""
-
-    def _last(self):
-        return max(0, self.tail_len - 1) // self.chunk_size
-
-    @property
-    def keys(self):
-        return self._k_chunks[self._last()] if self._k_chunks else mx.array(0)
-
-    @keys.setter
-    def keys(self, value):
-        if self._k_chunks:
-            self._k_chunks[self._last()] = value
-
-
 class ShardedCartridge(Cartridge):
     """A `Cartridge` of one rank: the prefix of its layers / KV heads only.
 
@@ -103,7 +86,7 @@ class ShardedCartridge(Cartridge):
         """One cache per layer this rank runs (mlx-lm's pipeline models index it from their first layer)."""
         cache = super().prompt_cache()
         if self.part.mode == "pipeline":
-            cache[:] = [_PipelineCache(c.prefix) for c in cache]
+            cache[:] = [PipelineCache(c.prefix) for c in cache]
         return cache
 
 

@@ -15,9 +15,10 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..attention import backends
-from ..attention.cache import CartridgeCache, LayerPrefix
+from ..attention.caches import CartridgeCache
 from ..attention.pages import make_prefix
 from ..attention.policy import backend_for, dequantize
+from ..attention.prefix import LayerPrefix
 from ..attention.route import install
 from ..attention.timing import timeit
 from ..tiers import TIERS

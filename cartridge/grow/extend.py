@@ -18,9 +18,8 @@ from dataclasses import replace
 from ..write.append import (ExtendResult, destination, grown_header, require_per_token_tiers, save, token_sha256,
                             write_grown)
 from ..attention import route
-from ..attention.cache import CartridgeCache
+from ..attention.caches import CartridgeCache, PrefillCache
 from ..attention.layers import WindowLayer
-from ..attention.prefill import PrefillCache
 from ..write.options import DEFAULT_RESERVE, check_prefill_step, check_reserve, context_length, warn_context_left
 from ..write.prefill import DEFAULT_PREFILL_STEP, prefill
 from ..errors import InputError

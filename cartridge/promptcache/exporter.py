@@ -28,7 +28,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-from ..attention.layers import DenseLayer, ListLayer, decode_prefix, is_paged
+from ..attention.layers import DenseLayer, ListLayer, is_paged
+from ..attention.pages import decode_prefix
 from ..errors import InputError, OutputExistsError
 from ..format.reader import open_cartridge
 from ..format.writer import check_output_folder

@@ -13,11 +13,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..attention import budget
-from ..attention.cache import LayerPrefix
+from ..attention.caches import PromptCache
 from ..attention.policy import place, resolve
+from ..attention.prefix import LayerPrefix
 from ..errors import InputError
 from ..format.reader import open_cartridge
-from .loaded import Cartridge, PromptCache
+from .loaded import Cartridge
 from ..models.loader import LoadedModel, load_model, model_fingerprint
 from .stored import check_fingerprint, load_recorded_model, model_dtype, stored_layer
 

@@ -1,9 +1,11 @@
 """A loaded cartridge (`Cartridge`: model, tokenizer, the shared read-only prefix) and the caches of one
-conversation over it (`PromptCache`). `cartridge.load` makes them; `distributed` subclasses `Cartridge`.
+conversation over it (a `PromptCache`, `cartridge.attention.caches`). `cartridge.load` makes them; `distributed`
+subclasses `Cartridge`.
 """
 
 from ..write.append import save
 from ..attention import route
+from ..attention.caches import PromptCache
 from ..attention.layers import cache_offset, fresh_cache, trimmable, trims
 from ..errors import InputError
 from ..models.prompt import conversation_tokens, followup_tokens, question_tokens
@@ -162,24 +164,3 @@ class Cartridge:
         """
         route.install()
         return PromptCache([fresh_cache(p) for p in self.prefixes], len(self.info.tokens))
-
-
-class PromptCache(list):
-    """The per-layer caches of one conversation (an mlx-lm prompt cache: a list), plus the token ids fed
-    after the document by `Cartridge.chat_prompt` (the tail also holds the tokens generated since).
-
-    Attributes:
-        tokens (list[int]): tokens known to follow the document in every layer's tail, in order.
-        prefix_tokens (int): tokens of the document prefix.
-    """
-
-    def __init__(self, caches, prefix_tokens):
-        super().__init__(caches)
-        self.tokens = []
-        self.prefix_tokens = prefix_tokens
-
-    def trim_tail(self, keep):
-        """Drop every tail token after the first `keep` (generated ones included)."""
-        for c in (leaf for layer in self for leaf in getattr(layer, "caches", (layer,))):
-            if keep or hasattr(c, "offset"):  # a fresh recurrent state (reset) holds nothing to trim
-                c.trim(max(0, c.offset - self.prefix_tokens - keep))

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from ..attention.cache import LayerPrefix
+from ..attention.prefix import LayerPrefix
 from ..storage.kinds import KINDS
 from ..errors import ModelLoadError, ModelMismatchError
 from ..format import keys as K

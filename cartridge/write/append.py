@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..attention.cache import CartridgeCache
+from ..attention.caches import CartridgeCache
 from ..attention.pages import encode_pages
 from ..storage.kinds import KINDS, LayerPlan
 from ..storage.store import to_numpy

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cartridge.attention import budget, pages
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.kernels import merge, portable
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.policy import place

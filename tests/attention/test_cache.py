@@ -13,7 +13,7 @@ import pytest
 from helpers.dense_caches import _decoded_kv_cache, _logits
 from mlx_lm.models.cache import KVCache
 
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.errors import CartridgeError
 from cartridge.models.prompt import full_prompt_tokens
 
@@ -63,7 +63,7 @@ def test_prompt_caches_are_independent_and_prefix_is_not_mutated(cart):
 
 
 def test_tail_grows_in_fixed_chunks_and_trims():
-    from cartridge.attention.cache import LayerPrefix
+    from cartridge.attention.prefix import LayerPrefix
     from cartridge.tiers import get_tier
 
     fp16 = get_tier("fp16")
@@ -123,7 +123,8 @@ def test_trim_prompt_cache_trims_the_tail_as_a_kv_cache_and_never_the_prefix(car
 def test_a_dense_layers_cache_trims_its_tail_only_and_never_writes_the_shared_prefix():
     from mlx_lm.models.cache import save_prompt_cache, trim_prompt_cache
 
-    from cartridge.attention.layers import DenseLayer, PrefixKVCache
+    from cartridge.attention.caches import PrefixKVCache
+    from cartridge.attention.layers import DenseLayer
     from cartridge.attention.pages import make_prefix
     from cartridge.tiers import get_tier
 

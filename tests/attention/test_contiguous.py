@@ -12,7 +12,7 @@ import pytest
 
 from cartridge.attention import contiguous
 from cartridge.attention.backends import cuda as cuda_backend
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.kernels.cuda_tuning import TUNING
 from cartridge.attention.pages import make_prefix
 from cartridge.tiers import TIERS

@@ -9,9 +9,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cartridge.attention import budget, route
+from cartridge.attention.caches import PrefillCache
 from cartridge.attention.kernels import cpu
 from cartridge.attention.pages import make_prefix
-from cartridge.attention.prefill import PrefillCache
 from cartridge.tiers import TIERS
 
 # (n_q_heads, n_kv_heads, query tokens L, keys S, head_dim, v head_dim)
@@ -96,7 +96,7 @@ def test_question_prefill_over_pages_matches_float64(tier, protected):
     from helpers.kernel_cases import _cache, _case, _check, protected_reference, with_protected
 
     from cartridge.attention import unpacked
-    from cartridge.attention.cache import LayerPrefix
+    from cartridge.attention.prefix import LayerPrefix
 
     shape = (8, 2, 64, 1001, 64, 300, 37)
     prefix, q, tk, tv = _case(tier, shape, seed=11)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from cartridge.attention import backends, contiguous, policy
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.kernels import cpu, cuda_inputs, metal
 from cartridge.attention.pages import make_prefix
 from cartridge.attention.prefix import LayerPrefix

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from helpers.kernel_cases import TOL, TOL_BF16, TOL_FP16, _cache, _case, _check, _seed, protected_reference, with_protected
 
-from cartridge.attention.cache import CartridgeCache, LayerPrefix
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.policy import DEQUANTIZED, dequantize
+from cartridge.attention.prefix import LayerPrefix
 from cartridge.tiers import TIERS
 
 HAS_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()

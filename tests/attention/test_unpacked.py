@@ -12,8 +12,8 @@ import pytest
 from helpers.page_cases import SHAPES, layer, reference
 
 from cartridge.attention import unpacked
-from cartridge.attention.cache import LayerPrefix
 from cartridge.attention.kernels import merge, portable, prefix_partial
+from cartridge.attention.prefix import LayerPrefix
 from cartridge.tiers import TIERS
 
 UNPACKABLE = ["int8", "mlx4g32", "int8+rot", "mlx4g32+rot"]

@@ -256,7 +256,7 @@ def test_the_protected_attention_error_equals_the_error_with_the_leading_tokens_
 def test_the_walk_cache_attends_like_mlx_over_each_rows_prefix_and_own_tokens(replaced_rows):
     import mlx.core as mx
 
-    from cartridge.calibrate.walk import SharedPrefixCache
+    from cartridge.attention.caches import SharedPrefixCache
 
     mx.random.seed(5)
     rows, n_kv, g, s, e, d = 3, 2, 3, 37, 9, 16  # GQA 3, odd prefix and own lengths
@@ -342,7 +342,7 @@ def test_shifted_exp_is_exp_of_the_scores_minus_their_common_row_max_with_masked
     import mlx.core as mx
     import numpy as np
 
-    from cartridge.calibrate.walk import shifted_exp
+    from cartridge.attention.caches.shared_prefix import shifted_exp
 
     mx.random.seed(7)
     a, b = 10 * mx.random.normal((2, 3, 5)), 10 * mx.random.normal((2, 3, 4))  # float32: rel. error ~|s| eps

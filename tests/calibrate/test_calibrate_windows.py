@@ -113,7 +113,7 @@ def test_the_walk_measures_a_window_layer_as_the_models_own_forward_over_its_rep
 
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_the_walk_cache_attends_like_mlx_within_the_window(window):
-    from cartridge.calibrate.walk import SharedPrefixCache
+    from cartridge.attention.caches import SharedPrefixCache
 
     mx.random.seed(5)
     rows, n_kv, g, s, e, d, position = 3, 2, 3, 37, 9, 16, 100  # the window's last 37 tokens of 100

@@ -1,4 +1,4 @@
-"""CacheBlend's selective recompute in composed cartridges (`cartridge.blend`, `compose(recompute_ratio=)`):
+"""CacheBlend's selective recompute in composed cartridges (`cartridge.compose.blend`, `compose(recompute_ratio=)`):
 the selected tokens are patched at their composed positions, all of them selected is a fresh prefill,
 ratio 0 is the boundary-only composition, bad recompute ratios are refused."""
 
@@ -11,8 +11,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from helpers.compose_cases import DOC_A, DOC_B, Q, _logits
 
+from cartridge.attention.caches import ComposedCache
+from cartridge.attention.caches.composed import part_mass, part_partial
 from cartridge.compose import blend
-from cartridge.compose.composed import ComposedCache, compose
+from cartridge.compose.composed import compose
 from cartridge.errors import InputError
 
 DOC_C = "Annex C. The deposit is two months of rent, returned within 14 days after the keys. " * 2
@@ -123,21 +125,20 @@ def test_part_mass_is_the_softmax_share_of_each_stored_token(carts):
     """Over every part of a composition, the masses and the other partials' shares add up to one per row and
     head; a skipped token gets none."""
     from cartridge.attention.kernels import tail_partial
-    from cartridge.compose.composed import _part_partial
 
     c = compose(carts, recompute=2, recompute_ratio=0.0)
     parts, patches = c._layers[1], c._patches[1]
     n_kv, D = parts[0].prefix.n_kv_heads, patches[0][0].shape[-1]
     q = mx.random.normal((n_kv, 5, D), key=mx.random.key(3)) * D ** -0.5
-    partials = [_part_partial(q, p) for p in parts] + [tail_partial(q, k, v, True) for k, v in patches]
+    partials = [part_partial(q, p) for p in parts] + [tail_partial(q, k, v, True) for k, v in patches]
     m = mx.max(mx.stack([pt[1] for pt in partials]), axis=0)
     lse = m + mx.log(sum(li * mx.exp(mi - m) for _, mi, li in partials))
     others = sum(float((li * mx.exp(mi - lse)).sum()) for _, mi, li in partials[len(parts):])
-    masses = [blend.part_mass(q, p, partials) for p in parts]
+    masses = [part_mass(q, p, partials) for p in parts]
     assert [int(x.shape[0]) for x in masses] == [p.prefix.n_tokens - p.start for p in parts]
     assert sum(float(x.sum()) for x in masses) + others == pytest.approx(n_kv * 5, rel=1e-5)
     skipped = replace(parts[-1], skip=blend.skip_mask(parts[-1].prefix, [parts[-1].start + 1]))
-    got = np.array(blend.part_mass(q, skipped, partials))
+    got = np.array(part_mass(q, skipped, partials))
     assert got[1] == 0 and np.allclose(np.delete(got, 1), np.delete(np.array(masses[-1]), 1))
 
 

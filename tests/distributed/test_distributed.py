@@ -22,7 +22,7 @@ from mlx_lm.models import qwen2
 
 from cartridge.storage.shard import Slice, SliceData, slice_for
 from cartridge.distributed.agreement import RECORD_BYTES, _encode, agree, refusal
-from cartridge.distributed.load import _PipelineCache
+from cartridge.attention.caches import PipelineCache
 from cartridge.errors import ChecksumError, RankMismatchError
 from cartridge.format import keys as K
 from cartridge.format.container import check_index, open_snapshot
@@ -139,7 +139,7 @@ def test_pipeline_cache_keys_chain_onto_the_newest_tail_chunk(tmp_path):
     info, data = open_cartridge(write(tmp_path / "b.cart"))
     from cartridge.read.stored import layer_prefix
 
-    c = _PipelineCache(layer_prefix(info, data, 0), chunk_size=4)
+    c = PipelineCache(layer_prefix(info, data, 0), chunk_size=4)
     k = mx.ones((1, 2, 5, 8))
     c.update_and_fetch(k, k)
     assert c.keys is c._k_chunks[1]

@@ -11,7 +11,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.pages import make_prefix
 from cartridge.tiers import TIERS, protect
 

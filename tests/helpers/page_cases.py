@@ -5,7 +5,7 @@ the portable path's reference (tests/attention/test_tier_attention.py, test_unpa
 import mlx.core as mx
 import numpy as np
 
-from cartridge.attention.cache import LayerPrefix
+from cartridge.attention.prefix import LayerPrefix
 from cartridge.tiers import TIERS
 
 # (tokens, page size): one token; a page - 1, exactly one page, a page + 1; several pages, odd tail

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
 import cartridge
 from cartridge.storage import kinds
 from cartridge.cli.report import inspect_dict, inspect_table, layer_rows
-from cartridge.attention.cache import CartridgeCache
+from cartridge.attention.caches import CartridgeCache
 from cartridge.attention.pages import make_prefix
 from cartridge.errors import InputError
 from cartridge.format.reader import open_cartridge, verify_cartridge

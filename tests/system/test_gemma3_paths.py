@@ -33,8 +33,8 @@ from helpers import metal_source
 from helpers.metal_emulator import emulate_metal_device
 
 from cartridge.attention.backends import proof
-from cartridge.attention.cache import LayerPrefix
 from cartridge.attention.kernels import cpu
+from cartridge.attention.prefix import LayerPrefix
 from cartridge.attention.backends import device
 from cartridge.models.prompt import full_prompt_tokens
 

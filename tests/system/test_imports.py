@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cartridge"
 
 
 def module_name(path):
-    """'cartridge.attention.cache' for cartridge/attention/cache.py ('cartridge.tiers' for its __init__)."""
+    """'cartridge.attention.route' for cartridge/attention/route.py ('cartridge.tiers' for its __init__)."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

@@ -17,8 +17,9 @@ import mlx.core as mx
 
 from ...tiers import get_tier
 from .. import auto_table
-from ..cache import CartridgeCache, LayerPrefix
+from ..caches import CartridgeCache
 from ..pages import make_prefix
+from ..prefix import LayerPrefix
 from ..timing import timeit
 
 TOL = 2e-3  # relative error, float16 queries (tests/attention/test_kernels.py TOL_FP16)

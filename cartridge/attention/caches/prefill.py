@@ -1,4 +1,4 @@
-"""`PrefillCache`: an mlx-lm KVCache that starts holding a cartridge layer's decoded prefix (extend).
+"""`PrefillCache` (kind "prefill"): an mlx-lm KVCache that starts holding a cartridge layer's decoded prefix (extend).
 
 Extend prefills new text over the stored document. Decoded once into a plain KVCache, the stored
 prefix makes that prefill what mlx-lm's own chunked prefill of the new tokens over cached ones is;
@@ -9,8 +9,9 @@ mlx-lm's. Memory: the prefix in the model's dtype, as a build of the whole docum
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .kernels import cpu
-from .layers import decode_prefix
+from ..kernels import cpu
+from ..pages import decode_prefix
+from .base import NOT_SAVED, refuse_state
 
 
 class PrefillCache(KVCache):
@@ -28,6 +29,21 @@ class PrefillCache(KVCache):
         mx.eval(keys, values)
         self.keys, self.values = keys[:, :, :n_tokens], values[:, :, :n_tokens]
         self.offset = self.prefix_tokens = n_tokens
+
+    @property
+    def state(self):
+        """(keys, values, offset, NOT_SAVED): mlx-lm's KVCache state, the prefix included, and the marker
+        mlx-lm's `save_prompt_cache` stops at (a file would name a class its `load_prompt_cache` cannot find)."""
+        return (*super().state, NOT_SAVED)
+
+    @state.setter
+    def state(self, v):
+        refuse_state("PrefillCache", "extend over a loaded cartridge")
+
+    @property
+    def meta_state(self):
+        """(prefix tokens, tail tokens) as strings."""
+        return str(self.prefix_tokens), str(self.offset - self.prefix_tokens)
 
     def tail_kv(self):
         """K and V fed after the prefix, each (n_kv_heads, T, head_dim); (None, None) when none."""

@@ -1,4 +1,4 @@
-"""`CartridgeCache`: mlx-lm's cache protocol over a frozen compressed prefix plus a dense tail.
+"""`CartridgeCache` (kind "cartridge"): mlx-lm's cache protocol over a frozen compressed prefix plus a dense tail.
 
 The prefix is the cartridge's pages for one layer, shared by every cache made from one loaded
 cartridge and never written. New tokens (the question, then generated tokens) go to a dense tail
@@ -12,31 +12,11 @@ layer's backend (`LayerPrefix.backend`), which gets the tail and the cache's scr
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from ..errors import CartridgeError
-from . import backends
-from .kernels import merge, prefix_partial, tail_partial
-from .prefix import LayerPrefix  # noqa: F401  (defined apart so that reading a header needs no mlx-lm)
-from .state import Scratch, Tail
-
-
-SAVE_HINT = ("a cache over a cartridge's shared prefix cannot go in an mlx-lm prompt-cache file (load_prompt_cache "
-             "knows only mlx-lm's own cache classes): save it with cart.save(path, cache), and write a file for "
-             "mlx_lm.generate --prompt-cache-file with `cartridge export` (Python: cartridge.export_prompt_cache)")
-
-
-class NotSaved:
-    """The last leaf of the `state` of a cache over a cartridge's shared prefix: mlx-lm's `save_prompt_cache`
-    cannot serialize it, so it fails at once, before any file is written, with ValueError("Model state is not
-    serializable: " + SAVE_HINT). A file it wrote would name a class mlx-lm's `load_prompt_cache` cannot
-    resolve (it looks class names up in its own module). `mx.eval` skips leaves that are not arrays."""
-
-    def __str__(self):
-        return SAVE_HINT
-
-    __repr__ = __str__
-
-
-NOT_SAVED = NotSaved()
+from ...errors import CartridgeError
+from .. import backends
+from ..kernels import merge, prefix_partial, tail_partial
+from ..state import Scratch, Tail
+from .base import NOT_SAVED, refuse_state
 
 
 def sink_partial(sinks, n_kv, L, v_dim):
@@ -209,7 +189,7 @@ class CartridgeCache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        raise CartridgeError("a CartridgeCache is made by Cartridge.prompt_cache(), not from saved state")
+        refuse_state(type(self).__name__, "a loaded cartridge's prompt_cache()")
 
     @property
     def meta_state(self):

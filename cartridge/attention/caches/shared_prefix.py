@@ -1,9 +1,11 @@
-"""The cache of one layer in calibration's batched walk (`measure.wavefront`).
+"""`SharedPrefixCache` (kind "shared_prefix"): the cache of one layer in calibration's batched walk
+(`cartridge.calibrate.measure.wavefront`).
 
 The first rows of the walk attend over the same fp16 prefix and the last one (or few) over its replacement,
 each row also over its own evaluation tokens. mlx-lm's attention would take R copies of the prefix and run R x n_heads
 small products; here the shared rows' queries are stacked into one product per KV head, and the own-token
 part is merged in the same softmax. `route` sends a `PrefillCache`'s attention to its `attention` method.
+It holds one call's rows: `update_and_fetch` keeps nothing, so it is made afresh for each step of the walk.
 On CPU the exponentials run in numpy, in place in the scores' buffers (`shifted_exp`): MLX's CPU exp is
 scalar code, ~8x numpy's SIMD one (attention/kernels/cpu.py), and they were most of the walk's time.
 """
@@ -12,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..attention.prefill import PrefillCache
+from .base import NOT_SAVED, refuse_state, refuse_trim
+from .prefill import PrefillCache
 
 
 class SharedPrefixCache(PrefillCache):
@@ -41,6 +44,41 @@ class SharedPrefixCache(PrefillCache):
         """Keep the rows' own K/V, (R, n_kv_heads, E, head_dim); the prefix is attended in `attention`."""
         self.offset += keys.shape[2]
         return keys, values
+
+    @property
+    def state(self):
+        """(k, v, k2, v2, NOT_SAVED): the prefix and its replacement, and the marker `save_prompt_cache` stops at."""
+        return (*self.prefix, *self.replaced, NOT_SAVED)
+
+    @state.setter
+    def state(self, v):
+        refuse_state("SharedPrefixCache", "calibration's walk")
+
+    @property
+    def meta_state(self):
+        """(prefix tokens, replaced rows, position of the rows' first own token) as strings."""
+        return str(self.prefix[0].shape[2]), str(self.replaced_rows), str(self.prefix_tokens)
+
+    def is_trimmable(self):
+        """False: it keeps no tokens of its own to trim."""
+        return False
+
+    def trim(self, n):
+        """Refused (`is_trimmable` is False).
+
+        Raises:
+            CartridgeError: always.
+        """
+        refuse_trim("SharedPrefixCache", "it keeps none of the tokens fed to it")
+
+    def empty(self):
+        """Never empty: it holds the prefix."""
+        return False
+
+    @property
+    def nbytes(self):
+        """Bytes of the prefix and its replacement."""
+        return sum(x.nbytes for x in (*self.prefix, *self.replaced))
 
     def attention(self, queries, keys, values, scale, mask, fallback=None):
         """Causal attention of queries (R, n_heads, E, head_dim) over the prefix of their row and their own
