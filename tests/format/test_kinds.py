@@ -16,7 +16,7 @@ from cartridge.format import kinds as header_kinds
 from cartridge.format.reader import open_cartridge
 
 HEADER_METHODS = ("parse", "units", "stored_tokens", "components", "describe", "holds")
-CACHE_METHODS = ("plan", "unrouted", "write", "load", "restore", "planned_bytes")
+CACHE_METHODS = ("layer_plan", "unrouted", "write", "load", "restore", "planned_bytes")
 ATTRIBUTES = ("tiered", "stores_every_token", "fixed", "tier_label", "cache_type")
 
 
