@@ -129,7 +129,7 @@ def _table(result):
 
 def _gate_lines(result):
     """The gate: per context and tier, the fastest policy's time over dense and over a bare read of its bytes."""
-    from cartridge.eval.bench import gate  # (loads mlx-lm: not at CLI start)
+    from cartridge.eval.bench_report import gate  # (loads MLX: not at CLI start)
 
     rows = result.get("gate") or gate(result)
     if not rows:
@@ -234,7 +234,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
         raise InputError(f"--plot {plot_path}: the plot is a PNG; give a file name ending in .png")
     if json_path and plot_path and json_path.resolve() == plot_path.resolve():
         raise InputError(f"--json and --plot name the same file {json_path}; give two files")
-    from cartridge.eval import bench as B  # (loads mlx-lm: not at CLI start)
+    from cartridge.eval import bench as B, bench_report  # (loads mlx-lm: not at CLI start)
 
     cuda = backends.device() == "cuda"
     default = [8192, 32768, 65536, 131072] if cuda else [2048, 8192]
@@ -265,7 +265,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
     click.echo("\n".join([_table(result), *_check_lines(checks)]))
     # the plot first: it can fail (matplotlib, a folder removed meanwhile) where the JSON text cannot
     if plot_path:
-        write_file(plot_path, lambda tmp: _plot(B, result, tmp))
+        write_file(plot_path, lambda tmp: _plot(bench_report.plot, result, tmp))
     if json_path:
         write_file(json_path, lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
     if calibrate:
@@ -273,7 +273,7 @@ def bench(contexts, tiers, shape, e2e_contexts, no_e2e, e2e_tiers, e2e_shape, po
     sys.stdout.flush()
 
 
-def _plot(B, result, tmp):
-    """B.plot into the file `tmp` as PNG (through a file object: the temporary's name has no .png)."""
+def _plot(plot, result, tmp):
+    """`bench_report.plot` into the file `tmp` as PNG (through a file object: the temporary's name has no .png)."""
     with open(tmp, "wb") as f:
-        B.plot(result, f)
+        plot(result, f)

@@ -14,18 +14,13 @@ walks it with the bounded reader of `cartridge.format.lmdbfile` (liblmdb never p
 
 import hashlib
 import json
-import mmap
 import os
 import stat
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import (
-    ChecksumError,
     CorruptCartridgeError,
     DigestError,
     FieldError,
@@ -50,7 +45,6 @@ from .layout import (
     is_pack,
 )
 from .lmdbfile import read_records
-
 
 @dataclass(frozen=True)
 class Extent:
@@ -79,7 +73,6 @@ class Extent:
     def head_bytes(self):
         """Bytes of one KV head within one page (heads are contiguous inside a page)."""
         return self.page_bytes // self.shape[1]
-
 
 def parse_manifest(raw, where=MANIFEST_NAME):
     """Parse and check the bytes of a MANIFEST (spec section 2, in the order it gives).
@@ -111,7 +104,6 @@ def parse_manifest(raw, where=MANIFEST_NAME):
     return {"major": major, "minor": minor, "index_size": index_size, "data_size": data_size,
             "index_sha256": index_sha, "digest": raw[MANIFEST_STRUCT.size:].hex()}
 
-
 def check_index(raw, manifest, where=INDEX_NAME):
     """Check index.lmdb's bytes against the manifest digest, then walk them (never the other way round).
 
@@ -128,7 +120,6 @@ def check_index(raw, manifest, where=INDEX_NAME):
         raise DigestError(f"{where}: SHA-256 does not match the manifest; the index is damaged")
     return read_records(raw, K.MAX_KEY_BYTES, MAX_VALUE_BYTES)
 
-
 @dataclass
 class Snapshot:
     """The three files of one cartridge directory, opened together.
@@ -144,10 +135,8 @@ class Snapshot:
     data: object
     manifest_raw: bytes = b""
 
-
 class _Moved(Exception):
     """The directory was replaced while its files were being opened: try again."""
-
 
 def _open_member(path, dfd, name, missing):
     try:
@@ -167,11 +156,9 @@ def _open_member(path, dfd, name, missing):
             raise _Moved() from None
         raise missing from None
 
-
 def _read_fd(fd, limit):
     with os.fdopen(fd, "rb") as f:
         return f.read(limit)
-
 
 def _snapshot(path, dfd):
     raw = _read_fd(_open_member(path, dfd, MANIFEST_NAME,
@@ -193,7 +180,6 @@ def _snapshot(path, dfd):
             os.close(fd)
         raise
     return Snapshot(manifest, index, os.fdopen(fds.pop(DATA_NAME), "rb"), raw)
-
 
 def open_snapshot(path, attempts=3):
     """Open MANIFEST, index.lmdb and pages.bin of one cartridge directory and check the manifest.
@@ -227,7 +213,6 @@ def open_snapshot(path, attempts=3):
             os.close(dfd)
     raise CorruptCartridgeError(f"{path} was replaced {attempts} times while being opened; try again")
 
-
 def _file_not_cartridge(path):
     """Why the plain file `path` is no cartridge directory, saying what a cartridge is."""
     if is_pack(path):
@@ -235,7 +220,6 @@ def _file_not_cartridge(path):
     note = " (an mlx-lm prompt-cache file: `cartridge import` it first)" if _is_prompt_cache_file(path) else ""
     return (f"{path} is a file, not a cartridge{note}: a cartridge is a directory (holding {MANIFEST_NAME}, "
             f"{INDEX_NAME} and {DATA_NAME}) or a packed .cartz file")
-
 
 def _is_prompt_cache_file(path):
     """True for a safetensors file whose metadata names cache classes as mlx-lm's `save_prompt_cache` writes
@@ -249,20 +233,17 @@ def _is_prompt_cache_file(path):
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return isinstance(metadata, dict) and any(k.startswith("1.") for k in metadata)
 
-
 def read_manifest(path):
     """Parse and check MANIFEST against the sizes of the files beside it (see `open_snapshot`)."""
     snap = open_snapshot(path)
     snap.data.close()
     return snap.manifest
 
-
 def read_index(path, manifest):
     """Read index.lmdb of the cartridge at `path` and check it against `manifest` (see `check_index`)."""
     ipath = Path(path) / INDEX_NAME
     with open(ipath, "rb") as f:
         return check_index(f.read(manifest["index_size"] + 1), manifest, str(ipath))
-
 
 def parse_page_table(raw, key, n_pages):
     """Decode a binary page table into (offsets, lengths, checksums).
@@ -274,7 +255,6 @@ def parse_page_table(raw, key, n_pages):
         raise LayoutError(f"page table {key}: {0 if raw is None else len(raw)} bytes, expected {n_pages * PAGE_RECORD.size}")
     recs = list(PAGE_RECORD.iter_unpack(raw))
     return [r[0] for r in recs], [r[1] for r in recs], tuple(r[2] for r in recs)
-
 
 def parse_head_table(raw, key, n_pages, n_kv_heads):
     """Decode an optional per-head checksum table into a tuple of n_pages * n_kv_heads digests.
@@ -291,138 +271,3 @@ def parse_head_table(raw, key, n_pages, n_kv_heads):
     if len(raw) != want:
         raise LayoutError(f"head checksum table {key}: {len(raw)} bytes, expected {want}")
     return tuple(raw[i:i + K.HEAD_RECORD_BYTES] for i in range(0, want, K.HEAD_RECORD_BYTES))
-
-
-def bad_heads(extent, slabs, first=0):
-    """(page, head) pairs of `slabs` whose SHA-256 differs from the extent's per-head table.
-
-    Args:
-        extent (Extent): with `head_checksums` set.
-        slabs (np.ndarray): uint8 (n_pages, n_heads, head_bytes): heads first..first+n_heads-1 of every page.
-        first (int): the first KV head held in `slabs`. Default: 0.
-
-    Returns:
-        list[tuple[int, int]]: (page, head) of every mismatch, in order.
-    """
-    n_kv = extent.shape[1]
-    return [(p, first + j) for p in range(slabs.shape[0]) for j in range(slabs.shape[1])
-            if hashlib.sha256(slabs[p, j].data).digest() != extent.head_checksums[p * n_kv + first + j]]
-
-
-class PageData:
-    """Read-only memory map of pages.bin.
-
-    Args:
-        source (str | Path | file): the cartridge directory, or pages.bin already open for reading
-            (`Snapshot.data`).
-    """
-
-    def __init__(self, source):
-        self._file = source if hasattr(source, "fileno") else open(Path(source) / DATA_NAME, "rb")
-        size = os.fstat(self._file.fileno()).st_size
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-
-    @property
-    def size(self):
-        """Bytes mapped."""
-        return 0 if self._map is None else len(self._map)
-
-    def view(self, extent, dtype):
-        """The extent as a read-only numpy array shaped `extent.shape`, without a copy."""
-        count = int(np.prod(extent.shape))
-        return np.frombuffer(self._map, dtype=dtype, count=count, offset=extent.offset).reshape(extent.shape)
-
-    def slabs(self, extent):
-        """The extent's bytes as a uint8 (n_pages, n_kv_heads, head_bytes) view, without a copy."""
-        count = extent.shape[0] * extent.page_bytes
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=count, offset=extent.offset)
-        return raw.reshape(extent.shape[0], extent.shape[1], extent.head_bytes)
-
-    def read(self, start, end):
-        """A copy of bytes start..end of pages.bin."""
-        return self._map[start:end] if self._map is not None else b""
-
-    def bad_pages(self, extent):
-        """Indices of the pages of `extent` whose SHA-256 differs from the page table's."""
-        bad = []
-        with memoryview(self._map) as mv:
-            for i, want in enumerate(extent.checksums):
-                start = extent.offset + i * extent.page_bytes
-                if hashlib.sha256(mv[start:start + extent.page_bytes]).digest() != want:
-                    bad.append(i)
-        return bad
-
-    def verify_all(self, extents, threads=None):
-        """Check every page checksum of `extents`, hashing from the mapping (no copies) on `threads` threads:
-        hashlib releases the GIL while it hashes a buffer, so the pages are split into that many runs of
-        about equal bytes.
-
-        Args:
-            extents (list[Extent]): the extents to check, in the order their errors are reported.
-            threads (int | None): hashing threads. Default: None (`HASH_THREADS`).
-
-        Raises:
-            ChecksumError: naming the first bad (layer, side, component, page) in `extents` order.
-        """
-        pages = [(n, i) for n, e in enumerate(extents) for i in range(len(e.checksums))]
-        runs = _runs(pages, [extents[n].page_bytes for n, _ in pages], threads or HASH_THREADS)
-        with memoryview(self._map) if self._map is not None else memoryview(b"") as mv:
-
-            def bad(run):
-                return [(n, i) for n, i in run
-                        if hashlib.sha256(mv[extents[n].offset + i * extents[n].page_bytes:][:extents[n].page_bytes])
-                        .digest() != extents[n].checksums[i]]
-
-            if len(runs) == 1:
-                found = bad(runs[0])
-            else:
-                with ThreadPoolExecutor(len(runs)) as pool:
-                    found = [x for r in pool.map(bad, runs) for x in r]
-        if found:
-            n, i = min(found)
-            raise page_error(extents[n], i)
-
-    def verify(self, extent):
-        """Check every page checksum of `extent`.
-
-        Raises:
-            ChecksumError: naming the first bad (layer, side, component, page).
-        """
-        bad = self.bad_pages(extent)
-        if bad:
-            raise page_error(extent, bad[0])
-
-    def close(self):
-        """Release the mapping (arrays viewing it must be gone)."""
-        if self._map is not None:
-            self._map.close()
-        self._file.close()
-
-
-HASH_THREADS = min(4, os.cpu_count() or 1)  # page hashing threads (`PageData.verify_all`)
-
-
-def _runs(items, sizes, n):
-    """`items` cut into at most `n` consecutive runs of about equal total `sizes` (none empty)."""
-    total, runs, run, acc = sum(sizes), [], [], 0
-    for item, size in zip(items, sizes):
-        run.append(item)
-        acc += size
-        if acc * n >= total * (len(runs) + 1) and len(runs) < n - 1:
-            runs.append(run)
-            run = []
-    return runs + [run] if run or not runs else runs
-
-
-def page_error(extent, page):
-    """The ChecksumError for page `page` of `extent`."""
-    return ChecksumError(f"page checksum mismatch: layer {extent.layer}, side {extent.side}, "
-                         f"component {extent.component}, page {page}",
-                         extent.layer, extent.side, extent.component, page)
-
-
-def head_error(extent, page, head):
-    """The ChecksumError for KV head `head` of page `page` of `extent` (per-head table, format >= 1.2)."""
-    return ChecksumError(f"head checksum mismatch: layer {extent.layer}, side {extent.side}, "
-                         f"component {extent.component}, page {page}, head {head}",
-                         extent.layer, extent.side, extent.component, page)

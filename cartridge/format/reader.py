@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from ..errors import CartridgeError, InputError, name_cartridge
-from .container import PageData, check_index, open_snapshot
+from .container import check_index, open_snapshot
+from .pagefile import PageData
 from .header import parse_header
 from .pack import is_pack, open_packed, unpack
 from .verify import VerifyReport, check_padding, verify_directory

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import CartridgeError, FieldError, LayoutError
 from ..tiers import TIERS
-from .container import PageData, bad_heads, check_index, head_error, open_snapshot, page_error
+from .container import check_index, open_snapshot
+from .pagefile import PageData, bad_heads, head_error, page_error
 from .header import parse_header
 from .layout import ALIGN
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from ..format.container import bad_heads, head_error, page_error
+from ..format.pagefile import bad_heads, head_error, page_error
 from ..format.header import SIDES
 
 
@@ -116,7 +116,7 @@ def _read_checked(fd, extent, h0, h1, verify):
 
 class SliceData:
     """The bytes of one rank's slice of pages.bin, read and checked; offers `view(extent, dtype)` as
-    `cartridge.format.container.PageData` does, for the layers and heads of the slice only.
+    `cartridge.format.pagefile.PageData` does, for the layers and heads of the slice only.
 
     Args:
         info (CartridgeInfo): the parsed header.

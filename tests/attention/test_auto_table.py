@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from cartridge.attention import auto_table as C
 from cartridge.cli.main import cli
 from cartridge.errors import InputError
-from cartridge.eval.bench import gate
+from cartridge.eval.bench_report import gate
 
 
 def _row(tier, policy, context, us, kind="cartridge", nbytes=1000):

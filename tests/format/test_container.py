@@ -157,7 +157,8 @@ def test_header_matches_json_schema(tmp_path):
 def test_threaded_page_check_names_the_first_bad_page(tmp_path, threads):
     """Pages split over threads: every page is hashed, and the error names the first bad one in extent
     order whichever thread found it (here two bad pages: layer 0 k page 1 and layer 1 v page 0)."""
-    from cartridge.format.container import PageData, check_index, open_snapshot
+    from cartridge.format.container import check_index, open_snapshot
+    from cartridge.format.pagefile import PageData
 
     path = write(tmp_path / "a.cart")
     page_bytes = N_KV * PAGE * HEAD_DIM * 2
@@ -175,7 +176,7 @@ def test_threaded_page_check_names_the_first_bad_page(tmp_path, threads):
 
 
 def test_page_runs_cover_every_page_once_in_order():
-    from cartridge.format.container import _runs
+    from cartridge.format.pagefile import _runs
 
     items = list(range(10))
     for n in (1, 2, 3, 4, 10, 20):

@@ -27,7 +27,8 @@ from cartridge.errors import (
     UnsupportedVersionError,
 )
 from cartridge.format import keys as K
-from cartridge.format.container import PageData, read_index, read_manifest
+from cartridge.format.container import read_index, read_manifest
+from cartridge.format.pagefile import PageData
 from cartridge.format.layout import ALIGN, DATA_NAME, INDEX_NAME, MANIFEST_NAME, PAGE_RECORD
 from cartridge.format.reader import open_cartridge, verify_cartridge
 from cartridge.read.load import check_fingerprint
