@@ -4,6 +4,7 @@ import click
 
 import cartridge
 from cartridge.format.writer import check_output_path
+from cartridge.promptcache.exporter import mlx_lm_loads
 from cartridge.tiers.schema import tier_runs_text
 
 from .common import (model_ref, progress_bar, read_corpus, read_target, refuse_tier_clashes, target_options,
@@ -62,5 +63,6 @@ def export_command(source, output, model, dequantize, force):
         r = cartridge.export_prompt_cache(source, output, model=model, quantized=not dequantize, force=force)
     classes = ", ".join(f"{n} {name}" for name, n in sorted(r.classes.items()))
     group = f" --kv-group-size {r.group_size}" if r.group_size else ""
-    click.echo(f"exported {source} -> {r.path}: {r.tokens} tokens, {r.bytes:,} bytes ({classes}); "
-               f"use: mlx_lm.generate --prompt-cache-file {r.path}{group} --prompt \"...\"")
+    use = (f"; use: mlx_lm.generate --prompt-cache-file {r.path}{group} --prompt \"...\"" if mlx_lm_loads(r.model)
+           else "")  # else the warning above says why mlx_lm.generate cannot load it
+    click.echo(f"exported {source} -> {r.path}: {r.tokens} tokens, {r.bytes:,} bytes ({classes}){use}")

@@ -144,11 +144,12 @@ class CartridgeInfo:
 
 
 def require_attention_layers(info, what, kinds=("attention",)):
-    """Refuse a cartridge with a layer that is not "attention" of the global (n_kv_heads, head_dim).
+    """Refuse a cartridge with a layer of a kind other than `kinds`, a K/V layer of a shape other than the
+    global (n_kv_heads, head_dim), or protected tokens.
 
-    Save, compose, convert and sharded loading handle paged attention layers of one shape only; extend
-    also window layers (`kinds`); dense, window and state layers (format 1.4, section 5.5) and protected
-    tokens (1.5, section 4.5.4) are otherwise refused in one line.
+    Save, compose and sharded loading handle paged attention layers of one shape only; extend also window
+    layers, convert also dense, window and state layers (`kinds`); other kinds (format 1.4, section 5.5)
+    and protected tokens (1.5, section 4.5.4) are refused in one line.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
@@ -158,10 +159,13 @@ def require_attention_layers(info, what, kinds=("attention",)):
         InputError: naming the first such layer, its kind and shapes.
     """
     shape = (info.n_kv_heads, info.head_dim)
+    named = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
     for i, layer in enumerate(info.layers):
-        if layer.kind not in kinds or layer.k_shape != shape or layer.v_shape != shape:
-            raise InputError(f"layer {i} is a {layer.kind} layer (K {layer.k_shape}, V {layer.v_shape}); {what} "
-                             f"takes {' and '.join(kinds)} layers of {shape} only")
+        if layer.kind not in kinds:
+            raise InputError(f"layer {i} is a {layer.kind} layer; {what} takes {named} layers only")
+        if layer.kind_type.tiered and (layer.k_shape != shape or layer.v_shape != shape):
+            raise InputError(f"layer {i} stores K {layer.k_shape} and V {layer.v_shape}; {what} takes layers of "
+                             f"the cartridge's (n_kv_heads, head_dim) {shape} only")
     if info.protect_first + info.protect_last:  # their fp16 copies sit at positions a new cartridge would move
         raise InputError(f"the cartridge keeps {info.protect_first} first and {info.protect_last} last tokens in "
                          f"fp16; {what} takes cartridges without protected tokens only (convert the fp16 cartridge without "

@@ -22,8 +22,8 @@ from ..errors import ModelLoadError
 CACHE_FOLDER_PREFIX = "models--"  # huggingface_hub's repo_folder_name for repo_type "model"
 SNAPSHOTS = "snapshots"
 COMMIT = re.compile("[0-9a-f]{40}")  # a snapshot folder's name: the commit hash (huggingface_hub REGEX_COMMIT_HASH)
-WAYS = ("pass --model (Python: model=) a GGUF file, an mlx-lm model folder, a Hugging Face repo id (ORG/NAME) or "
-        "\"default\"")
+WAYS = ("pass --model (Python: model=) a GGUF file, an mlx-lm model folder, a Hugging Face repo id (ORG/NAME), "
+        "\"gemma3-270m\" or \"default\"")  # the names of `loader.PACKAGED_MODELS`
 
 
 @dataclass(frozen=True)

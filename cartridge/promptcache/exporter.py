@@ -34,7 +34,8 @@ from ..errors import InputError, OutputExistsError
 from ..format.reader import open_cartridge
 from ..format.writer import check_output_folder
 from ..models.gguf import is_gguf
-from ..models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from ..models.hub import is_repo_id
+from ..models.loader import PACKAGED_MODELS, LoadedModel, load_model
 from .promptfile import RECORD, SUFFIX, write_prompt_file
 from ..read.stored import check_fingerprint, stored_layer
 from ..tiers.affine import AffineCodec
@@ -43,7 +44,15 @@ MLX_AFFINE_BITS = (4, 8)  # affine tiers mlx-lm's QuantizedKVCache takes as stor
 
 
 class MlxLoadWarning(UserWarning):
-    """The model the exported file names is one mlx_lm.generate cannot load (a GGUF file)."""
+    """The model the exported file names is one mlx_lm.generate cannot load (a GGUF model, a path that is no
+    mlx-lm model folder)."""
+
+
+def mlx_lm_loads(ref):
+    """True if mlx_lm.generate can load the model reference `ref`: an mlx-lm model folder (config.json) or, for a
+    path that does not exist, a Hugging Face repo id (mlx-lm's loader tries a path first, then the hub)."""
+    path = Path(ref).expanduser()
+    return (path / "config.json").is_file() if path.exists() else is_repo_id(ref)
 
 
 @dataclass
@@ -145,10 +154,14 @@ def _model_ref(info, source, model):
         lm = model if isinstance(model, LoadedModel) else load_model(model)
         check_fingerprint(info, lm.fingerprint, source, lm.ref)
         ref = lm.ref
-    if ref == DEFAULT_MODEL or is_gguf(ref):
-        warnings.warn(MlxLoadWarning(f"the file names model {ref}, a GGUF file, which mlx_lm.generate cannot load; "
-                                     f"use the file from Python: mlx_lm's load_prompt_cache with "
-                                     f"cartridge.load_model({ref!r})"), stacklevel=3)
+    if ref in PACKAGED_MODELS or is_gguf(ref):
+        warnings.warn(MlxLoadWarning(f"the file names model {ref}, a GGUF model, which mlx_lm.generate cannot load "
+                                     f"(cartridge makes no mlx-lm folder of its weights); use the file from Python: "
+                                     f"mlx_lm's load_prompt_cache with cartridge.load_model({ref!r})"), stacklevel=3)
+    elif not mlx_lm_loads(ref):
+        warnings.warn(MlxLoadWarning(f"the file names model {ref}, neither an mlx-lm model folder nor a Hugging Face "
+                                     f"repo id, which mlx_lm.generate cannot load; pass the mlx-lm folder of the same "
+                                     f"weights as --model (Python: model=)"), stacklevel=3)
     return ref
 
 
@@ -180,12 +193,15 @@ def export_prompt_cache(source, output, model=None, quantized=True, force=False,
     """
     _check_output(output, force)
     info, data = open_cartridge(source, verify)
-    ref = _model_ref(info, source, model)
-    caches = [mlx_cache(stored_layer(info, data, i), export_dtype(info), quantized) for i in range(info.n_layers)]
-    record = {"tokens": info.tokens.tolist(), "prompt_mode": info.prompt_mode, "separator": info.separator,
-              "system": info.system, "document_tokens": info.document_tokens}
-    metadata = {"model": ref, "tokenizer_config": "{}", RECORD: json.dumps(record, separators=(",", ":"))}
-    path = write_prompt_file(output, caches, metadata)
+    try:
+        ref = _model_ref(info, source, model)
+        caches = [mlx_cache(stored_layer(info, data, i), export_dtype(info), quantized) for i in range(info.n_layers)]
+        record = {"tokens": info.tokens.tolist(), "prompt_mode": info.prompt_mode, "separator": info.separator,
+                  "system": info.system, "document_tokens": info.document_tokens}
+        metadata = {"model": ref, "tokenizer_config": "{}", RECORD: json.dumps(record, separators=(",", ":"))}
+        path = write_prompt_file(output, caches, metadata)
+    finally:
+        data.close()
     leaves = [leaf for c in caches for leaf in (c.caches if isinstance(c, CacheList) else (c,))]
     groups = {c.group_size for c in leaves if isinstance(c, QuantizedKVCache)}
     return ExportResult(str(path), len(info.tokens), path.stat().st_size, ref,

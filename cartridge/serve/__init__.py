@@ -28,6 +28,10 @@ from .pool import Pool, find_cartridges
 from .protocol import Sampling
 from .shelf import Shelf
 
+# Seconds a Ctrl-C (or SIGTERM) waits for responses still streaming before uvicorn cancels them; uvicorn's default
+# (None) waits for every connection, which a long answer or an idle client keeps open for minutes.
+SHUTDOWN_GRACE_S = 3
+
 
 def recorded_model(paths):
     """The model the first readable cartridge was built with, by its hub repo id where it records one
@@ -142,6 +146,6 @@ def serve(paths, host="127.0.0.1", port=8080, model=None, max_bytes=None, verify
         ready(engine.pool, engine.shelf)
     try:
         uvicorn.run(make_app(engine, defaults=defaults or Sampling(), allowed_origins=allowed_origins), host=host,
-                    port=port, log_level=log_level.lower())
+                    port=port, log_level=log_level.lower(), timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     finally:
         engine.close(wait=True)  # no MLX work left running when the caller exits; queued prefixes written

@@ -152,6 +152,8 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:  # uvicorn shutting down past its grace (SHUTDOWN_GRACE_S): the stream ends
+            pass
         finally:
             self.job.cancel()
 

@@ -191,13 +191,16 @@ class Pool:
             prompt (list[int]): the prompt's token ids.
 
         Returns:
-            list[tuple[str, int]]: (name, tokens) longest first; each checked token by token.
+            list[tuple[str, int]]: (name, tokens) longest first; among equal lengths the most faithful first
+            (most stored bytes per token: fp16 before int8 before 4-bit tiers), then by name; each checked
+            token by token.
         """
         with self._lock:
             hits = self.index.candidates(prompt)
             infos = {name: self.entries[name].info for name, _ in hits if name in self.entries}
         ids = np.asarray(prompt, dtype=np.uint32)
-        return [(name, n) for name, n in hits if name in infos and np.array_equal(infos[name].tokens, ids[:n])]
+        found = [(name, n) for name, n in hits if name in infos and np.array_equal(infos[name].tokens, ids[:n])]
+        return sorted(found, key=lambda hit: (-hit[1], -infos[hit[0]].bytes_per_token(), hit[0]))
 
     def _read_header(self, name, path):
         entry = Entry(name, path)

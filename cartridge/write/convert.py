@@ -11,6 +11,10 @@ float16 (an fp16 source) or bfloat16 (a bf16 source). From a float32 model the d
 the float32 K/V, while `convert` starts from their fp16 rounding; the pages then differ where a value's
 fp16 rounding moves a group minimum/maximum or a code across a rounding boundary (measured in
 tests/write/test_convert.py and benchmarks/extend.py --convert).
+
+A sliding-window layer's stored window is re-encoded like an attention layer's pages (its window, start
+and count records kept; no protected copies, as build keeps none there); a recurrent state layer's arrays
+are copied as stored; a "list" layer (several caches) is refused (tests/write/test_convert_kinds.py).
 """
 
 import json
@@ -19,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..attention.pages import encode_pages
+from ..storage.kinds import LayerPlan
 from ..storage.store import to_numpy
-from .encode import cartridge_bytes, tier_keys
+from .encode import layers_bytes, tier_keys
 from ..errors import InputError
 from ..format import keys as K
 from ..format.header import SIDES, require_attention_layers
@@ -32,6 +38,7 @@ from ..format.writer import CartridgeWriter, check_output_path, check_space
 from ..tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
 
 LOSSLESS_SOURCES = ("fp16", "bf16")  # tiers that hold the model's K/V closely enough to re-encode
+CONVERTED_KINDS = ("attention", "dense", "window", "state")  # a state layer's arrays are copied as stored
 
 
 @dataclass
@@ -58,9 +65,9 @@ class ConvertResult:
 
 def _check_source(info, path):
     """Refuse a source whose pages are already lossy: re-quantizing them would compound the error."""
-    require_attention_layers(info, "convert")
-    for row in info.tiers:
-        for side in SIDES:
+    require_attention_layers(info, "convert", kinds=CONVERTED_KINDS)
+    for row, layer in zip(info.tiers, info.layers):
+        for side in SIDES if layer.kind_type.tiered else ():
             if row[side] not in LOSSLESS_SOURCES:
                 raise InputError(
                     f"cartridge {path} stores layer {row['layer']} {side.upper()} as {row[side]}; convert "
@@ -68,7 +75,8 @@ def _check_source(info, path):
 
 
 def _read_side(info, data, layer, side):
-    """The stored K or V of one layer as (n_kv_heads, T, head_dim) in its stored dtype."""
+    """The stored K or V of one layer as (n_kv_heads, T, head_dim) in its stored dtype; T = the tokens it
+    stores (a window layer: its last `window`, at positions start .. start + count - 1)."""
     (extent,) = info.extents[(layer, side)]  # fp16/bf16: one "values" component
     view = data.view(extent, "<u2" if extent.dtype == "bfloat16" else extent.dtype)
     pages = mx.array(view)  # (n_pages, n_kv, P, D)
@@ -76,7 +84,7 @@ def _read_side(info, data, layer, side):
         pages = pages.view(mx.bfloat16)
     n_pages, n_kv, page_size, head_dim = pages.shape
     x = pages.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * page_size, head_dim)  # (n_kv, n_pages*P, D)
-    return x[:, : len(info.tokens), :]  # (n_kv, T, D)
+    return x[:, : info.layers[layer].count, :]  # (n_kv, T, D)
 
 
 def _resolve_schema(info, tier, k_tier, v_tier, boundary_protect, schema):
@@ -108,7 +116,7 @@ def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundar
         ConvertResult
 
     Raises:
-        InputError: a source layer stored in a lossy tier (int8, mlx4g32, fp8, ...), an unknown tier, a
+        InputError: a "list" layer, a source layer stored in a lossy tier (int8, mlx4g32, fp8, ...), an unknown tier, a
             bad schema, bad options (a preset beside the options it sets), a preset whose tiers this
             cartridge's geometry cannot store, or `output` naming the source. OutputExistsError: `output` exists and
             `force` is False.
@@ -129,15 +137,22 @@ def convert(source, output, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundar
         _check_source(info, source)
         rows = _preset_schema(info, preset, o, source)
         kept = protect.clamp(o["protect_first"], o["protect_last"], len(info.tokens))
-        check_space(output, cartridge_bytes(rows, info.n_kv_heads, info.head_dim, len(info.tokens), info.page_size))
+        check_space(output, layers_bytes(rows, _plans(info), len(info.tokens), info.page_size))
         path = _write(info, data, rows, output, force, progress, kept, preset)
     finally:
         data.close()
     total = sum(f.stat().st_size for f in Path(path).iterdir())
+    every = [r for r, layer in zip(rows, info.layers) if layer.stores_every_token]  # as `build_result` counts
     shape = (info.n_kv_heads, info.head_dim)
-    bpt = sum(get_tier(r[s]).bytes_per_token(*shape) for r in rows for s in SIDES)
-    bpt += protect.bytes_per_token(*kept, len(info.tokens), [shape] * (2 * info.n_layers))
+    bpt = sum(get_tier(r[s]).bytes_per_token(*shape) for r in every for s in SIDES)
+    bpt += protect.bytes_per_token(*kept, len(info.tokens), [shape] * (2 * len(every)))
     return ConvertResult(str(path), len(info.tokens), time.perf_counter() - t0, total, bpt, rows, *kept)
+
+
+def _plans(info):
+    """The `LayerPlan` of every source layer (kind, shapes, window, state arrays), for the size estimate."""
+    return [LayerPlan(m.kind, m.k_shape, m.v_shape, window=m.window, size=m.state_size,
+                      state=[list(a) for a in m.arrays]) for m in info.layers]
 
 
 def _preset_schema(info, preset, o, source):
@@ -153,20 +168,24 @@ def _preset_schema(info, preset, o, source):
 def _write(info, data, rows, output, force, progress, kept=(0, 0), preset=None):
     params = {}
     with CartridgeWriter(output, force) as writer:
-        for layer in range(info.n_layers):
-            for side in SIDES:
+        for layer, meta in enumerate(info.layers):
+            if not meta.kind_type.tiered:  # a state layer's arrays, as stored (its records are kept)
+                for extent in info.extents[(layer, K.STATE_SIDE)]:
+                    raw = "<u2" if extent.dtype == "bfloat16" else extent.dtype  # bfloat16 as its 16 bits, as stored
+                    writer.add_extent(layer, K.STATE_SIDE, extent.component, np.array(data.view(extent, raw)))
+            for side in SIDES if meta.kind_type.tiered else ():
                 codec = get_tier(rows[layer][side])
                 x = _read_side(info, data, layer, side)
                 params[(layer, side)] = codec.make_params(x, layer, side)
                 parts = encode_pages(codec, x, params[(layer, side)], info.page_size)
                 for comp in codec.components(info.head_dim):
                     writer.add_extent(layer, side, comp.name, to_numpy(parts[comp.name]))
-                if sum(kept):  # the fp16 copies build keeps: an fp16 source's pages are the prefill's fp16 K/V
+                if sum(kept) and meta.stores_every_token:  # the fp16 copies build keeps: an fp16 source's pages are the prefill's fp16 K/V
                     writer.add_record(K.layer_protected(layer, side), protect.take(x, *kept))
                 del x, parts  # the source mapping must have no views left when it is closed
             if progress:
                 progress(layer + 1, info.n_layers)
-        header = _header(info, rows, params)
+        header = _header(info, [r for r, m in zip(rows, info.layers) if m.kind_type.tiered], params)
         header.update(protect.header_keys(*kept), **({} if preset is None else {K.PRESET: preset}))
         return writer.commit(header, info.tokens)
 
@@ -174,7 +193,7 @@ def _write(info, data, rows, output, force, progress, kept=(0, 0), preset=None):
 def _is_tier_key(key):
     """layer.{i}.{side}.{tier,codec_version,params,components}, page and head tables: rewritten by convert."""
     parts = key.split(".")
-    return parts[0] == "layer" and len(parts) >= 4 and parts[2] in SIDES and (
+    return parts[0] == "layer" and len(parts) >= 4 and parts[2] in (*SIDES, K.STATE_SIDE) and (
         parts[3] in ("tier", "codec_version", "params", "components") or parts[-1] in ("pages", "head_sums"))
 
 

@@ -27,7 +27,7 @@ from cartridge.read.stored import load_recorded_model
 
 REPO, REV1, REV2 = "test-org/tiny", "1" * 40, "2" * 40
 DOC = "The tenant may terminate this lease with 60 days of notice. Rent is 900 euros a month.\n"
-WAYS = 'pass --model (Python: model=) a GGUF file, an mlx-lm model folder, a Hugging Face repo id (ORG/NAME) or "default"'
+WAYS = 'pass --model (Python: model=) a GGUF file, an mlx-lm model folder, a Hugging Face repo id (ORG/NAME), "gemma3-270m" or "default"'
 
 
 @pytest.fixture

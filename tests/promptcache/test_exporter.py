@@ -2,7 +2,9 @@
 mlx-lm cache class of every layer that a fresh prefill makes, answering as the cartridge does; and back again."""
 
 import errno
+import gc
 import json
+import warnings
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
@@ -96,6 +98,7 @@ def test_other_tiers_and_dequantize_export_decoded_kv(wide, tmp_path, tier, quan
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "falcon_h1", "gemma2"])
+@pytest.mark.filterwarnings("ignore::cartridge.promptcache.exporter.MlxLoadWarning")  # an in-memory model: no folder
 def test_every_layer_kind_exports_as_a_fresh_prefill_makes_it_and_imports_back(family, smol_tokenizer, tmp_path):
     lm = make_model(family, smol_tokenizer)
     path = cartridge.build(DOC, tmp_path / "f.cart", model=lm, page_size=32).path
@@ -148,11 +151,27 @@ def test_export_checks_model_and_output_and_writes_nothing_on_error(wide, smol_t
     assert read_prompt_file(out).tokens == len(open_cartridge(carts["fp16"])[0].tokens)
 
 
-def test_a_gguf_models_file_warns_that_mlx_lm_cannot_load_it(tmp_path):
-    path = write_synthetic(tmp_path / "s.cart", extra={K.MODEL_REF: "default"})
-    with pytest.warns(MlxLoadWarning, match="mlx_lm.generate cannot load"):
+@pytest.mark.parametrize("ref, says", [
+    ("default", "a GGUF model, which mlx_lm.generate cannot load"),
+    ("gemma3-270m", "a GGUF model, which mlx_lm.generate cannot load"),
+    ("/nowhere/model", "neither an mlx-lm model folder nor a Hugging Face repo id"),
+])
+def test_a_model_mlx_lm_cannot_load_warns(tmp_path, ref, says):
+    path = write_synthetic(tmp_path / "s.cart", extra={K.MODEL_REF: ref})
+    with pytest.warns(MlxLoadWarning, match=f"the file names model {ref}, {says}"):
         r = cartridge.export_prompt_cache(path, tmp_path / "s.safetensors")
-    assert r.model == "default" and r.classes == {"KVCache": 2}
+    assert r.model == ref and r.classes == {"KVCache": 2}
+
+
+@pytest.mark.parametrize("ref", ["org/model", "folder"])
+def test_a_repo_id_or_an_mlx_lm_folder_exports_without_a_warning(wide, tmp_path, ref):
+    ref = str(wide[1]) if ref == "folder" else ref
+    path = write_synthetic(tmp_path / "s.cart", extra={K.MODEL_REF: ref})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = cartridge.export_prompt_cache(path, tmp_path / "s.safetensors")
+        gc.collect()  # a file left open warns (ResourceWarning) when it is collected
+    assert r.model == ref and [str(w.message) for w in seen] == []
 
 
 def test_a_full_disk_names_the_file_and_leaves_nothing(wide, tmp_path, monkeypatch):

@@ -373,3 +373,17 @@ def test_a_shelf_that_cannot_be_a_folder_is_one_line(tmp_path):
                       "--shelf-bytes", "1G", text=True)
     assert (r.returncode, r.stderr.count("\n")) == (1, 1)
     assert r.stderr.startswith(f"error: cannot create the shelf folder {tmp_path / 'file' / 'shelf'}: Not a directory")
+
+
+def test_of_equal_length_matches_the_most_faithful_answers_then_the_name(lm, tmp_path):
+    """Two cartridges of one document: the fp16 one is used before the nvfp4 one (4 bits), whatever their names; two of one
+    tier go by name."""
+    from cartridge.serve.pool import Pool
+
+    paths = {name: cartridge.build(DOC, tmp_path / f"{name}.cart", model=lm, page_size=16, tier=tier).path
+             for name, tier in (("a-nvfp4", "nvfp4"), ("b-fp16", "fp16"), ("c-fp16", "fp16"))}
+    prompt = cartridge.open_cartridge(paths["a-nvfp4"])[0].tokens.tolist() + [7, 8]
+    for order in (list(paths), list(paths)[::-1]):
+        pool = Pool({name: paths[name] for name in order}, lm)
+        n = len(prompt) - 2
+        assert pool.match(prompt) == [("b-fp16", n), ("c-fp16", n), ("a-nvfp4", n)]

@@ -5,7 +5,9 @@ import pytest
 from helpers.clirun import run_inprocess, run_process
 from mlx_lm.models.cache import load_prompt_cache
 from helpers.promptfiles import cache_prompt
+from helpers.cartfiles import write as write_synthetic
 
+from cartridge.format import keys as K
 from cartridge.format.reader import open_cartridge
 from cartridge.promptcache.importer import cache_prompt_tokens
 
@@ -81,3 +83,16 @@ def test_import_takes_the_document_without_the_newline_the_shell_dropped(tiny, t
         f"\"$(cat FILE)\"` passes it)"]
     info, _ = open_cartridge(tmp_path / "doc.cart")
     assert info.tokens.tolist() == cache_prompt_tokens(tiny.tokenizer, text) and info.source["bytes"] == len(text)
+
+
+def test_export_of_a_gguf_models_cartridge_prints_why_mlx_lm_cannot_load_it_not_a_use_hint(tmp_path):
+    path = write_synthetic(tmp_path / "g.cart", extra={K.MODEL_REF: "gemma3-270m"})
+    r = run_inprocess("export", path, "-o", tmp_path / "g.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == (f"exported {path} -> {tmp_path / 'g.safetensors'}: "
+                                 f"{len(open_cartridge(path)[0].tokens)} tokens, "
+                                 f"{(tmp_path / 'g.safetensors').stat().st_size:,} bytes (2 KVCache)\n")
+    assert r.stderr.decode().splitlines() == [
+        "warning: the file names model gemma3-270m, a GGUF model, which mlx_lm.generate cannot load (cartridge makes "
+        "no mlx-lm folder of its weights); use the file from Python: mlx_lm's load_prompt_cache with "
+        "cartridge.load_model('gemma3-270m')"]
