@@ -7,6 +7,7 @@
 import inspect
 import time
 import warnings
+from contextlib import nullcontext
 from types import SimpleNamespace
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .. import calibrate as calibrate_mod
+from ..calibrate import queries
 from ..storage.kinds import KINDS, LayerPlan
 from ..storage.store import check_layer_tiers
 from ..errors import InputError
@@ -26,10 +28,12 @@ from ..models.families import plan_layers
 from ..models.loader import LoadedModel, architecture_config, load_model
 from ..models.prompt import SEPARATOR, check_text, prefix_tokens, prompt_mode
 from ..tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
+from ..tiers import score_aware
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_PREFILL_STEP = 512
 DEFAULT_RESERVE = 256  # tokens a build leaves free for questions and answers before it warns
+K_ENCODERS = ("nearest", "score")  # how K's codes are chosen (`cartridge.tiers.score_aware`)
 
 
 class ContextWarning(UserWarning):
@@ -342,7 +346,7 @@ def check_page_size(schema, page_size):
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None, protect_first=0, protect_last=0,
-          preset=None, budget=None, calibrate=True, calibration_progress=None):
+          preset=None, budget=None, calibrate=True, calibration_progress=None, k_encoder="nearest"):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -380,6 +384,10 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         calibrate (bool): measure budget presets on the document (False: today's fixed recipes, no
             extra cost; a `budget` then is refused). Default: True.
         calibration_progress (callable | None): progress(done, total) over the layers of the measurement.
+        k_encoder (str): "nearest" (each K element rounded to its nearest code) or "score" (K's codes chosen for
+            the score error under the second moment of the document's own queries, gathered during the prefill:
+            `cartridge.tiers.score_aware`; the calibration measures the tiers so encoded). The stored format is
+            the same. Default: "nearest".
 
     Returns:
         BuildResult
@@ -402,6 +410,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
+    check_k_encoder(k_encoder)
     budget, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
                                                         boundary_protect, schema, protect_first, protect_last)
     check_options(document, options, page_size, prefill_step, reserve)
@@ -417,16 +426,25 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
 
     t0 = time.perf_counter()
     holds = budget is not None and declined is None and any(p.kind == "window" for p in plans)
-    caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
-        (prefill(lm.model, tokens, prefill_step, progress), None)
+    moments, watch = queries.collecting() if k_encoder == "score" else (None, nullcontext())
+    with watch:
+        caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
+            (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
-    path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras,
-                                           protected, (budget, declined, calibration_progress), held)
+    with score_aware.weighting(moments and moments.weights(caches)):  # the calibration measures what is written
+        path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force,
+                                               extras, protected, (budget, declined, calibration_progress), held)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)
     result.prompt_mode = mode
     return result
+
+
+def check_k_encoder(k_encoder):
+    """Raise InputError unless `k_encoder` is one of K_ENCODERS."""
+    if k_encoder not in K_ENCODERS:
+        raise InputError(f"K encoder {k_encoder!r} is not one of {', '.join(K_ENCODERS)}")
 
 
 def resolve_options(preset, budget, calibrate, tier, k_tier, v_tier, boundary_protect, schema, protect_first,
