@@ -214,3 +214,14 @@ def test_calibrated_build_of_window_layers_encodes_every_stored_layers_k(smol_to
     cache = cart.prompt_cache()
     logits = cart.model(mx.array(cart.question_prompt("When is rent due?", cache))[None], cache=cache)
     assert bool(mx.all(mx.isfinite(logits)))
+
+
+def test_feedback_factor_computed_once_per_weight_inside_a_weighting():
+    _, q = anisotropic()
+    w = second_moment(q)
+    with score_aware.weighting({(0, "k"): w}):
+        first = score_aware.shared_factor(w)
+        assert score_aware.shared_factor(w.copy()) is first  # same values: the same factor
+        assert score_aware.shared_factor(w * 2) is not first
+    np.testing.assert_array_equal(first, score_aware.feedback_factor(w))
+    assert score_aware.shared_factor(w) is not first  # outside a weighting nothing is kept
