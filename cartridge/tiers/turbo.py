@@ -98,7 +98,7 @@ def fitted_norms(y, codewords, weight):
     Returns:
         np.ndarray: (n_kv, T, 1) float32.
     """
-    hc = codewords @ weight.astype(np.float32)  # H c per token (H symmetric): a matmul, not einsum's loop
+    hc = np.einsum("nde,nte->ntd", weight, codewords)  # H c per token
     den = (hc * codewords).sum(-1, keepdims=True)
     return ((hc * y).sum(-1, keepdims=True) / np.where(den > 0, den, 1)).astype(np.float32)
 

@@ -216,12 +216,13 @@ def test_calibrated_build_of_window_layers_encodes_every_stored_layers_k(smol_to
     assert bool(mx.all(mx.isfinite(logits)))
 
 
-def test_feedback_factor_computed_once_per_weight_inside_a_weighting():
+
+def test_feedback_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
+    """GPTQ's U: H_damped^-1 = U^T U, U upper triangular with a positive diagonal (the unique such factor)."""
     _, q = anisotropic()
     w = second_moment(q)
-    with score_aware.weighting({(0, "k"): w}):
-        first = score_aware.shared_factor(w)
-        assert score_aware.shared_factor(w.copy()) is first  # same values: the same factor
-        assert score_aware.shared_factor(w * 2) is not first
-    np.testing.assert_array_equal(first, score_aware.feedback_factor(w))
-    assert score_aware.shared_factor(w) is not first  # outside a weighting nothing is kept
+    u = score_aware.feedback_factor(w)
+    damped = w + score_aware.DAMPING * np.einsum("nii->n", w)[:, None, None] / D * np.eye(D)
+    want = np.linalg.cholesky(np.linalg.inv(damped)).transpose(0, 2, 1)
+    assert u.dtype == np.float32 and np.all(np.tril(u, -1) == 0) and np.all(np.diagonal(u, axis1=1, axis2=2) > 0)
+    np.testing.assert_allclose(u, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
