@@ -1,9 +1,10 @@
 """Teacher-forced agreement with a reference: known answer tokens are fed after each question in one forward
 pass over the reference K/V and over the K/V under test; per position, KL (reference || test) and whether the
-argmax agrees. Two subcommands:
+argmax agrees. Three subcommands:
 
     presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu] [--extra T,...] [--heavy] [--attention]
     blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--questions Q.jsonl]
+    kenc DOC QUESTIONS OUT.json [--configs preset=balanced,mlx4g32] [--bleu preset=balanced] [--model M]
 
 `presets` (issue 33): calibrated presets against fp16 on real questions, without building cartridges. DOC is
 prefilled, each question answered greedily (50 tokens) over the fp16-rounded K/V (cached beside OUT as
@@ -45,7 +46,16 @@ answer is the reference's up to its first teacher-forced argmax difference and g
 Q.jsonl asks those instead of the report's; their reference answers are greedy (--max-tokens) over the fresh
 prefill of the composed tokens (R = 1 answers alike: docs/evaluation.md).
 
-    PYTHONPATH=. python benchmarks/agreement.py {presets,blend} --help
+`kenc` (issue 49 item 2): nearest against score-aware K encoding in real builds. DOC is built in fp16 and each
+question answered greedily (50 tokens) over that cartridge (the reference; cached as OUT.answers.json); each
+--configs entry (preset=NAME or a tier) is built with k_encoder="nearest" and "score" (wall and CPU seconds, the
+prefill's and the calibration's, bytes/token, and for a preset its calibration record: the probe's measured KL and
+top-1, the quantity calibration measures) and each cartridge scored as `presets` scores a schema: question + fp16
+answer teacher-forced over it (KL, top-1, first token, identical answers, tokens to divergence); configs named in
+--bleu add sentence BLEU of the cartridge's own greedy answer. The cartridges stay in --work (default OUT.work):
+a second run with other --bleu scores them again without rebuilding. Rows "CONFIG @ENCODER" in OUT.json.
+
+    PYTHONPATH=. python benchmarks/agreement.py {presets,blend,kenc} --help
 """
 
 import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
@@ -471,6 +481,112 @@ def blend_main(args):
             Path(args.out).write_text(json.dumps(result, indent=1))
 
 
+# ---- kenc ---------------------------------------------------------------------------------------------------
+
+ENCODERS = ("nearest", "score")
+
+
+def build_options(config):
+    """A --configs entry as build keywords: "preset=balanced" -> {"preset": "balanced"}, "mlx4g32" -> its tier."""
+    key, _, value = config.rpartition("=")
+    return {key: value} if key else {"tier": value}
+
+
+class Reference:
+    """The fp16 cartridge's greedy answers to the questions and their teacher-forced log-probs over it."""
+
+    def __init__(self, lm, fp16_path, qfile, answers_file):
+        self.lm = lm
+        ids = getattr(lm.tokenizer, "eos_token_ids", None)
+        self.eos = set(ids) if ids else {lm.tokenizer.eos_token_id}
+        cart = cartridge.load(fp16_path, model=lm)
+        self.seqs = [cart.question_prompt(q["question"]) for q in load_questions(qfile)]
+        if os.path.exists(answers_file):
+            self.answers = json.loads(Path(answers_file).read_text())
+        else:
+            self.answers = [self.continued(cart, s, []) for s in self.seqs]
+            Path(answers_file).write_text(json.dumps(self.answers))
+        self.ref = self.forced(cart)
+
+    def continued(self, cart, s, head):
+        """head + the greedy continuation over `cart` after question tokens s, to ANSWER_TOKENS (or EOS, kept)."""
+        cache, step, out = cart.prompt_cache(), s + head, list(head)
+        while len(out) < ANSWER_TOKENS:
+            t = int(mx.argmax(self.lm.model(mx.array(step, dtype=mx.uint32)[None], cache=cache)[0, -1]).item())
+            out.append(t)
+            if t in self.eos:
+                break
+            step = [t]
+        return out
+
+    def forced(self, cart):
+        """Per question, the log-probs predicting its fp16 answer's tokens (teacher-forced) over `cart`."""
+        return [log_probs(self.lm.model, s + a[:-1], cart.prompt_cache(), start=len(s) - 1)
+                for s, a in zip(self.seqs, self.answers)]
+
+    def score(self, cart, bleu=False):
+        """`Presets.score`'s agreement of `cart` with the fp16 cartridge: KL, top-1, first token, identical answers,
+        tokens to divergence; with `bleu`, sentence BLEU of its greedy answer (the fp16 answer up to the first
+        divergence, its own continuation after)."""
+        first = agree = n = 0
+        kls, div = [], []
+        for ref, got in zip(self.ref, self.forced(cart)):
+            kl, same = compare(ref, got)
+            kls.append(float(kl.mean()))
+            first, agree, n = first + int(same[0]), agree + int(same.sum()), n + len(same)
+            div.append(int(np.argmin(same)) if not same.all() else len(same))
+        res = {"first": first, "top1": agree / n, "kl": sum(kls) / len(kls), "div": sum(div) / len(div),
+               "identical": sum(d == len(a) for d, a in zip(div, self.answers))}
+        if bleu:
+            res["bleu"] = float(np.mean([1.0 if d == len(a) else
+                                         sentence_bleu(self.text(self.continued(cart, s, a[:d])), self.text(a))
+                                         for s, a, d in zip(self.seqs, self.answers, div)]))
+        return res
+
+    def text(self, ids):
+        return self.lm.tokenizer.decode([t for t in ids if t not in self.eos])
+
+
+def timed_build(doc, path, lm, options):
+    """cartridge.build of `doc` at `path` (replaced), with its wall and CPU seconds and calibration record."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    r = cartridge.build(doc, path, model=lm, reserve=0, force=True, **options)
+    row = {"build_s": round(time.perf_counter() - wall, 2), "build_cpu_s": round(time.process_time() - cpu, 2),
+           "prefill_s": round(r.prefill_seconds, 2), "bytes_per_token": r.bytes_per_token,
+           "schema": [(row["k"], row["v"]) for row in r.schema]}
+    if r.calibration:
+        c = r.calibration
+        row.update(calibration_s=c["seconds"], probe_kl=c["measured_kl"], predicted_kl=c["predicted_kl"],
+                   probe_top1=c["top1_agreement"], window_bytes_per_token=c["window_bytes_per_token"])
+    return row
+
+
+def kenc_main(args):
+    """Nearest against score-aware K encoding (issue 49): real builds of each --configs entry both ways."""
+    lm = cartridge.load_model(args.model)
+    doc = Path(args.doc).read_text()
+    work = Path(args.work or args.out + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    results = json.loads(Path(args.out).read_text()) if os.path.exists(args.out) else {"rows": {}}
+    results.update(model=lm.ref, doc=args.doc, questions=args.questions, answer_tokens=ANSWER_TOKENS)
+    fp16 = work / "fp16.cart"
+    if not (fp16 / "MANIFEST").exists():
+        results["fp16"] = timed_build(doc, fp16, lm, {"tier": "fp16"})
+    ref = Reference(lm, fp16, args.questions, args.out + ".answers.json")
+    bleu = set(filter(None, args.bleu.split(",")))
+    for config in filter(None, args.configs.split(",")):
+        for enc in ENCODERS:
+            label, path = f"{config} @{enc}", work / f"{config.replace('=', '-')}-{enc}.cart"
+            row = results["rows"].get(label, {})
+            if not (path / "MANIFEST").exists() or not row:
+                row = timed_build(doc, path, lm, {**build_options(config), "k_encoder": enc})
+            if config in bleu or "kl" not in row:
+                row.update(ref.score(cartridge.load(path, model=lm), config in bleu))
+            results["rows"][label] = row
+            print(label, rounded(row), flush=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description="Teacher-forced agreement with a reference (see the module docstring).")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -501,6 +617,16 @@ def main():
     b.add_argument("--select-layer", type=int, default=blend.DEFAULT_SELECT_LAYER)
     b.add_argument("--model", default="default", help="the model the report's cartridges were built with")
     b.set_defaults(run=blend_main)
+    k = sub.add_parser("kenc", help="nearest against score-aware K encoding (issue 49) in real builds")
+    k.add_argument("doc")
+    k.add_argument("questions", help="JSONL, one {\"question\": ...} per line")
+    k.add_argument("out", help="JSON results, updated as rows come (fp16 answers cached as OUT.answers.json)")
+    k.add_argument("--configs", default="preset=balanced,preset=compact,mlx4g32",
+                   help="build options, each built with k_encoder nearest and score: preset=NAME or a tier")
+    k.add_argument("--bleu", default="", help="configs whose answers are also generated and BLEU-scored")
+    k.add_argument("--work", help="folder of the cartridges, kept to be scored again (default: OUT.work)")
+    k.add_argument("--model", default="default")
+    k.set_defaults(run=kenc_main)
     args = ap.parse_args()
     unknown = [v for v in getattr(args, "variants", []) if v not in VARIANTS]
     if unknown:

@@ -62,6 +62,9 @@ def cli():
 @click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @tier_options
 @target_options
+@click.option("--k-encoder", type=click.Choice(["nearest", "score"]), default="nearest", show_default=True,
+              help="How K's codes are chosen: nearest rounding, or for the scores of the document's own queries "
+                   "(same format).")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -73,16 +76,17 @@ def cli():
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
               help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
 def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last, preset,
-          target_ratio, max_bytes_per_token, max_kl, no_calibrate, prefill_step, page_size, reserve, system, force,
-          parallel):
+          target_ratio, max_bytes_per_token, max_kl, no_calibrate, k_encoder, prefill_step, page_size, reserve, system,
+          force, parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     target = read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
-    if parallel and (preset or target or protect_first or protect_last):
-        raise InputError("--parallel builds take tier options only, not --preset or --protect-first/--protect-last")
+    if parallel and (preset or target or protect_first or protect_last or k_encoder != "nearest"):
+        raise InputError("--parallel builds take tier options only, not --preset, --protect-first/--protect-last "
+                         "or --k-encoder")
     group = launched_group(parallel)
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
         check_output_path(output, force)
@@ -96,7 +100,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
             r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
                                 protect_last=protect_last, preset=preset, budget=target,
                                 calibrate=not no_calibrate, calibration_progress=calibration_progress,
-                                **options)
+                                k_encoder=k_encoder, **options)
         else:
             from cartridge.distributed import build_sharded, load_sharded_model  # (loads mlx-lm: not at CLI start)
 

@@ -8,6 +8,8 @@ A `--tiers` entry is colon-separated fields, its label is the entry as written:
     k=TIER:v=TIER   K and V tiers apart (build's k_tier / v_tier)     k=fp16:v=fp8, k=fp16:v=fp8:bp2
     TIER:pfN:plM    ... with protect_first=N / protect_last=M         mlx4g32+rot:pf16:pl64
     preset=NAME     a preset (build's preset)                         preset=balanced
+    kenc=NAME       ... with K's codes chosen by NAME (build's            preset=balanced:kenc=score
+                    k_encoder: nearest, score)
 
 A `--schemas` file is a JSON object mapping a label to either a schema (a list of
 {"layer", "k", "v"}) or a dict of build keywords (tier, k_tier, v_tier, boundary_protect, schema;
@@ -28,13 +30,15 @@ from pathlib import Path
 
 from .. import __version__
 from ..write.build import build
+from ..write.options import check_k_encoder
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..calibrate import CALIBRATION_VERSION, PRESET_RATIOS
 from ..tiers import TIERS, get_tier, presets
 from ..tiers.schema import check_layer_count
 
-BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last", "preset")
+BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last", "preset",
+                  "k_encoder")
 REFERENCE_OPTIONS = {"tier": "fp16"}
 
 
@@ -78,11 +82,14 @@ def _field(options, part, entry):
     elif part.startswith("preset="):
         key, value = "preset", part[7:]
         presets.resolve(value)  # an unknown name is refused before any build
+    elif part.startswith("kenc="):
+        key, value = "k_encoder", part[5:]
+        check_k_encoder(value)
     elif re.fullmatch(r"[A-Za-z0-9_]+(\+rot)?", part):
         key, value = "tier", _tier_name(part, where)
     else:
-        raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN or preset=NAME "
-                         f"(known tiers: {', '.join(TIERS)})")
+        raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME or "
+                         f"kenc=NAME (known tiers: {', '.join(TIERS)})")
     if key in options:
         raise InputError(f"{where}: {key} given twice")
     options[key] = value
@@ -158,6 +165,11 @@ def _schema_options(label, value, base):
         raise InputError(f"{where}: boundary_protect must be an integer >= 0, found {bp!r}")
     if "schema" in options:
         options["schema"] = _schema_rows(options["schema"], base, where)
+    if "k_encoder" in options:
+        try:
+            check_k_encoder(options["k_encoder"])
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
     return options
 
 

@@ -14,8 +14,9 @@ against 0.5 ms (the 2-core x86 machine of docs/performance.md; the values are th
 """
 
 import mlx.core as mx
+import numpy as np
 
-from . import bitpack, layout
+from . import bitpack, layout, score_aware
 from .quantized import GroupQuantCodec
 
 
@@ -64,6 +65,43 @@ def affine_encode(x, bits, group_size=32):
     return {"codes": bitpack.pack(q, bits), "scales": scale, "biases": bias}
 
 
+class AffineGrid:
+    """The affine grid of one group for `score_aware.feedback_round`: scale and bias chosen from the group's
+    values by `affine_encode`'s rule, each code the nearest level of that fp16 grid."""
+
+    def __init__(self, bits, group_size):
+        self.levels, self.group = (1 << bits) - 1, group_size
+
+    def start(self, block):
+        """block (n_kv, T, group) float32 -> (scale, bias) float16 mx arrays (n_kv, T)."""
+        g = mx.array(block)
+        bias = f16_toward(g.min(axis=-1), up=False)
+        scale = f16_toward((g.max(axis=-1) - bias.astype(mx.float32)) / self.levels, up=True)
+        return scale, bias, np.array(scale.astype(mx.float32)), np.array(bias.astype(mx.float32))
+
+    def nearest(self, column, state, i):
+        """column (n_kv, T) float32 -> (scale * code + bias float32, code), each (n_kv, T)."""
+        _, _, s, b = state
+        q = np.round((column - b) / np.where(s > 0, s, 1))
+        q = np.where(s > 0, np.clip(q, 0, self.levels), 0)
+        return q * s + b, q
+
+
+def affine_encode_weighted(x, weight, bits, group_size=32):
+    """`affine_encode`'s components with the codes chosen for the score error under `weight` (`score_aware`).
+
+    Args:
+        x (mx.array): (n_kv, T, D) any float dtype. weight (np.ndarray): (n_kv, D, D) the queries' second moment.
+        bits (int): 4, 6 or 8. group_size (int): elements per scale and bias. Default: 32.
+
+    Returns:
+        dict: as `affine_encode`.
+    """
+    codes, _, states = score_aware.feedback_round(np.array(x.astype(mx.float32)), weight, AffineGrid(bits, group_size))
+    return {"codes": bitpack.pack(mx.array(codes), bits), "scales": mx.stack([s[0] for s in states], axis=-1),
+            "biases": mx.stack([s[1] for s in states], axis=-1)}
+
+
 def byte_codes(words, bits):
     """The codes of LSB-first packed words as one uint8 each.
 
@@ -104,6 +142,9 @@ class AffineCodec(GroupQuantCodec):
     scale_rule = "fp16_bias_down_scale_up"
 
     def encode(self, x, params):
+        weight = score_aware.weight_of(params)
+        if weight is not None:
+            return affine_encode_weighted(x, weight, self.bits, self.group_size)
         return affine_encode(x, self.bits, self.group_size)
 
     def decode(self, parts, params):

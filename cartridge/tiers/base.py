@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import CorruptCartridgeError
+from . import score_aware
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class FixedParamsCodec(TierCodec):
         raise NotImplementedError
 
     def make_params(self, x, layer, side, transform=None):
-        return self.fixed_params()
+        return score_aware.bind(self.fixed_params(), x, layer, side)
 
     def check_params(self, params, n_kv_heads, head_dim):
         for key, value in self.fixed_params().items():

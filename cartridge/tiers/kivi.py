@@ -13,13 +13,39 @@ chosen as mlx4g32's (bias = group minimum rounded down to fp16, scale rounded up
 """
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import InputError
-from . import bitpack, layout
+from . import bitpack, layout, score_aware
 from .affine import f16_toward
 from .base import Component, FixedParamsCodec
 
 TOKEN_GROUP = 32
+
+
+class KiviGrid:
+    """kivi4's grid for `score_aware.feedback_round`: one channel (column) at a time, its scale and bias per
+    token group chosen from the column by `Kivi4Codec.encode`'s rule, each code the nearest level."""
+
+    group = 1
+
+    def __init__(self, token_group, levels):
+        self.token_group, self.levels = token_group, levels
+
+    def start(self, block):
+        """block (n_kv, T, 1) -> (scale, bias) float16 (n_kv, T / G) and both as float32 (n_kv, T)."""
+        n, t, _ = block.shape
+        col = mx.array(block).reshape(n, t // self.token_group, self.token_group)
+        bias = f16_toward(col.min(axis=-1), up=False)
+        scale = f16_toward((col.max(axis=-1) - bias.astype(mx.float32)) / self.levels, up=True)
+        spread = [np.repeat(np.array(a.astype(mx.float32)), self.token_group, axis=1) for a in (scale, bias)]
+        return scale, bias, *spread
+
+    def nearest(self, column, state, i):
+        _, _, s, b = state
+        q = np.round((column - b) / np.where(s > 0, s, 1))
+        q = np.where(s > 0, np.clip(q, 0, self.levels), 0)
+        return q * s + b, q
 
 
 class Kivi4Codec(FixedParamsCodec):
@@ -55,6 +81,12 @@ class Kivi4Codec(FixedParamsCodec):
         g, levels = self.token_group, (1 << self.bits) - 1
         if t % g:
             raise InputError(f"tier {self.name}: {t} tokens are not whole groups of {g}")
+        weight = score_aware.weight_of(params)
+        if weight is not None:  # codes chosen for the score error (score_aware), one channel at a time
+            codes, _, states = score_aware.feedback_round(np.array(x.astype(mx.float32)), weight, KiviGrid(g, levels))
+            scale, bias = (mx.stack([s[i] for s in states], axis=-1) for i in (0, 1))  # (n_kv, groups, D)
+            return {"codes": bitpack.pack(mx.array(codes), self.bits), "scales": scale.reshape(n, t, d // g),
+                    "biases": bias.reshape(n, t, d // g)}
         xg = x.astype(mx.float32).reshape(n, t // g, g, d)  # (n_kv, groups, G, D)
         bias = f16_toward(xg.min(axis=2), up=False)  # (n_kv, groups, D)
         scale = f16_toward((xg.max(axis=2) - bias.astype(mx.float32)) / levels, up=True)

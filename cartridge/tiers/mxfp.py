@@ -8,9 +8,10 @@ Formats: OCP MX v1.0 and NVIDIA NVFP4; MLX's scale rule in shared/reference/kv-q
 """
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import CorruptCartridgeError
-from . import layout
+from . import bitpack, layout, score_aware
 from .base import token_blocks
 from .quantized import GroupQuantCodec
 
@@ -33,6 +34,33 @@ def abs_max(x, transform=None):
     return float(mx.stack(maxima).max())
 
 
+class MxGrid:
+    """The grid of one MX / NV group for `score_aware.feedback_round`: the scale `mx.quantize` chooses for the
+    group's values, each code the one of the 2^bits whose decoded value is nearest."""
+
+    def __init__(self, codec, params):
+        self.codec, self.params, self.group = codec, params, codec.group_size
+        n_codes = 1 << codec.bits
+        self.reps = -(-n_codes // self.group)  # groups of one scale that hold every code once
+        every = np.arange(self.reps * self.group) % n_codes
+        self.words = bitpack.pack(mx.array(every[None], dtype=mx.uint32), codec.bits)  # (1, W)
+
+    def start(self, block):
+        """block (n_kv, T, group) float32 -> (scales uint8 (n_kv, T), every code's value (n_kv, T, 2^bits))."""
+        n, t, _ = block.shape
+        _, scales = mx.quantize(mx.array(block), mode=self.codec.mode, **self.codec._global(self.params))
+        rows = mx.repeat(scales.reshape(n * t, 1), self.reps, axis=1)  # one scale for every code's group
+        words = mx.broadcast_to(self.words, (n * t, self.words.shape[1]))
+        values = self.codec.scaled(mx.dequantize(words, rows, dtype=mx.float32, **self.codec.quantize_kwargs()), self.params)
+        table = np.array(values)[:, :1 << self.codec.bits].reshape(n, t, -1)
+        return scales.reshape(n, t), np.where(np.isnan(table), np.inf, table)  # fp8's NaN codes are never chosen
+
+    def nearest(self, column, state, i):
+        table = state[1]
+        code = np.abs(table - column[..., None]).argmin(axis=-1)
+        return np.take_along_axis(table, code[..., None], axis=-1)[..., 0], code
+
+
 class MxCodec(GroupQuantCodec):
     """A tier encoded with `mx.quantize(mode=self.mode)` from float32."""
 
@@ -41,6 +69,10 @@ class MxCodec(GroupQuantCodec):
     scale_rule = "e8m0_ceil"
 
     def encode(self, x, params):
+        weight = score_aware.weight_of(params)
+        if weight is not None:  # the codes chosen for the score error (score_aware), the scales as mx.quantize's
+            codes, _, states = score_aware.feedback_round(np.array(x.astype(mx.float32)), weight, MxGrid(self, params))
+            return {"codes": bitpack.pack(mx.array(codes), self.bits), "scales": mx.stack([s[0] for s in states], -1)}
         codes, scales = mx.quantize(x.astype(mx.float32), mode=self.mode, **self._global(params))
         return {"codes": codes, "scales": scales}
 
@@ -84,7 +116,8 @@ class Nvfp4Codec(MxCodec):
     def make_params(self, x, layer, side, transform=None):
         amax = abs_max(x, transform)
         # an all-zero tensor has no scale to find; 1.0 keeps every block scale finite (zero codes)
-        return {**super().make_params(x, layer, side), "global_scale": amax if amax > 0 else 1.0}
+        params = {**super().make_params(x, layer, side), "global_scale": amax if amax > 0 else 1.0}
+        return score_aware.bind(params, x, layer, side)
 
     def check_params(self, params, n_kv_heads, head_dim):
         super().check_params(params, n_kv_heads, head_dim)

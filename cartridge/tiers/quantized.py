@@ -56,10 +56,11 @@ class GroupQuantCodec(FixedParamsCodec):
     def _qargs(self, parts):
         return parts["codes"], parts["scales"], parts.get("biases") if self.has_biases else None
 
-    def _qkw(self):
+    def quantize_kwargs(self):
         return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
-    def _post(self, y, params):
+    def scaled(self, y, params):
+        """y multiplied by `post_scale(params)` where the tier has one (nvfp4), else y unchanged."""
         s = self.post_scale(params)
         return y if s is None else y * s
 
@@ -67,14 +68,14 @@ class GroupQuantCodec(FixedParamsCodec):
         codes, scales, biases = self._qargs(parts)
         if self.has_biases:  # float32 arithmetic: scale * q + bias
             scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-        return self._post(mx.dequantize(codes, scales, biases, dtype=mx.float32, **self._qkw()), params)
+        return self.scaled(mx.dequantize(codes, scales, biases, dtype=mx.float32, **self.quantize_kwargs()), params)
 
     def scores(self, q, parts, params):
         # q (n_kv, R, D) -> (1, n_kv, R, D), broadcast against pages (n_pages, n_kv, P, D*bits/32)
-        s = mx.quantized_matmul(q[None], *self._qargs(parts), transpose=True, **self._qkw())
-        return self._post(s, params)  # (n_pages, n_kv, R, P)
+        s = mx.quantized_matmul(q[None], *self._qargs(parts), transpose=True, **self.quantize_kwargs())
+        return self.scaled(s, params)  # (n_pages, n_kv, R, P)
 
     def weighted_values(self, p, parts, params):
         # p (n_pages, n_kv, R, P) @ V (n_pages, n_kv, P, D) -> (n_pages, n_kv, R, D), summed over pages
-        o = mx.quantized_matmul(p, *self._qargs(parts), transpose=False, **self._qkw()).sum(axis=0)
-        return self._post(o, params)
+        o = mx.quantized_matmul(p, *self._qargs(parts), transpose=False, **self.quantize_kwargs()).sum(axis=0)
+        return self.scaled(o, params)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptCartridgeError, InputError
+from . import score_aware
 from .base import TierCodec
 
 KIND = "block_hadamard_signs"
@@ -132,14 +133,16 @@ class RotatedCodec(TierCodec):
     def make_params(self, x, layer, side, transform=None):
         rot = rotation_params(x.shape[-1], layer, side)
         # the base's statistics (nvfp4's amax) over R x, a block of tokens at a time: R acts on each token alone
-        return {**self.base.make_params(x, layer, side, lambda b: rotate(b, rot)), "rotation": rot}
+        params = {**self.base.make_params(x, layer, side, lambda b: rotate(b, rot)), "rotation": rot}
+        return score_aware.bind(params, x, layer, side)
 
     def check_params(self, params, n_kv_heads, head_dim):
         check_rotation(params.get("rotation"), head_dim, self.name)
         self.base.check_params(params, n_kv_heads, head_dim)
 
     def encode(self, x, params):
-        return self.base.encode(rotate(x, params["rotation"]), params)
+        rot = params["rotation"]  # a score-aware weight goes into the rotated basis with the values: R H R^T
+        return self.base.encode(rotate(x, rot), score_aware.rotated_weight(params, lambda m: rotate(m, rot)))
 
     def decode(self, parts, params):
         return unrotate(self.base.decode(parts, params), params["rotation"])

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptCartridgeError, InputError
-from . import bitpack, layout
+from . import bitpack, layout, score_aware
 from .base import Component, TierCodec
 from .codebook import lloyd_max, thresholds
 
@@ -71,6 +71,38 @@ class Basis:
         return unrotate(y.astype(mx.float32), self.signs)
 
 
+class TurboGrid:
+    """TurboQuant's grid for `score_aware.feedback_round`: one group of head_dim coordinates per token whose
+    scale is the token's rotated norm |y|, each code the codebook value nearest to y_j / |y| as `encode` picks."""
+
+    def __init__(self, params, head_dim):
+        self.group, self.codebook = head_dim, np.asarray(params["codebook"], dtype=np.float32)
+        self.thresholds = thresholds(params["codebook"])
+
+    def start(self, block):
+        """block (n_kv, T, D) float32 (the rotated tokens) -> their norms (n_kv, T) float32."""
+        return np.linalg.norm(block, axis=-1)
+
+    def nearest(self, column, norm, i):
+        idx = np.searchsorted(self.thresholds, column / np.where(norm > 0, norm, 1), side="left")  # #{t < u}
+        return norm * self.codebook[idx], idx
+
+
+def fitted_norms(y, codewords, weight):
+    """Per token the norm n minimising (y - n c)^T H (y - n c): n = c^T H y / c^T H c.
+
+    Args:
+        y (np.ndarray): (n_kv, T, D) rotated tokens. codewords (np.ndarray): (n_kv, T, D) C[idx].
+        weight (np.ndarray): (n_kv, D, D) H in the rotated basis.
+
+    Returns:
+        np.ndarray: (n_kv, T, 1) float32.
+    """
+    hc = np.einsum("nde,nte->ntd", weight, codewords)  # H c per token
+    den = (hc * codewords).sum(-1, keepdims=True)
+    return ((hc * y).sum(-1, keepdims=True) / np.where(den > 0, den, 1)).astype(np.float32)
+
+
 class TurboCodec(TierCodec):
     """TurboQuant-MSE with `bits` bits per rotated coordinate; subclasses set `name` and `bits`."""
 
@@ -89,11 +121,11 @@ class TurboCodec(TierCodec):
     def make_params(self, x, layer, side, transform=None):
         n_kv, _, head_dim = x.shape
         seed = sign_seed(layer, side)
-        return {
+        return score_aware.bind({
             "rotation": ROTATION, "seed": seed, "signs": make_signs(seed, n_kv, head_dim).tolist(),
             "bits": self.bits, "codebook": list(lloyd_max(head_dim, self.bits)), "norm": DEFAULT_NORM[side],
             "packing": PACKING,
-        }
+        }, x, layer, side)
 
     def check_params(self, params, n_kv_heads, head_dim):
         fixed = {"rotation": ROTATION, "bits": self.bits, "packing": PACKING}
@@ -116,6 +148,8 @@ class TurboCodec(TierCodec):
     def encode(self, x, params):
         signs, codebook = _prepared(params)
         y = rotate(x.astype(mx.float32), signs)  # (n_kv, T, D)
+        if score_aware.weight_of(params) is not None:
+            return self._encode_weighted(y, score_aware.rotated_weight(params, lambda m: rotate(m, signs)))
         norm = mx.linalg.norm(y, axis=-1, keepdims=True)  # (n_kv, T, 1)
         u = y / mx.where(norm > 0, norm, 1)
         idx = mx.zeros(u.shape, dtype=mx.uint32)
@@ -124,6 +158,13 @@ class TurboCodec(TierCodec):
         if params["norm"] == "corrected":
             norm = norm / mx.linalg.norm(mx.take(codebook, idx), axis=-1, keepdims=True)
         return {"codes": bitpack.pack(idx, self.bits), "norms": norm.astype(mx.float16)}
+
+    def _encode_weighted(self, y, params):
+        """Codes chosen for the score error under the rotated weight (`score_aware`), norms fitted to them."""
+        y, weight = np.array(y), score_aware.weight_of(params)
+        idx, _, _ = score_aware.feedback_round(y, weight, TurboGrid(params, y.shape[-1]))
+        norms = fitted_norms(y, np.asarray(params["codebook"], dtype=np.float32)[idx], weight)
+        return {"codes": bitpack.pack(mx.array(idx), self.bits), "norms": mx.array(norms).astype(mx.float16)}
 
     def _codewords(self, codes, params):
         """C[idx] for (..., W) codes: (..., D) float32 unit-scale codewords in the rotated basis."""

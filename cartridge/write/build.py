@@ -6,19 +6,21 @@
 """
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from .. import calibrate as calibrate_mod
+from ..calibrate import queries
 from ..format import keys as K
 from ..format.writer import check_output_path, check_space
 from ..models.loader import LoadedModel, load_model
 from ..models.prompt import check_text
 from ..storage.kinds import KINDS
 from ..storage.store import check_layer_tiers
-from ..tiers import DEFAULT_TIER, get_tier, protect
+from ..tiers import DEFAULT_TIER, get_tier, protect, score_aware
 from .encode import header_extras, layers_bytes, write_layers
-from .options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_options, fit_page_size, probed_schema_and_tokens,
-                      resolve_options)
+from .options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_k_encoder, check_options, fit_page_size,
+                      probed_schema_and_tokens, resolve_options)
 from .prefill import DEFAULT_PREFILL_STEP, prefill, prefill_holding
 
 
@@ -57,7 +59,7 @@ class BuildResult:
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None, protect_first=0, protect_last=0,
-          preset=None, budget=None, calibrate=True, calibration_progress=None):
+          preset=None, budget=None, calibrate=True, calibration_progress=None, k_encoder="nearest"):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -95,6 +97,10 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         calibrate (bool): measure budget presets on the document (False: today's fixed recipes, no
             extra cost; a `budget` then is refused). Default: True.
         calibration_progress (callable | None): progress(done, total) over the layers of the measurement.
+        k_encoder (str): "nearest" (each K element rounded to its nearest code) or "score" (K's codes chosen for
+            the score error under the second moment of the document's own queries, gathered during the prefill:
+            `cartridge.tiers.score_aware`; the calibration measures the tiers so encoded). The stored format is
+            the same. Default: "nearest".
 
     Returns:
         BuildResult
@@ -117,6 +123,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
+    check_k_encoder(k_encoder)
     target, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
                                                         boundary_protect, schema, protect_first, protect_last)
     check_options(document, options, page_size, prefill_step, reserve)
@@ -132,12 +139,15 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
 
     t0 = time.perf_counter()
     holds = target is not None and declined is None and any(p.kind == "window" for p in plans)
-    caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
-        (prefill(lm.model, tokens, prefill_step, progress), None)
+    moments, watch = queries.collecting() if k_encoder == "score" else (None, nullcontext())
+    with watch:
+        caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
+            (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
-    path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras,
-                                           protected, (target, declined, calibration_progress), held)
+    with score_aware.weighting(moments and moments.weights(caches)):  # the calibration measures what is written
+        path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force,
+                                               extras, protected, (target, declined, calibration_progress), held)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)
     result.prompt_mode = mode

@@ -13,6 +13,7 @@ from ..tiers import check_schema, get_tier, presets, protect, read_tier_options,
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_RESERVE = 256  # tokens a build leaves free for questions and answers before it warns
+K_ENCODERS = ("nearest", "score")  # how K's codes are chosen (`cartridge.tiers.score_aware`)
 
 
 class ContextWarning(UserWarning):
@@ -89,6 +90,12 @@ def _check_options(page_size, prefill_step, reserve=0):
         raise InputError(f"page size {page_size} tokens is out of range 1..65536")
     check_prefill_step(prefill_step)
     check_reserve(reserve)
+
+
+def check_k_encoder(k_encoder):
+    """Raise InputError unless `k_encoder` is one of K_ENCODERS."""
+    if k_encoder not in K_ENCODERS:
+        raise InputError(f"K encoder {k_encoder!r} is not one of {', '.join(K_ENCODERS)}")
 
 
 def check_reserve(reserve):

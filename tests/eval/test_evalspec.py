@@ -26,12 +26,15 @@ def test_parse_entries():
     assert parse_entry(" k=fp16:v=bf16 ") == Spec("k=fp16:v=bf16", {"k_tier": "fp16", "v_tier": "bf16"})
     assert parse_entry("k=fp16:v=bf16:bp0").options == {"k_tier": "fp16", "v_tier": "bf16", "boundary_protect": 0}
     assert [s.label for s in parse_tiers("fp16,bf16:bp1")] == ["fp16", "bf16:bp1"]
+    assert parse_entry("preset=balanced:kenc=score").options == {"preset": "balanced", "k_encoder": "score"}
 
 
 @pytest.mark.parametrize("text, expect", [
     ("int3", "--tiers entry 'int3': unknown tier 'int3'; known tiers: "),
     ("fp16:bpx", "field 'bpx' must be bp followed by a whole number of layers"),
-    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN or preset=NAME \\(known tiers: fp16, "),
+    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME or kenc=NAME "
+                 "\\(known tiers: fp16, "),
+    ("preset=balanced:kenc=gptq", "K encoder 'gptq' is not one of nearest, score"),
     ("fp16:bf16", "tier given twice"),
     ("k=fp16:k=bf16", "k_tier given twice"),
     ("k=:v=fp16", "empty tier name"),
@@ -61,6 +64,7 @@ def test_load_schemas_lists_keywords_and_schema_files(tmp_path):
     ({"x": [{"layer": 0, "k": "fp16"}]}, "schema row 0 must be"),
     ({"x": [{"layer": 0, "k": "fp16", "v": "q9"}]}, "unknown tier 'q9'"),
     ({"x": {"schema": "missing.json"}}, "schema file .*missing.json cannot be read"),
+    ({"x": {"tier": "mlx4g32", "k_encoder": "gptq"}}, "label 'x': K encoder 'gptq' is not one of nearest, score"),
 ])
 def test_bad_schemas(tmp_path, doc, expect):
     path = tmp_path / "schemas.json"
@@ -83,6 +87,8 @@ def test_cache_key_changes_with_what_decides_the_bytes():
     others = {cache_key(DOC + " ", "fp-a", REFERENCE, 256), cache_key(DOC, "fp-b", REFERENCE, 256),
               cache_key(DOC, "fp-a", parse_entry("bf16"), 256), cache_key(DOC, "fp-a", REFERENCE, 128)}
     assert base not in others and len(others) == 4
+    assert cache_key(DOC, "fp-a", parse_entry("mlx4g32:kenc=score"), 256) != \
+        cache_key(DOC, "fp-a", parse_entry("mlx4g32"), 256)
 
 
 def test_build_then_reuse_then_rebuild(tiny, tmp_path):

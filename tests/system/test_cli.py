@@ -9,6 +9,7 @@ from helpers.clirun import run_process
 from helpers.clirun import run_inprocess as run  # the other modules' `run` too (tests/helpers/clirun.py says which stay real)
 from helpers import VECTORS
 from helpers.clirun import DOC
+from helpers.tiny_models import TINY_CONFIG, make_tiny, save_model_dir
 
 
 def test_build_summary_and_inspect_json(built, tiny_dir):
@@ -118,6 +119,23 @@ def test_ask_says_when_the_model_ended_its_answer_before_max_tokens(built, monke
         assert (f"({tokens} tokens, the model ended its answer)" in r.stderr.decode()) == said
 
 
+def test_build_k_encoder_score_writes_the_tiers_format(smol_tokenizer, tmp_path):
+    """--k-encoder score: the same files and sizes as nearest's, other K codes; an unknown encoder is refused."""
+    model = save_model_dir(make_tiny(smol_tokenizer, seed=3, head_dim=32), tmp_path / "model",
+                           {**TINY_CONFIG, "head_dim": 32})
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(DOC * 3)
+    for enc in ("nearest", "score"):
+        r = run("build", corpus, "-o", tmp_path / f"{enc}.cart", "--model", model, "--tier", "mlx4g32",
+                "--k-encoder", enc)
+        assert r.returncode == 0, r.stderr.decode()
+    files = [{p.name: p.read_bytes() for p in (tmp_path / f"{e}.cart").iterdir()} for e in ("nearest", "score")]
+    assert {n: len(b) for n, b in files[0].items()} == {n: len(b) for n, b in files[1].items()}
+    assert files[0] != files[1]
+    r = run("build", corpus, "-o", tmp_path / "x.cart", "--model", model, "--k-encoder", "gptq")
+    assert r.returncode == 2 and "'gptq' is not one of 'nearest', 'score'" in r.stderr.decode()
+
+
 def test_build_from_stdin(tiny_dir, tmp_path):
     r = run("build", "-", "-o", tmp_path / "s.cart", "--model", tiny_dir, stdin=DOC.encode())
     assert r.returncode == 0, r.stderr.decode()
@@ -145,6 +163,7 @@ REAL_PROCESS_CASES = ("not utf-8", "not a cartridge", "question past context")  
     ("schema and tier", "cannot be combined with --tier"),
     ("max tokens past context", "does not fit the model's context of 512 tokens"),
     ("question past context", "the question ("),
+    ("k encoder under parallel", "not --preset, --protect-first/--protect-last or --k-encoder"),
 ])
 def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
     out, _ = built
@@ -190,6 +209,8 @@ def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path
         r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--tier", "int8", "--schema", corpus)
     elif case == "question past context":
         r = cmd("ask", out, "Who may terminate the lease? " * 100)
+    elif case == "k encoder under parallel":
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--k-encoder", "score", "--parallel", "tensor")
     elif case == "max tokens past context":
         r = cmd("ask", out, "Who?", "--max-tokens", 10_000_000)
     err = r.stderr.decode().strip().splitlines()
