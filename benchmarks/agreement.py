@@ -483,7 +483,13 @@ def blend_main(args):
 
 # ---- kenc ---------------------------------------------------------------------------------------------------
 
-ENCODERS = ("nearest", "score")
+ENCODERS = {  # label -> build keywords (issue 49 items 2-4)
+    "nearest": {},
+    "score": {"k_encoder": "score"},
+    "scale": {"k_scale": True},
+    "score+scale": {"k_encoder": "score", "k_scale": True},
+    "score+scale+vout": {"k_encoder": "score", "k_scale": True, "v_encoder": "output"},
+}
 
 
 def build_options(config):
@@ -575,12 +581,12 @@ def kenc_main(args):
     ref = Reference(lm, fp16, args.questions, args.out + ".answers.json")
     bleu = set(filter(None, args.bleu.split(",")))
     for config in filter(None, args.configs.split(",")):
-        for enc in ENCODERS:
+        for enc in args.encoders.split(","):
             label, path = f"{config} @{enc}", work / f"{config.replace('=', '-')}-{enc}.cart"
             row = results["rows"].get(label, {})
             if not (path / "MANIFEST").exists() or not row:
-                row = timed_build(doc, path, lm, {**build_options(config), "k_encoder": enc})
-            if config in bleu or "kl" not in row:
+                row = timed_build(doc, path, lm, {**build_options(config), **ENCODERS[enc]})
+            if config in bleu and "bleu" not in row or "kl" not in row:
                 row.update(ref.score(cartridge.load(path, model=lm), config in bleu))
             results["rows"][label] = row
             print(label, rounded(row), flush=True)
@@ -624,6 +630,8 @@ def main():
     k.add_argument("--configs", default="preset=balanced,preset=compact,mlx4g32",
                    help="build options, each built with k_encoder nearest and score: preset=NAME or a tier")
     k.add_argument("--bleu", default="", help="configs whose answers are also generated and BLEU-scored")
+    k.add_argument("--encoders", default="nearest,score", help=f"encodings each config is built with: "
+                   f"{', '.join(ENCODERS)}")
     k.add_argument("--work", help="folder of the cartridges, kept to be scored again (default: OUT.work)")
     k.add_argument("--model", default="default")
     k.set_defaults(run=kenc_main)

@@ -112,12 +112,16 @@ def decode_pages(codec, parts, params, dtype, protected=None, side="k", n_tokens
 def decode_prefix(prefix, dtype):
     """K and V of a `LayerPrefix` decoded to (1, n_kv_heads, n_tokens, head_dim) arrays of `dtype`, with
     protected tokens (if any) from their fp16 copies: each side decoded a chunk of pages at a time
-    (`decode_pages`), then laid out as one sequence (the caller evaluates that copy)."""
+    (`decode_pages`), then laid out as one sequence (the caller evaluates that copy). K stored scaled (format
+    1.11) is multiplied back by its scale: these are the model's own K, for mlx-lm's attention."""
     out = []
     for side, codec, parts, params in (("k", prefix.k_codec, prefix.k_parts, prefix.k_params),
                                        ("v", prefix.v_codec, prefix.v_parts, prefix.v_params)):
         x = decode_pages(codec, parts, params, dtype, prefix.protected, side, prefix.n_tokens)
         n_pages, n_kv, page, d = x.shape
         # (n_pages, n_kv, P, D) -> (1, n_kv, n_pages * P, D), then the valid tokens
-        out.append(x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens])
+        x = x.transpose(1, 0, 2, 3).reshape(1, n_kv, n_pages * page, d)[:, :, :prefix.n_tokens]
+        if side == "k" and prefix.key_scale is not None:
+            x = (x * prefix.key_scale[None, :, None, :]).astype(dtype)
+        out.append(x)
     return out

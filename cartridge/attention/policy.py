@@ -11,6 +11,8 @@
   the CPU, affine K sides with their codes unpacked to bytes where that fits: `unpacked`).
 """
 
+import dataclasses
+
 import mlx.core as mx
 
 from ..errors import InputError
@@ -87,7 +89,8 @@ def dequantize(prefix, dtype):
     k, v = (decode_pages(codec, parts, params, dtype, prefix.protected, side, prefix.n_tokens)
             for codec, parts, params, side in ((prefix.k_codec, prefix.k_parts, prefix.k_params, "k"),
                                                (prefix.v_codec, prefix.v_parts, prefix.v_params, "v")))
-    return LayerPrefix(DEQUANTIZED, {"values": k}, DEQUANTIZED, {"values": v}, prefix.n_tokens)
+    return LayerPrefix(DEQUANTIZED, {"values": k}, DEQUANTIZED, {"values": v}, prefix.n_tokens,
+                       key_scale=prefix.key_scale)
 
 
 def backend_for(policy, prefix, head_dim):
@@ -199,7 +202,7 @@ def _decoded(p, sides, dtype, unpack=(), via_unpacked=False, lazy=False):
             mx.eval(list(out[side][1].values()))
     # a side still compressed reads the protected copies on the portable path; two dense sides do not
     protected = None if set(sides) == {"k", "v"} else p.protected
-    return LayerPrefix(*out["k"], *out["v"], p.n_tokens, p.k_params, p.v_params, None, protected)
+    return LayerPrefix(*out["k"], *out["v"], p.n_tokens, p.k_params, p.v_params, None, protected, p.key_scale)
 
 
 def _compressed(tiers):
@@ -295,8 +298,7 @@ def place(prefixes, policy, dtype, head_dims, max_memory=None, entries=None, unp
             record = record.without_copy()
         else:
             resident += extra
-        out[i] = LayerPrefix(q.k_codec, q.k_parts, q.v_codec, q.v_parts, q.n_tokens, q.k_params, q.v_params, record,
-                             q.protected)
+        out[i] = dataclasses.replace(q, backend=record)
         if limit is not None:  # within a budget each layer's decode ends (its temporaries freed) before the next
             mx.eval([list(out[i].k_parts.values()), list(out[i].v_parts.values())])
     return out, _report(_layers(choices, decoded, packed), sides, decoded, packed, limit, stored, resident, peak,

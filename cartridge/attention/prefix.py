@@ -22,6 +22,9 @@ class LayerPrefix:
             means the portable path (`cartridge.attention.kernels.portable`).
         protected (Protected | None): fp16 copies of the first/last prefix tokens, attended instead of
             their compressed pages (`cartridge.tiers.protect`).
+        key_scale (mx.array | None): (n_kv_heads, head_dim) float32 s of a layer whose K pages and protected
+            copies hold K / s (format 1.11, `cartridge.tiers.key_scale`): its cache attends with queries * s and
+            keeps its tail's keys / s; None: K as the model computed it.
     """
 
     k_codec: object
@@ -33,6 +36,7 @@ class LayerPrefix:
     v_params: dict = field(default_factory=dict)
     backend: object = None
     protected: object = None
+    key_scale: object = None
 
     @property
     def n_kv_heads(self):

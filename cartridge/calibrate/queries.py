@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention import route
+from ..tiers import key_scale
 
 
 class QueryMoments:
@@ -51,6 +52,23 @@ class QueryMoments:
         """
         return {(layer, "k"): np.array(self.sums[id(c)]).astype(np.float64) / self.counts[id(c)]
                 for layer, c in enumerate(caches) if id(c) in self.sums and self.caches[id(c)] is c}
+
+
+def key_scales(weights, caches, kinds):
+    """layer -> (n_kv_heads, head_dim) float32 per-channel K scale (`cartridge.tiers.key_scale.choose`) of every
+    "attention" layer whose queries were seen.
+
+    Args:
+        weights (dict): `QueryMoments.weights`. caches (list): the prefill's mlx-lm caches, one per layer.
+        kinds (list[str]): each layer's kind (`LayerPlan.kind`): only "attention" layers are scaled.
+    """
+    out = {}
+    for layer, (cache, kind) in enumerate(zip(caches, kinds)):
+        h = weights.get((layer, "k"))
+        if kind == "attention" and h is not None:
+            keys = cache.state[0][0]  # (n_kv_heads, T, head_dim)
+            out[layer] = key_scale.choose(h, np.array(keys.astype(mx.float32)))
+    return out
 
 
 def collecting():

@@ -65,6 +65,11 @@ def cli():
 @click.option("--k-encoder", type=click.Choice(["nearest", "score"]), default="nearest", show_default=True,
               help="How K's codes are chosen: nearest rounding, or for the scores of the document's own queries "
                    "(same format).")
+@click.option("--k-scale", is_flag=True, help="Store K divided by a per-channel scale chosen from the document's keys "
+              "and queries; the query is multiplied by it (format 1.11; extend, save, compose, convert refuse it).")
+@click.option("--v-encoder", type=click.Choice(["nearest", "output"]), default="nearest", show_default=True,
+              help="How V's codes are chosen: nearest rounding, or for the attention output through o_proj "
+                   "(same format).")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -76,17 +81,18 @@ def cli():
 @click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
               help=PARALLEL_HELP + " Rank 0 writes the cartridge.")
 def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last, preset,
-          target_ratio, max_bytes_per_token, max_kl, no_calibrate, k_encoder, prefill_step, page_size, reserve, system,
-          force, parallel):
+          target_ratio, max_bytes_per_token, max_kl, no_calibrate, k_encoder, k_scale, v_encoder, prefill_step, page_size,
+          reserve, system, force, parallel):
     """Prefill CORPUS (a UTF-8 text file, or - for stdin) once and write a cartridge."""
     target = read_target(preset, target_ratio, max_bytes_per_token, max_kl, no_calibrate)
     refuse_tier_clashes(preset, schema)
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
-    if parallel and (preset or target or protect_first or protect_last or k_encoder != "nearest"):
-        raise InputError("--parallel builds take tier options only, not --preset, --protect-first/--protect-last "
-                         "or --k-encoder")
+    if parallel and (preset or target or protect_first or protect_last or k_encoder != "nearest" or k_scale
+                     or v_encoder != "nearest"):
+        raise InputError("--parallel builds take tier options only, not --preset, --protect-first/--protect-last, "
+                         "--k-encoder, --k-scale or --v-encoder")
     group = launched_group(parallel)
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
         check_output_path(output, force)
@@ -100,7 +106,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
             r = cartridge.build(text, output, model=model, progress=progress, protect_first=protect_first,
                                 protect_last=protect_last, preset=preset, budget=target,
                                 calibrate=not no_calibrate, calibration_progress=calibration_progress,
-                                k_encoder=k_encoder, **options)
+                                k_encoder=k_encoder, k_scale=k_scale, v_encoder=v_encoder, **options)
         else:
             from cartridge.distributed import build_sharded, load_sharded_model  # (loads mlx-lm: not at CLI start)
 

@@ -84,6 +84,7 @@ def inspect_dict(info, path):
         "fixed_bytes": info.fixed_bytes(),
         "per_token_split": info.per_token_split(),
         "protected": {"first": info.protect_first, "last": info.protect_last},
+        "k_scaled_layers": sorted(str(p) for p in info.key_scales),
         "bytes_per_token": info.bytes_per_token(),
         "fp16_bytes_per_token": info.fp16_bytes_per_token(),
         "total_bytes": total,
@@ -257,6 +258,8 @@ def inspect_table(d):
         *sources_lines(d["sources"]),
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
         f"also kept in fp16",
+        *([f"K scaled      per channel in {len(d['k_scaled_layers'])} layers (format 1.11; the queries are "
+           f"multiplied by the scale)"] if d.get("k_scaled_layers") else []),
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),
         f"preset        {d.get('preset') or '-'}",
         *calibration_lines(d.get("calibration"), d["n_layers"]),

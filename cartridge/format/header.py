@@ -17,7 +17,7 @@ from ..errors import (
     LayoutError,
     UnsupportedVersionError,
 )
-from ..tiers import DTYPES, TIERS, protect
+from ..tiers import DTYPES, TIERS, key_scale, protect
 from . import keys as K
 from .container import Extent, parse_head_table, parse_page_table
 from .fields import typed
@@ -57,6 +57,8 @@ class CartridgeInfo:
         lineage_source (str): lineage.source, hex SHA-256 of the MANIFEST it was written from ("" if none).
         model_repo_id (str | None), model_revision (str | None): the Hugging Face repo id the model was
             resolved from and the commit it resolved to (format 1.10; None where not recorded).
+        key_scales (dict): layer path -> (n_kv_heads, head_dim) float32 s of a layer whose K pages hold K / s
+            (format 1.11, `cartridge.tiers.key_scale`); {} where no layer is scaled.
     """
 
     format_version: str
@@ -90,6 +92,7 @@ class CartridgeInfo:
     unit_tiers: dict = field(default_factory=dict)
     model_repo_id: str | None = None
     model_revision: str | None = None
+    key_scales: dict = field(default_factory=dict, repr=False)
 
     def units(self):
         """[(path, LayerInfo)] of every stored cache, in storage order (`layer_units`)."""
@@ -145,11 +148,11 @@ class CartridgeInfo:
 
 def require_attention_layers(info, what, kinds=("attention",)):
     """Refuse a cartridge with a layer of a kind other than `kinds`, a K/V layer of a shape other than the
-    global (n_kv_heads, head_dim), or protected tokens.
+    global (n_kv_heads, head_dim), K scales or protected tokens.
 
     Save, compose and sharded loading handle paged attention layers of one shape only; extend also window
-    layers, convert also dense, window and state layers (`kinds`); other kinds (format 1.4, section 5.5)
-    and protected tokens (1.5, section 4.5.4) are refused in one line.
+    layers, convert also dense, window and state layers (`kinds`); other kinds (format 1.4, section 5.5),
+    protected tokens (1.5, section 4.5.4) and K stored scaled (1.11, 4.5.6) are refused in one line.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
@@ -166,6 +169,9 @@ def require_attention_layers(info, what, kinds=("attention",)):
         if layer.kind_type.tiered and (layer.k_shape != shape or layer.v_shape != shape):
             raise InputError(f"layer {i} stores K {layer.k_shape} and V {layer.v_shape}; {what} takes layers of "
                              f"the cartridge's (n_kv_heads, head_dim) {shape} only")
+    if info.key_scales:  # each layer's pages hold K / s: a new cartridge would mix scaled and plain K
+        raise InputError(f"the cartridge stores K scaled per channel (built with --k-scale); {what} takes "
+                         f"cartridges without K scales only in this version")
     if info.protect_first + info.protect_last:  # their fp16 copies sit at positions a new cartridge would move
         raise InputError(f"the cartridge keeps {info.protect_first} first and {info.protect_last} last tokens in "
                          f"fp16; {what} takes cartridges without protected tokens only (convert the fp16 cartridge without "
@@ -254,10 +260,10 @@ def _unit_tier(records, layer, side):
     if name not in TIERS:
         raise FieldError(f"layer {layer} {side}: unknown tier {name[:40]!r}; known: {', '.join(TIERS)}")
     version = typed(records, K.layer_codec_version(layer, side), int)
-    if version > TIERS[name].codec_version:
-        raise UnsupportedVersionError(
-            f"layer {layer} {side}: tier {name} codec version {version}; this reader knows up to {TIERS[name].codec_version}"
-        )
+    known = max(TIERS[name].codec_version, key_scale.SCALED_VERSION) if side == "k" else TIERS[name].codec_version
+    if version > known:
+        raise UnsupportedVersionError(f"layer {layer} {side}: tier {name} codec version {version}; this reader knows up "
+                                      f"to {known}")
     return name
 
 
@@ -286,6 +292,9 @@ def parse_header(records, manifest):
     tiers, unit_tiers = _tier_map(records, layers)
     _choice(records, K.ROPE)  # keys stored before RoPE would give wrong answers: refuse, don't guess
     first, last, protected = protect.read(records, layers, n_tokens)
+    tiered = [(path, info) for path, info in layer_units(layers) if info.kind_type.tiered]
+    scales = key_scale.read(records, tiered, {path: typed(records, K.layer_codec_version(path, "k"), int)
+                                               for path, _ in tiered})
     return CartridgeInfo(
         format_version=f"{major}.{typed(records, K.FORMAT_MINOR, int)}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
@@ -307,7 +316,7 @@ def parse_header(records, manifest):
         records=records,
         **_lineage(records, ids, n_tokens),
         **_hub(records),
-        protect_first=first, protect_last=last, protected=protected,
+        protect_first=first, protect_last=last, protected=protected, key_scales=scales,
     )
 
 

@@ -56,6 +56,12 @@ MODEL_REPO_ID = "model.repo_id"  # JSON string "ORG/NAME": a reader loads the mo
 MODEL_REVISION = "model.revision"  # JSON string: the commit hash the repo id resolved to at build
 
 
+def layer_key_scale(layer):
+    """Binary (format 1.11): float32 little-endian (n_kv_heads, head_dim), the per-channel scale s whose K / s the
+    layer's K pages hold (`cartridge.tiers.key_scale`)."""
+    return f"layer.{layer}.k.scale"
+
+
 def layer_protected(layer, side):
     """Binary: float16 little-endian (n_kv_heads, N + M, head_dim), tokens 0..N-1 then T-M..T-1."""
     return f"layer.{layer}.{side}.protected"

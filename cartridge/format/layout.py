@@ -10,7 +10,7 @@ from pathlib import Path
 
 MAGIC = b"CARTRIDG"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 10  # 1.1: optional source.* keys (spec/FORMAT.md 4.5.1); 1.2: per-(page, head) checksums (4.5.2); 1.3: prompt.document_tokens, lineage.* (4.5.3)
+FORMAT_MINOR = 11  # 1.1: optional source.* keys (spec/FORMAT.md 4.5.1); 1.2: per-(page, head) checksums (4.5.2); 1.3: prompt.document_tokens, lineage.* (4.5.3)
 # 1.4: per-layer cache kinds and shapes, layer.{i}.kind/shape/window/state (spec/FORMAT.md section 5.5)
 # 1.5: protected tokens, cache.protect_first/last and layer.{i}.{side}.protected (spec/FORMAT.md 4.5.4), "list" layers (5.5)
 # 1.6: the int6 and int6+rot tiers (spec/FORMAT.md 6.2, 6.4)
@@ -18,6 +18,7 @@ FORMAT_MINOR = 10  # 1.1: optional source.* keys (spec/FORMAT.md 4.5.1); 1.2: pe
 # 1.8: cartridge.calibration, the measured choice of the schema (spec/FORMAT.md 4.7)
 # 1.9: cartridge.preset, the preset a build or convert was given (spec/FORMAT.md 4.5)
 # 1.10: model.repo_id, model.revision, the Hugging Face repo a model was resolved from (spec/FORMAT.md 4.5.5)
+# 1.11: layer.{i}.k.scale and K codec_version 2, K stored divided by a per-channel scale (spec/FORMAT.md 4.5.6)
 MANIFEST_NAME, INDEX_NAME, DATA_NAME = "MANIFEST", "index.lmdb", "pages.bin"
 MANIFEST_STRUCT = struct.Struct("<8sHHIQQ32s")  # magic, major, minor, manifest_size, index_size, data_size, index sha256
 MANIFEST_SIZE = MANIFEST_STRUCT.size + 32  # + sha256 of the preceding 64 bytes

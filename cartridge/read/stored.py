@@ -110,7 +110,13 @@ def layer_prefix(info, data, layer, meta=None):
     tier = info.unit_tiers[layer]
     return LayerPrefix(TIERS[tier["k"]], parts["k"], TIERS[tier["v"]], parts["v"], meta.count,
                        info.params[(layer, "k")], info.params[(layer, "v")],
-                       protected=protect.layer_protected(info, layer))
+                       protected=protect.layer_protected(info, layer), key_scale=_key_scale(info, layer))
+
+
+def _key_scale(info, layer):
+    """The layer's K scale as an mx array (format 1.11), or None."""
+    s = info.key_scales.get(layer)
+    return None if s is None else mx.array(s)
 
 
 def stored_layer(info, data, layer, meta=None):

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import InputError
 from ..format import keys as K
 from ..format.kinds import KINDS
-from ..tiers import get_tier, protect
+from ..tiers import get_tier, key_scale, protect, score_aware
 from ..tiers.schema import check_layer_count
 from ..attention.pages import encode_pages
 
@@ -88,6 +88,9 @@ def write_kv(writer, layer, plan, kv, row, page_size, n_tokens, kept=(0, 0)):
         kept (tuple): (N, M) first and last tokens also stored in fp16 records (`cartridge.tiers.protect`,
             format 1.5); (0, 0) for the kinds that do not store every token. Default: (0, 0).
 
+    Inside a `score_aware.weighting` that scales this layer's K, an "attention" layer's K pages and protected
+    copies hold K / s and its records say so (`layer.{i}.k.scale`, K codec_version 2: format 1.11).
+
     Returns:
         dict: the records (kind, shapes, tiers, params, components).
 
@@ -100,6 +103,10 @@ def write_kv(writer, layer, plan, kv, row, page_size, n_tokens, kept=(0, 0)):
         if tuple(x.shape) != want:
             raise InputError(f"layer {layer} {side}: the cache holds {tuple(x.shape)}; the header would say {want}")
         codec = get_tier(row[side])
+        scale = score_aware.scale_of(layer, side) if plan.kind == "attention" else None
+        if scale is not None:  # K stored as K / s, format 1.11 (`cartridge.tiers.key_scale`)
+            x = x.astype(mx.float32) / mx.array(scale)[:, None, :]
+            writer.add_record(K.layer_key_scale(layer), key_scale.record(scale))
         params = codec.make_params(x, layer, side)
         parts = encode_pages(codec, x, params, page_size)
         for comp in codec.components(shape[1]):
@@ -113,7 +120,7 @@ def write_kv(writer, layer, plan, kv, row, page_size, n_tokens, kept=(0, 0)):
         records.update({
             K.layer_shape(layer, side): list(shape),
             K.layer_tier(layer, side): codec.name,
-            K.layer_codec_version(layer, side): codec.codec_version,
+            K.layer_codec_version(layer, side): codec.codec_version if scale is None else key_scale.SCALED_VERSION,
             K.layer_params(layer, side): params,
             K.layer_components(layer, side): [{"name": c.name, "dtype": c.dtype, "width": c.width}
                                               for c in codec.components(shape[1])],

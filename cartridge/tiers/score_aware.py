@@ -18,7 +18,8 @@ tier, with every kernel. Only the choice differs.
 How an encode learns H: the builder holds `weighting(weights)` around the encode (`cartridge.build`); a codec's
 `make_params(x, layer, side)` passes its params through `bind`, which returns them carrying that (layer, side)'s
 H when there is one (`Weighted`, a dict: the header stores the same params as without), and `encode` takes it
-back with `weight_of`. Without a weighting, or for V, nothing changes.
+back with `weight_of`. Without a weighting nothing changes. V is encoded the same way under W_o's Gram (the output
+error its rounding causes, `cartridge.calibrate.outputs`) where the weighting holds one for it.
 """
 
 from contextlib import contextmanager
@@ -26,6 +27,8 @@ from contextvars import ContextVar
 
 import mlx.core as mx
 import numpy as np
+
+from . import key_scale
 
 DAMPING = 0.01  # GPTQ's default: H + 1% of its mean diagonal on the diagonal
 FEEDBACK_BLOCK = 32  # columns whose feedback is applied one at a time before one product updates the rest
@@ -41,18 +44,28 @@ class Weighted(dict):
 
 
 @contextmanager
-def weighting(weights):
-    """Encode K score-aware inside the block.
+def weighting(weights, key_scales=None):
+    """Encode K (and V) score-aware inside the block, and K scaled per channel where `key_scales` says.
 
     Args:
-        weights (dict | None): (layer, side) -> (n_kv_heads, head_dim, head_dim) float64 numpy second moment
-            of the queries (`cartridge.calibrate.queries.QueryMoments.weights`); None: nearest rounding.
+        weights (dict | None): (layer, side) -> (n_kv_heads, head_dim, head_dim) float64 numpy weight: for K the
+            queries' second moment (`cartridge.calibrate.queries.QueryMoments.weights`), for V W_o's Gram
+            (`cartridge.calibrate.outputs.output_weights`); None or absent: nearest rounding.
+        key_scales (dict | None): layer -> (n_kv_heads, head_dim) float32 s: that layer's K is encoded as K / s
+            (`cartridge.tiers.key_scale`; the caller divides, `scale_of` tells it), its K weight taken to
+            diag(s) H diag(s). Default: None.
     """
-    token = _WEIGHTS.set(weights or None)
+    token = _WEIGHTS.set((weights or {}, key_scales or {}) if weights or key_scales else None)
     try:
         yield
     finally:
         _WEIGHTS.reset(token)
+
+
+def scale_of(layer, side):
+    """The (n_kv_heads, head_dim) float32 scale a `weighting` holds for (layer, side) (K only), or None."""
+    held = _WEIGHTS.get()
+    return None if held is None or side != "k" else held[1].get(layer)
 
 
 def bind(params, x, layer, side):
@@ -65,11 +78,12 @@ def bind(params, x, layer, side):
     Returns:
         dict: `params` itself, or a `Weighted` copy of it.
     """
-    weights = _WEIGHTS.get()
-    w = None if weights is None else weights.get((layer, side))
+    held = _WEIGHTS.get()
+    w = None if held is None else held[0].get((layer, side))
     if w is None or w.shape != (x.shape[0], x.shape[-1], x.shape[-1]):
         return params
-    return with_weight(params, w)
+    s = scale_of(layer, side)
+    return with_weight(params, w if s is None else key_scale.scaled_moment(w, s))
 
 
 def with_weight(params, weight):

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from .. import calibrate as calibrate_mod
-from ..calibrate import queries
+from ..calibrate import outputs, queries
 from ..format import keys as K
 from ..format.writer import check_output_path, check_space
 from ..models.loader import LoadedModel, load_model
@@ -19,7 +19,7 @@ from ..storage.kinds import KINDS
 from ..storage.store import check_layer_tiers
 from ..tiers import DEFAULT_TIER, get_tier, protect, score_aware
 from .encode import header_extras, layers_bytes, write_layers
-from .options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_k_encoder, check_options, fit_page_size,
+from .options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_encoders, check_options, fit_page_size,
                       probed_schema_and_tokens, resolve_options)
 from .prefill import DEFAULT_PREFILL_STEP, prefill, prefill_holding
 
@@ -59,7 +59,8 @@ class BuildResult:
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None, protect_first=0, protect_last=0,
-          preset=None, budget=None, calibrate=True, calibration_progress=None, k_encoder="nearest"):
+          preset=None, budget=None, calibrate=True, calibration_progress=None, k_encoder="nearest", k_scale=False,
+          v_encoder="nearest"):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -101,6 +102,12 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             the score error under the second moment of the document's own queries, gathered during the prefill:
             `cartridge.tiers.score_aware`; the calibration measures the tiers so encoded). The stored format is
             the same. Default: "nearest".
+        k_scale (bool): store each attention layer's K divided by a per-channel scale chosen from the document's
+            keys and queries, the queries multiplied by it when attending (`cartridge.tiers.key_scale`; format
+            1.11: a reader before it refuses the cartridge; extend, save, compose, convert and sharded loading
+            refuse it in this version). Default: False.
+        v_encoder (str): "nearest", or "output": V's codes chosen for the attention output's error through the
+            model's o_proj (`cartridge.calibrate.outputs`; same format). Default: "nearest".
 
     Returns:
         BuildResult
@@ -123,7 +130,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         >>> r = cartridge.build(text, "q.cart", tier="mlx4g32", boundary_protect=2)  # doctest: +SKIP
     """
     check_output_path(output, force)  # before any expensive work
-    check_k_encoder(k_encoder)
+    check_encoders(k_encoder, k_scale, v_encoder)
     target, options, protected, named = resolve_options(preset, budget, calibrate, tier, k_tier, v_tier,
                                                         boundary_protect, schema, protect_first, protect_last)
     check_options(document, options, page_size, prefill_step, reserve)
@@ -139,19 +146,39 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
 
     t0 = time.perf_counter()
     holds = target is not None and declined is None and any(p.kind == "window" for p in plans)
-    moments, watch = queries.collecting() if k_encoder == "score" else (None, nullcontext())
+    moments, watch = queries.collecting() if k_encoder == "score" or k_scale else (None, nullcontext())
     with watch:
         caches, held = prefill_holding(lm.model, tokens, prefill_step, progress) if holds else \
             (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
-    with score_aware.weighting(moments and moments.weights(caches)):  # the calibration measures what is written
+    weights, scales = encoding(lm.model, caches, plans, moments, k_encoder, k_scale, v_encoder)
+    with score_aware.weighting(weights, scales):  # the calibration measures what is written
         path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force,
                                                extras, protected, (target, declined, calibration_progress), held)
     result = build_result(path, tokens, t1 - t0, time.perf_counter() - t0, schema, plans, left, kept)
     result.calibration = extras.get(K.CALIBRATION)
     result.prompt_mode = mode
     return result
+
+
+def encoding(model, caches, plans, moments, k_encoder, k_scale, v_encoder):
+    """The weights and K scales `score_aware.weighting` encodes under (issue 49).
+
+    Args:
+        model: the mlx-lm model. caches (list): the prefill's caches. plans (list[LayerPlan]): the layers.
+        moments (QueryMoments | None): the queries seen during the prefill (with "score" or `k_scale`).
+        k_encoder, k_scale, v_encoder: as `build` takes them.
+
+    Returns:
+        tuple: ((layer, side) -> weight, layer -> K scale), each {} where nothing asks for it.
+    """
+    kinds = [p.kind for p in plans]
+    seen = moments.weights(caches) if moments is not None else {}
+    weights = dict(seen) if k_encoder == "score" else {}
+    if v_encoder == "output":
+        weights |= outputs.output_weights(model, kinds, [p.v_shape for p in plans])
+    return weights, queries.key_scales(seen, caches, kinds) if k_scale else {}
 
 
 def measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force, extras, protected,

@@ -14,6 +14,7 @@ from ..tiers import check_schema, get_tier, presets, protect, read_tier_options,
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_RESERVE = 256  # tokens a build leaves free for questions and answers before it warns
 K_ENCODERS = ("nearest", "score")  # how K's codes are chosen (`cartridge.tiers.score_aware`)
+V_ENCODERS = ("nearest", "output")  # how V's codes are chosen (`cartridge.calibrate.outputs`)
 
 
 class ContextWarning(UserWarning):
@@ -96,6 +97,16 @@ def check_k_encoder(k_encoder):
     """Raise InputError unless `k_encoder` is one of K_ENCODERS."""
     if k_encoder not in K_ENCODERS:
         raise InputError(f"K encoder {k_encoder!r} is not one of {', '.join(K_ENCODERS)}")
+
+
+def check_encoders(k_encoder, k_scale, v_encoder):
+    """Raise InputError unless `k_encoder` is one of K_ENCODERS, `k_scale` a bool and `v_encoder` one of
+    V_ENCODERS (`build`'s arguments)."""
+    check_k_encoder(k_encoder)
+    if not isinstance(k_scale, bool):
+        raise InputError(f"k_scale is {k_scale!r}; expected True or False")
+    if v_encoder not in V_ENCODERS:
+        raise InputError(f"V encoder {v_encoder!r} is not one of {', '.join(V_ENCODERS)}")
 
 
 def check_reserve(reserve):

@@ -36,6 +36,7 @@ from cartridge.read.load import check_fingerprint
 sys.path.insert(0, str(VECTORS))
 from make_vectors import (  # noqa: E402
     FINGERPRINT,
+    KEY_SCALE,
     PROTECT,
     TOKENS,
     vector_header,
@@ -48,6 +49,7 @@ TINY_10 = VECTORS / "tiny-1.0.cart"  # format 1.0, as written before any optiona
 TINY = VECTORS / "tiny.cart"  # format 1.2 (per-head checksums), as written before per-layer keys: must keep loading
 TINY_14 = VECTORS / "tiny-1.4.cart"  # format 1.4: per-layer kind and shapes, as written before 1.5: must keep loading
 TINY_15 = VECTORS / "tiny-1.5.cart"  # format 1.5: protected tokens 0 and 2 (spec 4.5.4)
+TINY_111 = VECTORS / "tiny-1.11.cart"  # format 1.11: the 1.5 vector with K stored divided by KEY_SCALE (spec 4.5.6)
 PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the OS page: bytes pinned at 4 KiB
 
 
@@ -55,6 +57,7 @@ PAGE_4K = os.sysconf("SC_PAGE_SIZE") == 4096  # liblmdb sizes index pages by the
 def test_writer_produces_the_committed_bytes(tmp_path):
     out = write_vector(tmp_path / "v.cart")
     assert files(out) == files(TINY_15)
+    assert files(write_vector(tmp_path / "s.cart", scaled=True)) == files(TINY_111)
 
 
 def test_serialization_order_invariant(tmp_path):
@@ -65,7 +68,8 @@ def test_serialization_order_invariant(tmp_path):
         assert files(write_vector(tmp_path / f"s{seed}.cart", header=dict(items))) == base
 
 
-@pytest.mark.parametrize("path,version", [(TINY_10, "1.0"), (TINY, "1.2"), (TINY_14, "1.4"), (TINY_15, "1.5")])
+@pytest.mark.parametrize("path,version", [(TINY_10, "1.0"), (TINY, "1.2"), (TINY_14, "1.4"), (TINY_15, "1.5"),
+                                          (TINY_111, "1.11")])
 def test_vector_parses_to_known_values(path, version):
     info, data = open_cartridge(path)
     assert info.tokens.tolist() == TOKENS
@@ -73,15 +77,20 @@ def test_vector_parses_to_known_values(path, version):
     assert info.fingerprint == FINGERPRINT and info.format_version == version
     assert [(m.kind, m.k_shape, m.v_shape, m.start, m.count) for m in info.layers] == [("attention", (1, 4), (1, 4), 0, 3)]
     assert [e.offset for side in "kv" for e in info.extents[(0, side)]] == [0, ALIGN]
+    scale = {"k": KEY_SCALE[:, None, :] if version == "1.11" else 1, "v": 1}  # the pages hold K / s
     for side in "kv":
         (extent,) = info.extents[(0, side)]
-        np.testing.assert_array_equal(data.view(extent, "float16"), vector_pages(side))
+        np.testing.assert_array_equal(data.view(extent, "float16") * scale[side], vector_pages(side))
     assert os.path.getsize(path / DATA_NAME) == 2 * ALIGN
     assert verify_cartridge(path).ok
-    if version == "1.5":
+    if version == "1.11":
+        assert list(info.key_scales) == [0] and np.array_equal(info.key_scales[0], KEY_SCALE)
+    else:
+        assert info.key_scales == {}
+    if version in ("1.5", "1.11"):
         assert (info.protect_first, info.protect_last) == PROTECT
         for side in "kv":
-            np.testing.assert_array_equal(info.protected[(0, side)], vector_protected(side))
+            np.testing.assert_array_equal(info.protected[(0, side)] * scale[side], vector_protected(side))
     else:  # before 1.5: no protection
         assert (info.protect_first, info.protect_last, info.protected) == (0, 0, {})
 
@@ -101,6 +110,61 @@ def test_protected_record_corruption_raises_field_error(tmp_path, case):
     with pytest.raises(CartridgeError) as e:
         open_cartridge(path)
     assert type(e.value) is FieldError, (case, repr(e.value))
+
+
+SCALE_CORRUPTIONS = {  # format 1.11 K scale (spec 4.5.6) -> exact exception class
+    "scale record too short": (lambda r: {**r, K.layer_key_scale(0): r[K.layer_key_scale(0)][:-4]}, FieldError),
+    "scale record missing": (lambda r: {k: v for k, v in r.items() if k != K.layer_key_scale(0)}, FieldError),
+    "scale with codec_version 1": (lambda r: {**r, K.layer_codec_version(0, "k"): b"1"}, FieldError),
+    "zero scale": (lambda r: {**r, K.layer_key_scale(0): np.array([1, 0, 1, 1], "<f4").tobytes()}, FieldError),
+    "NaN scale": (lambda r: {**r, K.layer_key_scale(0): np.array([1, np.nan, 1, 1], "<f4").tobytes()}, FieldError),
+    "scale on V's codec_version": (lambda r: {**r, K.layer_codec_version(0, "v"): b"2"}, UnsupportedVersionError),
+    "K codec_version beyond 2": (lambda r: {**r, K.layer_codec_version(0, "k"): b"3"}, UnsupportedVersionError),
+    "scale on a dense layer": (lambda r: {**r, K.layer_kind(0): b'"dense"'}, FieldError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCALE_CORRUPTIONS))
+def test_key_scale_corruption_raises_one_exact_class(tmp_path, case):
+    path = Path(shutil.copytree(TINY_111, tmp_path / "v.cart"))
+    transform, error = SCALE_CORRUPTIONS[case]
+    forge_records(path, transform)
+    with pytest.raises(CartridgeError) as e:
+        open_cartridge(path)
+    assert type(e.value) is error, (case, repr(e.value))
+
+
+def test_a_reader_knowing_codec_version_1_only_refuses_a_scaled_k(monkeypatch):
+    """What keeps a reader before 1.11 from reading K / s as K: the K codec_version it does not know."""
+    from cartridge.tiers import key_scale
+    monkeypatch.setattr(key_scale, "SCALED_VERSION", 1)
+    with pytest.raises(UnsupportedVersionError, match="layer 0 k: tier fp16 codec version 2; this reader knows up to 1"):
+        open_cartridge(TINY_111)
+
+
+def test_scaled_vector_attends_and_decodes_as_the_unscaled_one():
+    """(q * s) . (k / s) = q . k: the portable path over the 1.11 vector gives the 1.5 vector's attention output for
+    the same queries and tail, and its decoded prefix is the 1.5 vector's K (spec 4.5.6)."""
+    import mlx.core as mx
+
+    from cartridge.attention.caches import CartridgeCache
+    from cartridge.attention.pages import decode_prefix
+    from cartridge.read.stored import layer_prefix
+
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((1, 2, 1, 4)).astype(np.float32))  # 2 query heads over the 1 KV head
+    new_k, new_v = (mx.array(rng.standard_normal((1, 1, 1, 4)).astype(np.float32)) for _ in range(2))
+    outs, keys = [], []
+    for path in (TINY_15, TINY_111):
+        info, data = open_cartridge(path)
+        prefix = layer_prefix(info, data, 0)
+        cache = CartridgeCache(prefix)
+        cache.update_and_fetch(new_k, new_v)
+        outs.append(np.array(cache.attention(q, 0.5)))
+        keys.append((np.array(decode_prefix(prefix, mx.float32)[0]), np.array(cache.tail_kv()[0])))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    for got, want in zip(keys[1], keys[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 LAYER_CORRUPTIONS = {  # format 1.4 per-layer records (spec section 5.5) -> exact exception class
@@ -235,7 +299,7 @@ CORRUPTIONS = {  # name -> (damage(path), exact exception class)
     "n_kv_heads out of range": (lambda p: forge_records(p, _set(K.N_KV_HEADS, b"100000")), FieldError),
     "n_pages inconsistent": (lambda p: forge_records(p, _set(K.N_PAGES, b"3")), FieldError),
     "unknown tier": (lambda p: forge_records(p, _set(K.layer_tier(0, "v"), b'"int3"')), FieldError),
-    "future codec version": (lambda p: forge_records(p, _set(K.layer_codec_version(0, "k"), b"2")), UnsupportedVersionError),
+    "future codec version": (lambda p: forge_records(p, _set(K.layer_codec_version(0, "k"), b"3")), UnsupportedVersionError),
     "rope not post": (lambda p: forge_records(p, _set(K.ROPE, b'"pre"')), FieldError),
     "fingerprint not hex": (lambda p: forge_records(p, _set(K.MODEL_FINGERPRINT, b'{"id":"x"}')), FieldError),
     "components differ from tier": (lambda p: forge_records(p, _set(K.layer_components(0, "k"), b'[{"name":"values","dtype":"float16","width":5}]')), FieldError),

@@ -56,6 +56,9 @@ class CartridgeCache(_BaseCache):
         self.scratch = Scratch()  # device buffers the backend's kernels write in place for this cache
         # the registry entry whose `attend` reads the layer's backend record (None: the portable path)
         self._backend = None if prefix.backend is None else backends.get(prefix.backend.name)
+        # K stored as K / s (format 1.11): the tail keeps its keys / s and the queries are multiplied by s, so that
+        # every backend reads one basis, (q * s) . (k / s) = q . k
+        self._inverse_scale = None if prefix.key_scale is None else (1.0 / prefix.key_scale)[None, :, None, :]
 
     @property
     def offset(self):
@@ -88,6 +91,8 @@ class CartridgeCache(_BaseCache):
         if keys.shape[0] != 1:
             raise CartridgeError(f"a cartridge holds one sequence; got batch size {keys.shape[0]}")
         self.written_from = min(self.written_from, self.tail_len)
+        if self._inverse_scale is not None:
+            keys = (keys * self._inverse_scale).astype(keys.dtype)
         self._write(self._k_chunks, keys, self.tail_len)
         self._write(self._v_chunks, values, self.tail_len)
         self.tail_len += keys.shape[2]
@@ -108,8 +113,12 @@ class CartridgeCache(_BaseCache):
         return self._k_chunks, self._v_chunks
 
     def tail_kv(self):
-        """The tail's keys and values, each (n_kv_heads, tail_len, head_dim); (None, None) when empty."""
-        return self.tail().kv()
+        """The tail's keys and values as the model computed them (a scaled layer's keys multiplied back), each
+        (n_kv_heads, tail_len, head_dim); (None, None) when empty."""
+        k, v = self.tail().kv()
+        if k is None or self._inverse_scale is None:
+            return k, v
+        return (k * self.prefix.key_scale[:, None, :]).astype(k.dtype), v
 
     def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over prefix + tail.
@@ -129,6 +138,10 @@ class CartridgeCache(_BaseCache):
             CartridgeError: for a mask that hides prefix tokens or is not boolean.
         """
         p = self.prefix
+        if p.key_scale is not None:  # before any rotation: the kernels rotate q * s into K's stored basis
+            n_q, n_kv = queries.shape[1], p.n_kv_heads
+            s = mx.repeat(p.key_scale, n_q // n_kv, axis=0)  # query head i reads KV head i // group
+            queries = (queries * s[None, :, None, :]).astype(queries.dtype)
         if self._backend is not None and (mask is None or isinstance(mask, str)):
             tail = Tail(self._k_chunks, self._v_chunks, self.tail_len, self.chunk_size, self.written_from)
             out = self._backend.attend(p.backend, p, queries, tail, scale, sinks, self.scratch)

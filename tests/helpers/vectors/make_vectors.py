@@ -1,4 +1,4 @@
-"""Regenerate tests/helpers/vectors/tiny-1.5.cart (tiny-1.0.cart, tiny.cart (format 1.2) and tiny-1.4.cart are kept
+"""Regenerate tests/helpers/vectors/tiny-1.5.cart and tiny-1.11.cart (tiny-1.0.cart, tiny.cart (format 1.2) and tiny-1.4.cart are kept
 as written then). Running this is a deliberate format change: the committed bytes
 pin the writer (tests/format/test_vectors.py), so review the diff and bump the spec if they move.
 
@@ -29,6 +29,7 @@ FINGERPRINT = {"id": "1" * 64, "config": "2" * 64, "weights": "3" * 64, "tokeniz
 
 
 PROTECT = (1, 1)  # format 1.5: token 0 and token 2 also kept in fp16 (spec 4.5.4)
+KEY_SCALE = np.array([[2.0, 0.5, 1.0, 4.0]], dtype=np.float32)  # format 1.11: K stored as K / s (spec 4.5.6)
 
 
 def vector_header():
@@ -56,16 +57,30 @@ def vector_protected(side):
     return np.stack([x[0, :, 0], x[1, :, 0]], axis=1)
 
 
-def write_vector(path, header=None, force=False):
-    """Write the vector with the given header dict (default `vector_header()`)."""
+def scaled_header():
+    """The 1.5 vector's header as format 1.11 with layer 0's K scaled (K codec_version 2)."""
+    return {**vector_header(), K.FORMAT_MINOR: 11, K.layer_codec_version(0, "k"): 2}
+
+
+def stored(side, x, scaled):
+    """x as the vector stores it: K divided by KEY_SCALE (exact in float16: powers of two) when `scaled`."""
+    return (x / KEY_SCALE[:, None, :] if scaled and side == "k" else x).astype(np.float16)
+
+
+def write_vector(path, header=None, force=False, scaled=False):
+    """Write the vector with the given header dict (default `vector_header()`, or `scaled_header()` with
+    `scaled`: the same K and V, its K pages and protected copies divided by KEY_SCALE, which it records)."""
     with CartridgeWriter(path, force=force) as w:
         for side in "kv":
-            w.add_extent(0, side, "values", vector_pages(side))
-            w.add_record(K.layer_protected(0, side), vector_protected(side).astype("<f2").tobytes())
-        return w.commit(header or vector_header(), np.asarray(TOKENS, dtype=np.uint32))
+            w.add_extent(0, side, "values", stored(side, vector_pages(side), scaled))
+            w.add_record(K.layer_protected(0, side), stored(side, vector_protected(side), scaled).astype("<f2").tobytes())
+        if scaled:
+            w.add_record(K.layer_key_scale(0), KEY_SCALE.astype("<f4").tobytes())
+        return w.commit(header or (scaled_header() if scaled else vector_header()), np.asarray(TOKENS, dtype=np.uint32))
 
 
 if __name__ == "__main__":
-    target = HERE / "tiny-1.5.cart"
-    shutil.rmtree(target, ignore_errors=True)
-    print(write_vector(target))
+    for name, scaled in (("tiny-1.5.cart", False), ("tiny-1.11.cart", True)):
+        target = HERE / name
+        shutil.rmtree(target, ignore_errors=True)
+        print(write_vector(target, scaled=scaled))
