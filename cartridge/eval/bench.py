@@ -5,6 +5,7 @@ the same run. K/V are synthetic (random) of a real model's shape; speed does not
 
 import statistics
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -16,7 +17,6 @@ from ..attention import backends
 from ..attention.caches import CartridgeCache
 from ..attention.pages import make_prefix
 from ..attention.policy import backend_for, dequantize
-from ..attention.prefix import LayerPrefix
 from ..attention.route import install
 from ..attention.timing import timeit
 from ..tiers import TIERS
@@ -67,8 +67,7 @@ def layer_cache(prefix, policy, dtype, head_dim):
     record = backend_for(policy, p, head_dim)
     if policy == "fused" and record is None:
         return None
-    return CartridgeCache(LayerPrefix(p.k_codec, p.k_parts, p.v_codec, p.v_parts, p.n_tokens,
-                                      p.k_params, p.v_params, record))
+    return CartridgeCache(replace(p, backend=record))
 
 
 def attention_step(shape, n_tokens, tiers, dtype=None, repeats=20):

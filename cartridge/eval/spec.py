@@ -10,6 +10,9 @@ A `--tiers` entry is colon-separated fields, its label is the entry as written:
     preset=NAME     a preset (build's preset)                         preset=balanced
     kenc=NAME       ... with K's codes chosen by NAME (build's            preset=balanced:kenc=score
                     k_encoder: nearest, score)
+    kscale          ... with K scaled per channel (build's k_scale)   preset=balanced:kenc=score:kscale
+    venc=NAME       ... with V's codes chosen by NAME (build's            preset=compact:venc=output
+                    v_encoder: nearest, output)
 
 A `--schemas` file is a JSON object mapping a label to either a schema (a list of
 {"layer", "k", "v"}) or a dict of build keywords (tier, k_tier, v_tier, boundary_protect, schema;
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..write.build import build
-from ..write.options import check_k_encoder
+from ..write.options import check_encoders, check_k_encoder
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..calibrate import CALIBRATION_VERSION, PRESET_RATIOS
@@ -38,7 +41,7 @@ from ..tiers import TIERS, get_tier, presets
 from ..tiers.schema import check_layer_count
 
 BUILD_KEYWORDS = ("tier", "k_tier", "v_tier", "boundary_protect", "schema", "protect_first", "protect_last", "preset",
-                  "k_encoder")
+                  "k_encoder", "k_scale", "v_encoder")
 REFERENCE_OPTIONS = {"tier": "fp16"}
 
 
@@ -85,11 +88,16 @@ def _field(options, part, entry):
     elif part.startswith("kenc="):
         key, value = "k_encoder", part[5:]
         check_k_encoder(value)
+    elif part == "kscale":
+        key, value = "k_scale", True
+    elif part.startswith("venc="):
+        key, value = "v_encoder", part[5:]
+        check_encoders("nearest", False, value)
     elif re.fullmatch(r"[A-Za-z0-9_]+(\+rot)?", part):
         key, value = "tier", _tier_name(part, where)
     else:
-        raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME or "
-                         f"kenc=NAME (known tiers: {', '.join(TIERS)})")
+        raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME, "
+                         f"kenc=NAME, kscale or venc=NAME (known tiers: {', '.join(TIERS)})")
     if key in options:
         raise InputError(f"{where}: {key} given twice")
     options[key] = value
@@ -165,11 +173,11 @@ def _schema_options(label, value, base):
         raise InputError(f"{where}: boundary_protect must be an integer >= 0, found {bp!r}")
     if "schema" in options:
         options["schema"] = _schema_rows(options["schema"], base, where)
-    if "k_encoder" in options:
-        try:
-            check_k_encoder(options["k_encoder"])
-        except InputError as e:
-            raise InputError(f"{where}: {e}") from None
+    try:
+        check_encoders(options.get("k_encoder", "nearest"), options.get("k_scale", False),
+                       options.get("v_encoder", "nearest"))
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
     return options
 
 

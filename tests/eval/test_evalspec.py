@@ -27,13 +27,17 @@ def test_parse_entries():
     assert parse_entry("k=fp16:v=bf16:bp0").options == {"k_tier": "fp16", "v_tier": "bf16", "boundary_protect": 0}
     assert [s.label for s in parse_tiers("fp16,bf16:bp1")] == ["fp16", "bf16:bp1"]
     assert parse_entry("preset=balanced:kenc=score").options == {"preset": "balanced", "k_encoder": "score"}
+    assert parse_entry("preset=compact:kenc=score:kscale:venc=output").options == {
+        "preset": "compact", "k_encoder": "score", "k_scale": True, "v_encoder": "output"}
 
 
 @pytest.mark.parametrize("text, expect", [
     ("int3", "--tiers entry 'int3': unknown tier 'int3'; known tiers: "),
     ("fp16:bpx", "field 'bpx' must be bp followed by a whole number of layers"),
-    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME or kenc=NAME "
-                 "\\(known tiers: fp16, "),
+    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME, kenc=NAME, kscale or "
+                 "venc=NAME \\(known tiers: fp16, "),
+    ("preset=balanced:venc=gptq", "V encoder 'gptq' is not one of nearest, output"),
+    ("fp16:kscale:kscale", "k_scale given twice"),
     ("preset=balanced:kenc=gptq", "K encoder 'gptq' is not one of nearest, score"),
     ("fp16:bf16", "tier given twice"),
     ("k=fp16:k=bf16", "k_tier given twice"),

@@ -136,6 +136,25 @@ def test_build_k_encoder_score_writes_the_tiers_format(smol_tokenizer, tmp_path)
     assert r.returncode == 2 and "'gptq' is not one of 'nearest', 'score'" in r.stderr.decode()
 
 
+def test_build_k_scale_and_v_encoder_inspect_says_so(tiny_dir, tmp_path):
+    """--k-scale --v-encoder output: a format 1.11 cartridge whose inspect names its scaled layers, and which
+    answers; extend refuses it in one line; an unknown V encoder is refused by click."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(DOC * 3)
+    out = tmp_path / "s.cart"
+    r = run("build", corpus, "-o", out, "--model", tiny_dir, "--tier", "fp16", "--k-scale",
+            "--v-encoder", "output")
+    assert r.returncode == 0, r.stderr.decode()
+    text = run("inspect", out).stdout.decode()
+    assert "format 1.11" in text and "K scaled      per channel in 2 layers" in text
+    assert json.loads(run("inspect", out, "--json").stdout)["k_scaled_layers"] == ["0", "1"]
+    assert run("ask", out, "Who?", "--max-tokens", 3).returncode == 0
+    r = run("extend", out, corpus, "-o", tmp_path / "e.cart")
+    assert r.returncode == 1 and "stores K scaled per channel (built with --k-scale); extend takes" in r.stderr.decode()
+    r = run("build", corpus, "-o", tmp_path / "x.cart", "--model", tiny_dir, "--v-encoder", "gptq")
+    assert r.returncode == 2 and "'gptq' is not one of 'nearest', 'output'" in r.stderr.decode()
+
+
 def test_build_from_stdin(tiny_dir, tmp_path):
     r = run("build", "-", "-o", tmp_path / "s.cart", "--model", tiny_dir, stdin=DOC.encode())
     assert r.returncode == 0, r.stderr.decode()
@@ -163,7 +182,8 @@ REAL_PROCESS_CASES = ("not utf-8", "not a cartridge", "question past context")  
     ("schema and tier", "cannot be combined with --tier"),
     ("max tokens past context", "does not fit the model's context of 512 tokens"),
     ("question past context", "the question ("),
-    ("k encoder under parallel", "not --preset, --protect-first/--protect-last or --k-encoder"),
+    ("k encoder under parallel", "not --preset, --protect-first/--protect-last, --k-encoder, --k-scale or --v-encoder"),
+    ("k scale under parallel", "not --preset, --protect-first/--protect-last, --k-encoder, --k-scale or --v-encoder"),
 ])
 def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
     out, _ = built
@@ -211,6 +231,8 @@ def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path
         r = cmd("ask", out, "Who may terminate the lease? " * 100)
     elif case == "k encoder under parallel":
         r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--k-encoder", "score", "--parallel", "tensor")
+    elif case == "k scale under parallel":
+        r = cmd("build", corpus, "-o", target, "--model", tiny_dir, "--k-scale", "--parallel", "tensor")
     elif case == "max tokens past context":
         r = cmd("ask", out, "Who?", "--max-tokens", 10_000_000)
     err = r.stderr.decode().strip().splitlines()

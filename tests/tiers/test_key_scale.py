@@ -120,6 +120,9 @@ def test_scaled_build_records_format_1_11_and_answers_as_a_fresh_prefill(tiny64,
 def _paths(tiny64, path, monkeypatch):
     """{name: a cartridge loaded on that attention path} for the paths this machine runs."""
     out = {"dequantize-once": load(path, model=tiny64, attention="dequantize-once")}
+    if device() == "cuda":  # the CUDA kernels over the stored pages (DEVICE=gpu on an NVIDIA GPU)
+        out["cuda"] = load(path, model=tiny64, attention="fused")
+        assert all(p.backend is not None for p in out["cuda"].prefixes)
     if device() == "cpu":
         by_hand = load(path, model=tiny64, attention="portable")
         by_hand.prefixes = [replace(p, backend=cpu.QuestionPrefill()) for p in by_hand.prefixes]
@@ -128,8 +131,8 @@ def _paths(tiny64, path, monkeypatch):
 
 
 def test_every_attention_path_multiplies_the_queries_by_the_scale(tiny64, carts, monkeypatch):
-    """mlx4g32+rot with --k-scale: dequantize-once, the CPU's question prefill and the Metal kernels (CPU emulator)
-    give the portable path's log-probabilities; the same pages read without the scale give others (the check
+    """mlx4g32+rot with --k-scale: dequantize-once, the CPU's question prefill, the CUDA kernels (on a CUDA device)
+    and the Metal kernels (CPU emulator) give the portable path's log-probabilities; the same pages read without the scale give others (the check
     can fail)."""
     path = carts[("mlx4g32+rot", True)]
     portable = load(path, model=tiny64, attention="portable")
