@@ -129,6 +129,8 @@ def stored_kv(part, rope):
         return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[:, part.start:p.n_tokens]
 
     k = tokens(p.k_codec, p.k_parts, p.k_params).astype(mx.float32)
+    if p.key_scale is not None:  # stored as K / s (format 1.11)
+        k = k * p.key_scale[:, None, :]
     n_kv, T, D = k.shape
     k = rope(k.reshape(n_kv * T, 1, D), offset=part.shift).reshape(n_kv, T, D)  # every row moved by Δ
     return k, tokens(p.v_codec, p.v_parts, p.v_params).astype(mx.float32)

@@ -233,7 +233,7 @@ def compose(carts, recompute=DEFAULT_RECOMPUTE, separator=SEPARATOR, recompute_r
     if selection not in blend.SELECTIONS:
         raise InputError(f"selection is {selection!r}; it must be one of {', '.join(blend.SELECTIONS)}")
     for c in carts:
-        require_attention_layers(c.info, "compose")
+        require_attention_layers(c.info, "compose")  # K stored scaled: each part's queries carry its scale
         if c.info.document_tokens != len(c.info.tokens):  # its turns would be laid in as document text
             raise InputError(f"cartridge {c.path} holds a conversation after its document (tokens "
                              f"{c.info.document_tokens}..{len(c.info.tokens)}); compose the document's cartridge")

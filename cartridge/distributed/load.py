@@ -111,7 +111,7 @@ def _open_slice(path, model, tokenizer, group, verify):
             model, tokenizer = lm.model, lm.tokenizer
         elif tokenizer is None:
             raise InputError("pass the model's tokenizer together with the model")
-        require_attention_layers(info, "sharded loading (load it with cartridge.load)")
+        require_attention_layers(info, "sharded loading (load it with cartridge.load)", scaled=False)
         part = slice_for(model, info.n_layers, info.n_kv_heads, group.rank(), group.size())
         whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
         fp = model_fingerprint(model, tokenizer)

@@ -85,7 +85,8 @@ def mlx_layout(prefix):
     width, no protected tokens and K not scaled (format 1.11: codes of K / s): they load into mlx-lm's
     QuantizedKVCache as stored."""
     codecs = (prefix.k_codec, prefix.v_codec)
-    return (prefix.protected is None and prefix.key_scale is None and all(isinstance(c, AffineCodec) for c in codecs)  # +rot tiers are not
+    return (prefix.protected is None and prefix.key_scale is None
+            and all(isinstance(c, AffineCodec) for c in codecs)  # +rot tiers are not
             and codecs[0].bits == codecs[1].bits and codecs[0].bits in MLX_AFFINE_BITS)
 
 

@@ -27,7 +27,7 @@ from ..format.layout import FORMAT_MINOR
 from ..format.pack import is_pack
 from ..format.verify import verify_directory
 from ..format.writer import CartridgeWriter, check_output_path
-from ..tiers import TIERS
+from ..tiers import TIERS, key_scale
 
 WRITER = "cartridge 0.1.0"
 
@@ -155,7 +155,11 @@ def write_grown(cart, caches, ids, keep, dest, force, header):
                 header.update(KINDS["window"].write(writer, layer, plan, cache, info.tiers[layer], info.page_size,
                                                     len(ids)))
                 continue
-            tail = dict(zip(SIDES, cache.tail_kv()))  # side -> (n_kv_heads, T_new, head_dim)
+            tail = dict(zip(SIDES, cache.tail_kv()))  # side -> (n_kv_heads, T_new, head_dim), the model's own
+            scale = info.key_scales.get(layer)
+            if scale is not None:  # K stored as K / s (format 1.11): the new tokens' too, under the same s
+                tail["k"] = tail["k"].astype(mx.float32) / mx.array(scale)[:, None, :]
+                writer.add_record(K.layer_key_scale(layer), key_scale.record(scale))
             for side in SIDES:
                 codec, params = TIERS[info.tiers[layer][side]], info.params[(layer, side)]
                 new = _new_pages(codec, tail[side], params, lead, info.page_size)

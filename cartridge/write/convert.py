@@ -35,7 +35,7 @@ from ..format.header import SIDES, require_attention_layers
 from ..format.layout import FORMAT_MAJOR, FORMAT_MINOR
 from ..format.reader import open_cartridge
 from ..format.writer import CartridgeWriter, check_output_path, check_space
-from ..tiers import DEFAULT_TIER, check_schema, get_tier, presets, protect, read_tier_options, schema_for
+from ..tiers import DEFAULT_TIER, check_schema, get_tier, key_scale, presets, protect, read_tier_options, schema_for
 
 LOSSLESS_SOURCES = ("fp16", "bf16")  # tiers that hold the model's K/V closely enough to re-encode
 CONVERTED_KINDS = ("attention", "dense", "window", "state")  # a state layer's arrays are copied as stored
@@ -186,15 +186,19 @@ def _write(info, data, rows, output, force, progress, kept=(0, 0), preset=None):
             if progress:
                 progress(layer + 1, info.n_layers)
         header = _header(info, [r for r, m in zip(rows, info.layers) if m.kind_type.tiered], params)
+        for layer, scale in info.key_scales.items():  # the pages re-encoded are K / s: the scale stays (1.11)
+            writer.add_record(K.layer_key_scale(layer), key_scale.record(scale))
+            header[K.layer_codec_version(layer, "k")] = key_scale.SCALED_VERSION
         header.update(protect.header_keys(*kept), **({} if preset is None else {K.PRESET: preset}))
         return writer.commit(header, info.tokens)
 
 
 def _is_tier_key(key):
-    """layer.{i}.{side}.{tier,codec_version,params,components}, page and head tables: rewritten by convert."""
+    """layer.{i}.{side}.{tier,codec_version,params,components}, layer.{i}.k.scale, page and head tables: rewritten
+    by convert."""
     parts = key.split(".")
     return parts[0] == "layer" and len(parts) >= 4 and parts[2] in (*SIDES, K.STATE_SIDE) and (
-        parts[3] in ("tier", "codec_version", "params", "components") or parts[-1] in ("pages", "head_sums"))
+        parts[3] in ("tier", "codec_version", "params", "components", "scale") or parts[-1] in ("pages", "head_sums"))
 
 
 def _header(info, rows, params):

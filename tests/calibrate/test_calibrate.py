@@ -58,7 +58,7 @@ def test_a_calibrated_build_stores_the_chosen_schema_its_bytes_and_measured_kl(t
                         calibration_progress=lambda d, t: seen.append((d, t)))
     info, _ = cartridge.open_cartridge(r.path)
     rec = r.calibration
-    assert info.format_version == "1.10" and seen[0] == (0, 2) and seen[-1] == (2, 2)
+    assert info.format_version == "1.11" and seen[0] == (0, 2) and seen[-1] == (2, 2)
     assert rec["target"] == {"preset": "balanced"} and rec["fp16_bytes_per_token"] == 2 * 2 * 256
     assert rec["bytes_per_token"] <= 1024 // 3 and rec["bytes_per_token"] == r.bytes_per_token
     assert info.tiers == r.schema and rec["measured_kl"] >= 0 and 0 <= rec["top1_agreement"] <= 1

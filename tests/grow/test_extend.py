@@ -71,7 +71,7 @@ def test_extend_tokens_are_the_one_shot_tokens_of_the_joined_text(carts):
     assert ext.tokens == one.tokens and ext.reused_tokens == len(old.tokens)
     assert ext.new_tokens == one.tokens - len(old.tokens) > 0
     assert len(old.tokens) % PAGE != 0  # the stored last page was partial: the splice was exercised
-    assert info.format_version == "1.10" and info.document_tokens == one.tokens
+    assert info.format_version == "1.11" and info.document_tokens == one.tokens
     assert [(p["kind"], p["start"], p["end"]) for p in info.parts] == [
         ("build", 0, len(old.tokens)), ("extend", len(old.tokens), one.tokens)]
     assert info.parts[1]["tokens_sha256"] == token_sha256(info.tokens[len(old.tokens):])

@@ -91,7 +91,7 @@ def test_list_layers_store_each_cache_as_its_kind(baichuan, tmp_path):
     assert row["status"] == "pass", row
     path = tmp_path / "fp16.cart"
     info, _ = open_cartridge(path)
-    assert info.format_version == "1.10" and {m.kind for m in info.layers} == {"list"}
+    assert info.format_version == "1.11" and {m.kind for m in info.layers} == {"list"}
     assert [[u.kind for u in m.parts] for m in info.layers] == [["state", "window"], ["state", "attention"]] * 2
     assert verify_cartridge(path).ok
     header = {k: json.loads(v) for k, v in info.records.items() if k != "tokens.ids" and not k.endswith((".pages", ".head_sums"))}

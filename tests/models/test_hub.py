@@ -55,7 +55,7 @@ def test_a_repo_id_loads_from_the_offline_cache(cached, tiny):
 def test_build_records_the_repo_id_and_revision_and_inspect_shows_both(cached, tmp_path):
     path = build_by_id(tmp_path)
     info = open_cartridge(path, verify="header")[0]
-    assert (info.format_version, info.model_ref, info.model_repo_id, info.model_revision) == ("1.10", REPO, REPO, REV1)
+    assert (info.format_version, info.model_ref, info.model_repo_id, info.model_revision) == ("1.11", REPO, REPO, REV1)
     assert f"hub repo      {REPO}, revision {REV1}" in run("inspect", path).stdout.decode()
     model = json.loads(run("inspect", path, "--json").stdout)["model"]
     assert (model["ref"], model["repo_id"], model["revision"]) == (REPO, REPO, REV1)

@@ -20,7 +20,7 @@ def test_build_summary_and_inspect_json(built, tiny_dir):
     for key in ("format_version", "tokens", "n_layers", "n_kv_heads", "head_dim", "kv_dim", "page_size",
                 "tiers", "bytes_per_token", "fp16_bytes_per_token", "total_bytes", "model"):
         assert key in info, key
-    assert info["format_version"] == "1.10"
+    assert info["format_version"] == "1.11"
     assert info["source"] == {"name": "doc.txt", "bytes": len((DOC * 3).encode()),
                               "sha256": hashlib.sha256((DOC * 3).encode()).hexdigest(),
                               "first_line": DOC.strip()}

@@ -1,6 +1,6 @@
 """Per-channel K scaling folded into the query (issue 49 item 3, format 1.11) and V encoded for the attention
-output through o_proj (item 4): exact where nothing is rounded, read by every attention path, refused by the
-operations that would mix scaled and plain K, and the same stored format for V."""
+output through o_proj (item 4): exact where nothing is rounded, read by every attention path, carried by extend,
+save, compose and convert, and the same stored format for V."""
 
 from dataclasses import replace
 
@@ -19,6 +19,7 @@ from cartridge.attention.prefix import LayerPrefix
 from cartridge.calibrate import outputs
 from cartridge.errors import InputError
 from cartridge.format import keys as K
+from cartridge.format.header import require_attention_layers
 from cartridge.format.reader import open_cartridge
 from cartridge.models.prompt import full_prompt_tokens
 from cartridge.read.load import load
@@ -154,21 +155,43 @@ def test_every_attention_path_multiplies_the_queries_by_the_scale(tiny64, carts,
         assert np.abs(got - want[:3]).max() < 1e-3
 
 
-def test_operations_that_make_a_cartridge_from_another_refuse_scaled_k(tiny64, carts, tmp_path):
-    path = carts[("fp16", True)]
-    cart = load(path, model=tiny64)
-    says = "stores K scaled per channel"
-    with pytest.raises(InputError, match=f"{says}.*extend takes"):
-        cartridge.extend(path, "More text.", tmp_path / "e.cart", model=tiny64)
-    with pytest.raises(InputError, match=f"{says}.*convert takes"):
-        cartridge.convert(path, tmp_path / "c.cart", tier="int8")
-    with pytest.raises(InputError, match=says):
-        cartridge.load_many([carts[("fp16", False)], path], model=tiny64)
-    cache = cart.prompt_cache()
-    cart.model(mx.array(cart.question_prompt(QUESTION))[None], cache=cache)
-    with pytest.raises(InputError, match=says):
-        cart.save(tmp_path / "s.cart", cache)
-    assert not any(tmp_path.iterdir())
+def _logprobs(cart, cache, tokens):
+    """Float32 numpy log-probabilities of the last position after feeding `tokens` to `cache`."""
+    logits = cart.model(mx.array(tokens)[None], cache=cache)[0, -1].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits))
+
+
+def test_extend_save_compose_and_convert_carry_the_scale(tiny64, carts, tmp_path):
+    """Each operation that makes a cartridge from a scaled one keeps K / s under the same scale (the new tokens'
+    too) and answers as the same operation on the unscaled cartridge, within fp16 rounding; sharded loading
+    refuses it in one line."""
+    out = {}
+    for scaled in (False, True):
+        src = carts[("fp16", scaled)]
+        out[("extend", scaled)] = cartridge.extend(src, "The deposit is two months of rent.",
+                                                   tmp_path / f"e{scaled}.cart", model=tiny64).path
+        out[("convert", scaled)] = cartridge.convert(src, tmp_path / f"c{scaled}.cart", tier="int8").path
+        cart = load(src, model=tiny64)
+        cache = cart.prompt_cache()
+        prompt = cart.question_prompt(QUESTION)
+        cart.model(mx.array(prompt)[None], cache=cache)
+        out[("save", scaled)] = cart.save(tmp_path / f"s{scaled}.cart", cache, tokens=prompt).path
+    for op in ("extend", "convert", "save"):
+        plain, scaled = (open_cartridge(out[(op, s)])[0] for s in (False, True))
+        assert plain.key_scales == {} and sorted(scaled.key_scales) == [0, 1], op
+        for layer in (0, 1):
+            np.testing.assert_array_equal(scaled.key_scales[layer], open_cartridge(carts[("fp16", True)])[0]
+                                          .key_scales[layer])
+            assert scaled.records[K.layer_codec_version(layer, "k")] == b"2", op
+        rows = [_logprobs(c, c.prompt_cache(), c.question_prompt("Who pays?"))
+                for c in (load(out[(op, s)], model=tiny64, attention="portable") for s in (False, True))]
+        assert np.abs(rows[1] - rows[0]).max() < (2e-2 if op == "convert" else 2e-3), op
+    composed = [cartridge.load_many([carts[("fp16", False)], carts[("fp16", s)]], model=tiny64) for s in (False, True)]
+    rows = [_logprobs(c, c.prompt_cache(), c.question_prompt(QUESTION)) for c in composed]
+    assert np.abs(rows[1] - rows[0]).max() < 2e-3
+    info, _ = open_cartridge(carts[("fp16", True)])
+    with pytest.raises(InputError, match="stores K scaled per channel.*sharded loading takes"):
+        require_attention_layers(info, "sharded loading", scaled=False)
 
 
 @pytest.mark.filterwarnings("ignore::cartridge.promptcache.exporter.MlxLoadWarning")  # an in-memory model: no folder

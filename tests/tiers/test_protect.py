@@ -32,7 +32,7 @@ def test_protected_copies_are_the_models_kv_in_fp16(tiny64, tmp_path):
     r = cartridge.build(DOC, tmp_path / "p.cart", model=tiny64, reserve=0, tier="mlx4g32+rot", protect_first=3,
                         protect_last=5, page_size=64)
     info, _ = cartridge.open_cartridge(r.path)
-    assert (info.format_version, info.protect_first, info.protect_last) == ("1.10", 3, 5)
+    assert (info.format_version, info.protect_first, info.protect_last) == ("1.11", 3, 5)
     caches = prefill(tiny64.model, info.tokens.tolist())
     for layer, c in enumerate(caches):
         for side, x in (("k", c.keys), ("v", c.values)):
@@ -178,7 +178,7 @@ def test_safe_preset_is_int8_rot_k_int6_rot_v_in_a_valid_1_6_header(tiny64, tmp_
     r = cartridge.build(DOC, tmp_path / "s.cart", model=tiny64, reserve=0, page_size=64, preset="safe",
                         calibrate=False)
     info, _ = cartridge.open_cartridge(r.path)
-    assert info.format_version == "1.10" and {(t["k"], t["v"]) for t in info.tiers} == {("int8+rot", "int6+rot")}
+    assert info.format_version == "1.11" and {(t["k"], t["v"]) for t in info.tiers} == {("int8+rot", "int6+rot")}
     assert r.bytes_per_token == info.bytes_per_token() == 2 * (128 + 16 + 96 + 16)  # 2 layers, kv_dim 128
     records = read_index(r.path, read_manifest(r.path))
     header = {k: json.loads(v) for k, v in records.items()

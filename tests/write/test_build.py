@@ -163,7 +163,7 @@ def test_source_document_recorded(tiny, tmp_path):
     info, _ = cartridge.open_cartridge(r.path)
     assert info.source == {"name": "lease.txt", "bytes": len(text.encode()),
                            "sha256": hashlib.sha256(text.encode()).hexdigest(), "first_line": "Lease of 12 Elm St"}
-    assert info.format_version == "1.10"
+    assert info.format_version == "1.11"
 
 
 def test_context_reserve_warns_with_tokens_left(tiny, tmp_path):

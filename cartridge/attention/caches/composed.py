@@ -94,6 +94,7 @@ class ComposedCache(CartridgeCache):
 
     def __init__(self, parts, patches, length, rope, chunk_size=256):
         super().__init__(parts[0].prefix, chunk_size)
+        self._inverse_scale = None  # the tail holds the model's keys; each part's scale goes on its own queries
         self.parts, self.patches, self.length, self.rope = parts, patches, length, rope
         self.record = None  # a list: each attention call appends its rows' mass on the last part (`blend.probe_mass`)
 
@@ -121,6 +122,14 @@ class ComposedCache(CartridgeCache):
         _, n_q, L, D = queries.shape
         return self.rope(queries.reshape(n_q * L, 1, D), offset=-shift).reshape(1, n_q, L, D)
 
+    @staticmethod
+    def _scaled(queries, prefix):
+        """Queries (1, n_q, L, D) times the part's K scale, each query head its KV head's (format 1.11), or as given."""
+        if prefix.key_scale is None:
+            return queries
+        n_q = queries.shape[1]
+        return queries * mx.repeat(prefix.key_scale, n_q // prefix.n_kv_heads, axis=0)[None, :, None, :]
+
     def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over every part, patch and the tail (see `CartridgeCache.attention`;
         `sinks`, (n_q_heads,) sink logits, add one more logit per head).
@@ -138,7 +147,8 @@ class ComposedCache(CartridgeCache):
             return (x.astype(mx.float32) * scale).reshape(n_kv, group * L, D)
 
         q = flat(queries)
-        rotated = [flat(self._rotated(queries.astype(mx.float32), p.shift)) for p in self.parts]
+        rotated = [flat(self._scaled(self._rotated(queries.astype(mx.float32), p.shift), p.prefix))
+                   for p in self.parts]
         partials = [part_partial(r, p) for r, p in zip(rotated, self.parts)]
         partials += [tail_partial(q, k, v, True) for k, v in self.patches]
         partials += self._tail_partials(q, None, n_kv, group, L)
