@@ -1,10 +1,11 @@
 """Teacher-forced agreement with a reference: known answer tokens are fed after each question in one forward
 pass over the reference K/V and over the K/V under test; per position, KL (reference || test) and whether the
-argmax agrees. Three subcommands:
+argmax agrees. Three subcommands, and a timing one:
 
     presets DOC QUESTIONS OUT.json [VARIANT ...] [--fixed K/V,...] [--bleu] [--extra T,...] [--heavy] [--attention]
     blend REPORT.json OUT.json [--ratios 0,.1,.2] [--strategies a,b] [--oracle] [--bleu R,...] [--questions Q.jsonl]
-    kenc DOC QUESTIONS OUT.json [--configs preset=balanced,mlx4g32] [--bleu preset=balanced] [--model M]
+    kenc DOC QUESTIONS OUT.json [--configs preset=balanced,mlx4g32] [--encoders nearest,score,...] [--bleu ...]
+    scale-cost OUT.json [--contexts 4096,32768] [--tiers mlx4g32+rot,int8]
 
 `presets` (issue 33): calibrated presets against fp16 on real questions, without building cartridges. DOC is
 prefilled, each question answered greedily (50 tokens) over the fp16-rounded K/V (cached beside OUT as
@@ -46,16 +47,24 @@ answer is the reference's up to its first teacher-forced argmax difference and g
 Q.jsonl asks those instead of the report's; their reference answers are greedy (--max-tokens) over the fresh
 prefill of the composed tokens (R = 1 answers alike: docs/evaluation.md).
 
-`kenc` (issue 49 item 2): nearest against score-aware K encoding in real builds. DOC is built in fp16 and each
-question answered greedily (50 tokens) over that cartridge (the reference; cached as OUT.answers.json); each
---configs entry (preset=NAME or a tier) is built with k_encoder="nearest" and "score" (wall and CPU seconds, the
+`kenc` (issue 49 items 2-4): the encodings of `ENCODERS` (nearest; score-aware K; K scaled per channel; V for the
+output) in real builds. DOC is built in fp16 and each question answered greedily (50 tokens) over that cartridge
+(the reference; cached as OUT.answers.json); each --configs entry (preset=NAME or a tier) is built with each
+--encoders entry (default nearest,score) (wall and CPU seconds, the
 prefill's and the calibration's, bytes/token, and for a preset its calibration record: the probe's measured KL and
 top-1, the quantity calibration measures) and each cartridge scored as `presets` scores a schema: question + fp16
 answer teacher-forced over it (KL, top-1, first token, identical answers, tokens to divergence); configs named in
 --bleu add sentence BLEU of the cartridge's own greedy answer. The cartridges stay in --work (default OUT.work):
 a second run with other --bleu scores them again without rebuilding. Rows "CONFIG @ENCODER" in OUT.json.
 
-    PYTHONPATH=. python benchmarks/agreement.py {presets,blend,kenc} --help
+`scale-cost` (issue 49 item 3): what a K scale (format 1.11, `cartridge.tiers.key_scale`) costs per decode step,
+in one run: for one layer and one query token, beside MLX's dense SDPA over the same context and a bare read of
+the layer's stored bytes (`cartridge.eval.bench.read_floor`), each attention policy of this device over the same
+pages without and with a K scale (the queries multiplied by s and the new key divided by s at the cache, every
+kernel unchanged), and the two scale operations alone. Shapes are SmolLM2-135M's (9 query heads over 3 KV heads,
+head_dim 64) and Gemma 3 270M's full-attention layers' (4 over 1, head_dim 256); K/V random.
+
+    PYTHONPATH=. python benchmarks/agreement.py {presets,blend,kenc,scale-cost} --help
 """
 
 import cartridge  # noqa: I001  (first: loads OpenBLAS before mlx)
@@ -81,6 +90,11 @@ from cartridge.models.prompt import SEPARATOR, prefix_tokens, prompt_mode, quest
 from cartridge.tiers import TIERS, bitpack, protect
 from cartridge.tiers.affine import AffineCodec, affine_values
 from cartridge.tiers.rotation import RotatedCodec
+from cartridge.attention import backends
+from cartridge.attention.timing import timeit
+from cartridge.eval.bench import available_policies, random_kv, read_floor, tier_prefix, time_policy
+from cartridge.eval.bench_report import environment
+from dataclasses import replace
 
 
 def log_probs(model, ids, cache, start=0):
@@ -593,6 +607,60 @@ def kenc_main(args):
             Path(args.out).write_text(json.dumps(results, indent=1))
 
 
+# ---- scale-cost ----------------------------------------------------------------------------------------------
+
+COST_SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}  # (n_q_heads, n_kv_heads, head_dim)
+
+
+def scale_ops(shape, dtype, repeats):
+    """µs of the two operations a scaled layer adds per decode step: q * s (1, n_q, 1, D) and k / s (1, n_kv, 1, D)."""
+    n_q, n_kv, d = shape
+    s = mx.random.uniform(0.5, 2.0, (n_kv, d))
+    per_q = mx.repeat(s, n_q // n_kv, axis=0)[None, :, None, :]
+    inverse = (1.0 / s)[None, :, None, :]
+    q, k = mx.random.normal((1, n_q, 1, d)).astype(dtype), mx.random.normal((1, n_kv, 1, d)).astype(dtype)
+    mx.eval(per_q, inverse, q, k)
+    return timeit(lambda: [(q * per_q).astype(dtype), (k * inverse).astype(dtype)], repeats) * 1e6
+
+
+def rows_for(name, shape, n_tokens, tiers, repeats):
+    n_q, n_kv, d = shape
+    dtype = mx.float32 if backends.device() == "cpu" else mx.float16
+    k, v = random_kv(n_kv, n_tokens, d, seed=n_tokens)
+    q = mx.random.normal((1, n_q, 1, d)).astype(dtype)
+    new_k = mx.random.normal((1, n_kv, 1, d)).astype(dtype)
+    dense_k, dense_v = k[None].astype(dtype), v[None].astype(dtype)
+    mx.eval(q, new_k, dense_k, dense_v)
+    base = {"shape": name, "context": n_tokens}
+    out = [{**base, "what": "dense sdpa", "us": timeit(lambda x: mx.fast.scaled_dot_product_attention(
+        x, dense_k, dense_v, scale=d ** -0.5), repeats, chain=q) * 1e6},
+        {**base, "what": "scale ops alone", "us": scale_ops(shape, dtype, repeats)}]
+    scale = mx.random.uniform(0.5, 2.0, (n_kv, d))
+    for tier in tiers:
+        prefix, error = tier_prefix(tier, k, v)
+        if prefix is None:
+            out.append({**base, "what": f"{tier}", "error": error})
+            continue
+        out.append({**base, "what": f"{tier} read floor", "us": read_floor(prefix, tier, n_tokens, repeats)["us"]})
+        for policy in available_policies():
+            for label, p in (("plain", prefix), ("scaled", replace(prefix, key_scale=scale))):
+                us, _, error = time_policy(p, policy, dtype, q, new_k, repeats)
+                out.append({**base, "what": f"{tier} {policy} {label}", "us": us, "error": error})
+    return out
+
+
+def cost_main(args):
+    """What a K scale costs per decode step (module docstring, `scale-cost`): printed and written to OUT."""
+    rows = []
+    for name, shape in COST_SHAPES.items():
+        for n in (int(c) for c in args.contexts.split(",")):
+            for row in rows_for(name, shape, n, args.tiers.split(","), args.repeats):
+                rows.append(row)
+                us = f"{row['us']:9.1f} us" if row.get("us") is not None else f"  {row.get('error')}"
+                print(f"{name:13s} {n:7d}  {row['what']:40s}{us}", flush=True)
+    Path(args.out).write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description="Teacher-forced agreement with a reference (see the module docstring).")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -635,6 +703,12 @@ def main():
     k.add_argument("--work", help="folder of the cartridges, kept to be scored again (default: OUT.work)")
     k.add_argument("--model", default="default")
     k.set_defaults(run=kenc_main)
+    c = sub.add_parser("scale-cost", help="what a K scale (format 1.11) costs per decode step")
+    c.add_argument("out", help="JSON results")
+    c.add_argument("--contexts", default="4096,32768")
+    c.add_argument("--tiers", default="mlx4g32+rot,int8")
+    c.add_argument("--repeats", type=int, default=30)
+    c.set_defaults(run=cost_main)
     args = ap.parse_args()
     unknown = [v for v in getattr(args, "variants", []) if v not in VARIANTS]
     if unknown:
