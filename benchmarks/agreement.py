@@ -497,11 +497,11 @@ def blend_main(args):
 
 # ---- kenc ---------------------------------------------------------------------------------------------------
 
-ENCODERS = {  # label -> build keywords (issue 49 items 2-4)
-    "nearest": {},
-    "score": {"k_encoder": "score"},
-    "scale": {"k_scale": True},
-    "score+scale": {"k_encoder": "score", "k_scale": True},
+ENCODERS = {  # label -> build keywords (issue 49 items 2-4), each explicit (a preset has its own default)
+    "nearest": {"k_encoder": "nearest", "k_scale": False, "v_encoder": "nearest"},
+    "score": {"k_encoder": "score", "k_scale": False, "v_encoder": "nearest"},
+    "scale": {"k_encoder": "nearest", "k_scale": True, "v_encoder": "nearest"},
+    "score+scale": {"k_encoder": "score", "k_scale": True, "v_encoder": "nearest"},
     "score+scale+vout": {"k_encoder": "score", "k_scale": True, "v_encoder": "output"},
 }
 

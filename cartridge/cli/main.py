@@ -62,14 +62,15 @@ def cli():
 @click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @tier_options
 @target_options
-@click.option("--k-encoder", type=click.Choice(["nearest", "score"]), default="nearest", show_default=True,
+@click.option("--k-encoder", type=click.Choice(["nearest", "score"]), default=None,
               help="How K's codes are chosen: nearest rounding, or for the scores of the document's own queries "
-                   "(same format).")
-@click.option("--k-scale", is_flag=True, help="Store K divided by a per-channel scale chosen from the document's keys "
-              "and queries; the query is multiplied by it (format 1.11; extend, save, compose, convert refuse it).")
-@click.option("--v-encoder", type=click.Choice(["nearest", "output"]), default="nearest", show_default=True,
+                   "(same format). Default: score with --preset balanced/compact, else nearest.")
+@click.option("--k-scale/--no-k-scale", default=None,
+              help="Store K divided by a per-channel scale chosen from the document's keys and queries, the query "
+                   "multiplied by it (format 1.11). Default: on with --preset balanced/compact, else off.")
+@click.option("--v-encoder", type=click.Choice(["nearest", "output"]), default=None,
               help="How V's codes are chosen: nearest rounding, or for the attention output through o_proj "
-                   "(same format).")
+                   "(same format). Default: nearest.")
 @click.option("--prefill-step", default=512, show_default=True, help="Tokens per forward pass.")
 @click.option("--page-size", default=256, show_default=True, help="Tokens per page.")
 @click.option("--reserve", default=256, show_default=True, metavar="N",
@@ -89,8 +90,8 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     o = presets.apply(preset, tier, k_tier, v_tier, boundary_protect, schema, protect_first, protect_last)
     check_tier_options(o["tier"], o["k_tier"], o["v_tier"], o["boundary_protect"])
     model_ref(model)
-    if parallel and (preset or target or protect_first or protect_last or k_encoder != "nearest" or k_scale
-                     or v_encoder != "nearest"):
+    if parallel and (preset or target or protect_first or protect_last or k_encoder not in (None, "nearest")
+                     or k_scale or v_encoder not in (None, "nearest")):
         raise InputError("--parallel builds take tier options only, not --preset, --protect-first/--protect-last, "
                          "--k-encoder, --k-scale or --v-encoder")
     group = launched_group(parallel)

@@ -14,6 +14,7 @@ any rank's local failure, so every rank refuses with the same one-line `RankMism
 """
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -111,7 +112,7 @@ def _open_slice(path, model, tokenizer, group, verify):
             model, tokenizer = lm.model, lm.tokenizer
         elif tokenizer is None:
             raise InputError("pass the model's tokenizer together with the model")
-        require_attention_layers(info, "sharded loading (load it with cartridge.load)", scaled=False)
+        require_attention_layers(info, "sharded loading (load it with cartridge.load)")
         part = slice_for(model, info.n_layers, info.n_kv_heads, group.rank(), group.size())
         whole = bool(getattr(model, "cartridge_weights_digest", None))  # else: the digest of this shard only
         fp = model_fingerprint(model, tokenizer)
@@ -167,7 +168,9 @@ def load_sharded(path, model=None, tokenizer=None, group=None, verify="pages", a
             opened[4].close()
         raise
     snap, info, model, tokenizer, data, _ = opened
+    h0, h1 = data.part.heads  # a K scale (format 1.11) is per KV head: this rank's heads of it
     prefixes = [layer_prefix(info, data, i) for i in range(*data.part.layers)]
+    prefixes = [p if p.key_scale is None else replace(p, key_scale=p.key_scale[h0:h1]) for p in prefixes]
     prefixes, plan = place(prefixes, policy, model_dtype(model), [(info.head_dim, info.head_dim)] * len(prefixes))
     cart = ShardedCartridge(Path(path), info, model, tokenizer, prefixes, time.perf_counter() - t0, plan["policy"],
                             plan)

@@ -10,7 +10,8 @@ A `--tiers` entry is colon-separated fields, its label is the entry as written:
     preset=NAME     a preset (build's preset)                         preset=balanced
     kenc=NAME       ... with K's codes chosen by NAME (build's            preset=balanced:kenc=score
                     k_encoder: nearest, score)
-    kscale          ... with K scaled per channel (build's k_scale)   preset=balanced:kenc=score:kscale
+    kscale, nokscale  ... with K scaled per channel or not (build's   preset=balanced:kenc=nearest:nokscale
+                    k_scale; a preset's default otherwise)
     venc=NAME       ... with V's codes chosen by NAME (build's            preset=compact:venc=output
                     v_encoder: nearest, output)
 
@@ -88,8 +89,8 @@ def _field(options, part, entry):
     elif part.startswith("kenc="):
         key, value = "k_encoder", part[5:]
         check_k_encoder(value)
-    elif part == "kscale":
-        key, value = "k_scale", True
+    elif part in ("kscale", "nokscale"):
+        key, value = "k_scale", part == "kscale"
     elif part.startswith("venc="):
         key, value = "v_encoder", part[5:]
         check_encoders("nearest", False, value)
@@ -97,7 +98,7 @@ def _field(options, part, entry):
         key, value = "tier", _tier_name(part, where)
     else:
         raise InputError(f"{where}: field {part!r} is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME, "
-                         f"kenc=NAME, kscale or venc=NAME (known tiers: {', '.join(TIERS)})")
+                         f"kenc=NAME, kscale, nokscale or venc=NAME (known tiers: {', '.join(TIERS)})")
     if key in options:
         raise InputError(f"{where}: {key} given twice")
     options[key] = value

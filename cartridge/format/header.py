@@ -146,19 +146,18 @@ class CartridgeInfo:
                 "fixed": fixed}
 
 
-def require_attention_layers(info, what, kinds=("attention",), scaled=True):
+def require_attention_layers(info, what, kinds=("attention",)):
     """Refuse a cartridge with a layer of a kind other than `kinds`, a K/V layer of a shape other than the
-    global (n_kv_heads, head_dim), K scales or protected tokens.
+    global (n_kv_heads, head_dim), or protected tokens.
 
     Save, compose and sharded loading handle paged attention layers of one shape only; extend also window
-    layers, convert also dense, window and state layers (`kinds`); other kinds (format 1.4, section 5.5),
-    protected tokens (1.5, section 4.5.4) and, for sharded loading, K stored scaled (1.11, 4.5.6) are refused in
-    one line.
+    layers, convert also dense, window and state layers (`kinds`); other kinds (format 1.4, section 5.5)
+    and protected tokens (1.5, section 4.5.4) are refused in one line. K stored scaled (1.11, 4.5.6) is taken:
+    each operation carries the scale.
 
     Args:
         info (CartridgeInfo): the cartridge's header. what (str): the operation, named in the message.
         kinds (tuple): the layer kinds the operation takes. Default: ("attention",).
-        scaled (bool): the operation takes K stored scaled (format 1.11). Default: True.
 
     Raises:
         InputError: naming the first such layer, its kind and shapes.
@@ -171,9 +170,6 @@ def require_attention_layers(info, what, kinds=("attention",), scaled=True):
         if layer.kind_type.tiered and (layer.k_shape != shape or layer.v_shape != shape):
             raise InputError(f"layer {i} stores K {layer.k_shape} and V {layer.v_shape}; {what} takes layers of "
                              f"the cartridge's (n_kv_heads, head_dim) {shape} only")
-    if info.key_scales and not scaled:
-        raise InputError(f"the cartridge stores K scaled per channel (built with --k-scale); {what} takes "
-                         f"cartridges without K scales only in this version")
     if info.protect_first + info.protect_last:  # their fp16 copies sit at positions a new cartridge would move
         raise InputError(f"the cartridge keeps {info.protect_first} first and {info.protect_last} last tokens in "
                          f"fp16; {what} takes cartridges without protected tokens only (convert the fp16 cartridge without "

@@ -20,7 +20,7 @@ from ..storage.store import check_layer_tiers
 from ..tiers import DEFAULT_TIER, get_tier, protect, score_aware
 from .encode import header_extras, layers_bytes, write_layers
 from .options import (DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, check_encoders, check_options, fit_page_size,
-                      probed_schema_and_tokens, resolve_options)
+                      probed_schema_and_tokens, resolve_encoders, resolve_options)
 from .prefill import DEFAULT_PREFILL_STEP, prefill, prefill_holding
 
 
@@ -59,8 +59,8 @@ class BuildResult:
 def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=None, boundary_protect=0,
           schema=None, page_size=DEFAULT_PAGE_SIZE, prefill_step=DEFAULT_PREFILL_STEP, force=False,
           progress=None, source_name=None, reserve=DEFAULT_RESERVE, system=None, protect_first=0, protect_last=0,
-          preset=None, budget=None, calibrate=True, calibration_progress=None, k_encoder="nearest", k_scale=False,
-          v_encoder="nearest"):
+          preset=None, budget=None, calibrate=True, calibration_progress=None, k_encoder=None, k_scale=None,
+          v_encoder=None):
     """Prefill `document` and write a cartridge to `output`.
 
     Args:
@@ -98,16 +98,16 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         calibrate (bool): measure budget presets on the document (False: today's fixed recipes, no
             extra cost; a `budget` then is refused). Default: True.
         calibration_progress (callable | None): progress(done, total) over the layers of the measurement.
-        k_encoder (str): "nearest" (each K element rounded to its nearest code) or "score" (K's codes chosen for
-            the score error under the second moment of the document's own queries, gathered during the prefill:
-            `cartridge.tiers.score_aware`; the calibration measures the tiers so encoded). The stored format is
-            the same. Default: "nearest".
-        k_scale (bool): store each attention layer's K divided by a per-channel scale chosen from the document's
-            keys and queries, the queries multiplied by it when attending (`cartridge.tiers.key_scale`; format
-            1.11: a reader before it refuses the cartridge; extend, save, compose, convert and sharded loading
-            refuse it in this version). Default: False.
-        v_encoder (str): "nearest", or "output": V's codes chosen for the attention output's error through the
-            model's o_proj (`cartridge.calibrate.outputs`; same format). Default: "nearest".
+        k_encoder (str | None): "nearest" (each K element rounded to its nearest code) or "score" (K's codes chosen
+            for the score error under the second moment of the document's own queries, gathered during the
+            prefill: `cartridge.tiers.score_aware`; the calibration measures the tiers so encoded; same format).
+            None: "score" for a calibrated `balanced` or `compact` preset, else "nearest" (`options.resolve_encoders`).
+        k_scale (bool | None): store each attention layer's K divided by a per-channel scale chosen from the
+            document's keys and queries, the queries multiplied by it when attending (`cartridge.tiers.key_scale`;
+            format 1.11: a reader before it refuses the cartridge).
+            None: True for a calibrated `balanced` or `compact` preset, else False.
+        v_encoder (str | None): "nearest", or "output": V's codes chosen for the attention output's error through
+            the model's o_proj (`cartridge.calibrate.outputs`; same format). None: "nearest".
 
     Returns:
         BuildResult
@@ -138,6 +138,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
         check_text(system, "the system message")
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     declined = None if target is None else calibrate_mod.checked_model(lm.model, target)
+    k_encoder, k_scale, v_encoder = resolve_encoders(preset if target is not None and declined is None else None,
+                                                     k_encoder, k_scale, v_encoder)
     schema, plans, mode, tokens, left = probed_schema_and_tokens(document, lm, options, reserve, system, page_size)
     page_size = fit_page_size(page_size, len(tokens))
     if target is not None and declined is None:
@@ -152,7 +154,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
-    weights, scales = encoding(lm.model, caches, plans, moments, k_encoder, k_scale, v_encoder)
+    weights, scales = encoding_weights(lm.model, caches, plans, moments, k_encoder, k_scale, v_encoder)
     with score_aware.weighting(weights, scales):  # the calibration measures what is written
         path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force,
                                                extras, protected, (target, declined, calibration_progress), held)
@@ -162,7 +164,7 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
     return result
 
 
-def encoding(model, caches, plans, moments, k_encoder, k_scale, v_encoder):
+def encoding_weights(model, caches, plans, moments, k_encoder, k_scale, v_encoder):
     """The weights and K scales `score_aware.weighting` encodes under (issue 49).
 
     Args:

@@ -15,6 +15,9 @@ DEFAULT_PAGE_SIZE = 256
 DEFAULT_RESERVE = 256  # tokens a build leaves free for questions and answers before it warns
 K_ENCODERS = ("nearest", "score")  # how K's codes are chosen (`cartridge.tiers.score_aware`)
 V_ENCODERS = ("nearest", "output")  # how V's codes are chosen (`cartridge.calibrate.outputs`)
+# (k_encoder, k_scale, v_encoder) of the calibrated presets, adopted by measurement on two models and documents not
+# in samples/ (docs/evaluation.md "Encoding for the document's own queries"); "output" V was not adopted there
+PRESET_ENCODING = {"balanced": ("score", True, "nearest"), "compact": ("score", True, "nearest")}
 
 
 class ContextWarning(UserWarning):
@@ -101,12 +104,25 @@ def check_k_encoder(k_encoder):
 
 def check_encoders(k_encoder, k_scale, v_encoder):
     """Raise InputError unless `k_encoder` is one of K_ENCODERS, `k_scale` a bool and `v_encoder` one of
-    V_ENCODERS (`build`'s arguments)."""
-    check_k_encoder(k_encoder)
-    if not isinstance(k_scale, bool):
+    V_ENCODERS (`build`'s arguments; None: the default `resolve_encoders` gives)."""
+    if k_encoder is not None:
+        check_k_encoder(k_encoder)
+    if k_scale is not None and not isinstance(k_scale, bool):
         raise InputError(f"k_scale is {k_scale!r}; expected True or False")
-    if v_encoder not in V_ENCODERS:
+    if v_encoder is not None and v_encoder not in V_ENCODERS:
         raise InputError(f"V encoder {v_encoder!r} is not one of {', '.join(V_ENCODERS)}")
+
+
+def resolve_encoders(calibrated_preset, k_encoder, k_scale, v_encoder):
+    """(k_encoder, k_scale, v_encoder) a build uses: each as given, or where None, the calibrated preset's
+    (`PRESET_ENCODING`), else nearest rounding without a scale.
+
+    Args:
+        calibrated_preset (str | None): the preset a build measures its schema for, None for any other build
+            (tiers given, a budget without a preset, `--no-calibrate`, a model calibration cannot walk).
+    """
+    default = PRESET_ENCODING.get(calibrated_preset, ("nearest", False, "nearest"))
+    return tuple(d if x is None else x for x, d in zip((k_encoder, k_scale, v_encoder), default))
 
 
 def check_reserve(reserve):

@@ -29,13 +29,15 @@ def test_parse_entries():
     assert parse_entry("preset=balanced:kenc=score").options == {"preset": "balanced", "k_encoder": "score"}
     assert parse_entry("preset=compact:kenc=score:kscale:venc=output").options == {
         "preset": "compact", "k_encoder": "score", "k_scale": True, "v_encoder": "output"}
+    assert parse_entry("preset=balanced:kenc=nearest:nokscale").options == {
+        "preset": "balanced", "k_encoder": "nearest", "k_scale": False}
 
 
 @pytest.mark.parametrize("text, expect", [
     ("int3", "--tiers entry 'int3': unknown tier 'int3'; known tiers: "),
     ("fp16:bpx", "field 'bpx' must be bp followed by a whole number of layers"),
-    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME, kenc=NAME, kscale or "
-                 "venc=NAME \\(known tiers: fp16, "),
+    ("fp16:x+y", "field 'x\\+y' is not TIER, k=TIER, v=TIER, bpN, pfN, plN, preset=NAME, kenc=NAME, kscale, "
+                 "nokscale or venc=NAME \\(known tiers: fp16, "),
     ("preset=balanced:venc=gptq", "V encoder 'gptq' is not one of nearest, output"),
     ("fp16:kscale:kscale", "k_scale given twice"),
     ("preset=balanced:kenc=gptq", "K encoder 'gptq' is not one of nearest, score"),

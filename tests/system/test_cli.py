@@ -138,7 +138,7 @@ def test_build_k_encoder_score_writes_the_tiers_format(smol_tokenizer, tmp_path)
 
 def test_build_k_scale_and_v_encoder_inspect_says_so(tiny_dir, tmp_path):
     """--k-scale --v-encoder output: a format 1.11 cartridge whose inspect names its scaled layers, and which
-    answers; extend refuses it in one line; an unknown V encoder is refused by click."""
+    answers and extends, keeping its scales; an unknown V encoder is refused by click."""
     corpus = tmp_path / "c.txt"
     corpus.write_text(DOC * 3)
     out = tmp_path / "s.cart"
@@ -150,7 +150,7 @@ def test_build_k_scale_and_v_encoder_inspect_says_so(tiny_dir, tmp_path):
     assert json.loads(run("inspect", out, "--json").stdout)["k_scaled_layers"] == ["0", "1"]
     assert run("ask", out, "Who?", "--max-tokens", 3).returncode == 0
     r = run("extend", out, corpus, "-o", tmp_path / "e.cart")
-    assert r.returncode == 1 and "stores K scaled per channel (built with --k-scale); extend takes" in r.stderr.decode()
+    assert r.returncode == 0 and "K scaled      per channel in 2 layers" in run("inspect", tmp_path / "e.cart").stdout.decode()
     r = run("build", corpus, "-o", tmp_path / "x.cart", "--model", tiny_dir, "--v-encoder", "gptq")
     assert r.returncode == 2 and "'gptq' is not one of 'nearest', 'output'" in r.stderr.decode()
 
