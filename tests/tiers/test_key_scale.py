@@ -235,3 +235,17 @@ def test_encoder_options_are_checked_before_any_work(tiny64, tmp_path):
     with pytest.raises(InputError, match="k_scale is 'yes'; expected True or False"):
         build("text", tmp_path / "x.cart", model=tiny64, k_scale="yes")
     assert not (tmp_path / "x.cart").exists()
+
+
+def test_calibrated_presets_encode_score_aware_and_scaled_unless_told(tiny64, tmp_path):
+    """balanced / compact measured at build: K scaled and score-aware (`PRESET_ENCODING`); --no-calibrate, a tier
+    given, or the encoders named keep nearest rounding without a scale."""
+    doc = DOC * 2
+    runs = {"preset": dict(preset="balanced"), "named": dict(preset="balanced", k_encoder="nearest", k_scale=False),
+            "fixed": dict(preset="balanced", calibrate=False), "tier": dict(tier="mlx4g32+rot")}
+    info = {}
+    for name, kw in runs.items():
+        build(doc, tmp_path / f"{name}.cart", model=tiny64, page_size=64, reserve=0, **kw)
+        info[name] = open_cartridge(tmp_path / f"{name}.cart")[0]
+    assert sorted(info["preset"].key_scales) == [0, 1]
+    assert info["named"].key_scales == info["fixed"].key_scales == info["tier"].key_scales == {}
