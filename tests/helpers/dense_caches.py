@@ -31,7 +31,8 @@ def _logits(model, tokens, cache):
 
 
 def dense_reference(cart):
-    """mlx-lm caches of the decoded pages with the protected positions set to the stored fp16 copies."""
+    """mlx-lm caches of the decoded pages with the protected positions set to the stored fp16 copies (K stored
+    scaled multiplied back by its scale)."""
     info, caches = cart.info, []
     n, first, last = len(info.tokens), info.protect_first, info.protect_last
     for layer, prefix in enumerate(cart.prefixes):
@@ -43,6 +44,8 @@ def dense_reference(cart):
             if first or last:  # (a preset may protect nothing)
                 kept = info.protected[(layer, side)].astype(np.float32)
                 x[:, :first], x[:, n - last:] = kept[:, :first], kept[:, first:]
+            if side == "k" and prefix.key_scale is not None:  # stored as K / s (format 1.11): the model's K
+                x = x * np.array(prefix.key_scale)[:, None, :]
             setattr(c, "keys" if side == "k" else "values", mx.array(x)[None])
         c.offset = n
         caches.append(c)
