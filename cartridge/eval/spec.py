@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..write.build import build
-from ..write.options import check_encoders, check_k_encoder
+from ..write.options import check_encoders, check_k_encoder, resolve_encoders
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..calibrate import CALIBRATION_VERSION, PRESET_RATIOS
@@ -233,6 +233,11 @@ def cache_key(document, fingerprint_id, spec, page_size):
     }
     if spec.options.get("preset") in PRESET_RATIOS:  # measured at build since issue 33: not the fixed recipe's bytes
         key["calibration"] = CALIBRATION_VERSION
+    o = spec.options  # the encoders a build takes where the entry names none (issue 49: a preset's default)
+    encoders = resolve_encoders(o.get("preset") if o.get("calibrate", True) else None, o.get("k_encoder"),
+                                o.get("k_scale"), o.get("v_encoder"))
+    if encoders != ("nearest", False, "nearest"):  # the keys of cartridges built before issue 49 stay valid
+        key["encoders"] = encoders
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 

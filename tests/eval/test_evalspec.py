@@ -95,6 +95,9 @@ def test_cache_key_changes_with_what_decides_the_bytes():
     assert base not in others and len(others) == 4
     assert cache_key(DOC, "fp-a", parse_entry("mlx4g32:kenc=score"), 256) != \
         cache_key(DOC, "fp-a", parse_entry("mlx4g32"), 256)
+    # a preset's default encoders are part of what it builds (issue 49): not the key of the nearest encoding
+    assert cache_key(DOC, "fp-a", parse_entry("preset=balanced"), 256) != \
+        cache_key(DOC, "fp-a", parse_entry("preset=balanced:kenc=nearest:nokscale"), 256)
 
 
 def test_build_then_reuse_then_rebuild(tiny, tmp_path):
