@@ -14,7 +14,6 @@ gets it, as llama.cpp and transformers do (gemma expects `<bos>` first).
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 from ..errors import ModelLoadError
 from .gguf_arch import plain_metadata
@@ -112,6 +111,14 @@ def _byte_level_bpe(meta):
 
 def _sentencepiece(meta):
     """A `tokenizers.Tokenizer` for a "llama" (SentencePiece) vocabulary, by transformers' GGUF converter."""
+    # here, not at import: the converter's names move between transformers releases (GGUF_TOKENIZER_MAPPING is
+    # not in every one), and a release without them must still load every other model
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                           convert_gguf_tokenizer)
+    except ImportError as e:
+        raise ModelLoadError(f"this transformers release cannot convert a GGUF SentencePiece tokenizer ({e}); "
+                             f"the one tested is transformers 5.25") from e
     fields = {}
     for group in GGUF_TOKENIZER_MAPPING.values():
         for key, name in group.items():

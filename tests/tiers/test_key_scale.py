@@ -28,6 +28,7 @@ from cartridge.write.build import build
 DOC = "The lease runs from March 1, 2024. The tenant pays 1,450 euros each month, due on the fifth. " * 6
 QUESTION = "When is the rent due?"
 STEPS = 6
+TOL = 1e-3 if mx.default_device() == mx.cpu else 1e-2  # float32 on the CPU; a GPU's matmuls round more (H100: 3e-3)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_scaled_build_records_format_1_11_and_answers_as_a_fresh_prefill(tiny64,
     prompt = full_prompt_tokens(tiny64.tokenizer, DOC, QUESTION)
     assert tokens == greedy(tiny64.model, tiny64.tokenizer, prompt, STEPS)
     _, plain_rows = _decode(load(carts[("fp16", False)], model=tiny64, attention="portable"), forced=tokens)
-    assert np.abs(rows - plain_rows).max() < 2e-3
+    assert np.abs(rows - plain_rows).max() < 2 * TOL
 
 
 def _paths(tiny64, path, monkeypatch):
@@ -139,11 +140,11 @@ def test_every_attention_path_multiplies_the_queries_by_the_scale(tiny64, carts,
     tokens, want = _decode(portable)
     for name, cart in _paths(tiny64, path, monkeypatch).items():
         _, got = _decode(cart, forced=tokens)
-        assert np.abs(got - want).max() < 1e-3, name
+        assert np.abs(got - want).max() < TOL, name
     unscaled = load(path, model=tiny64, attention="portable")
     unscaled.prefixes = [replace(p, key_scale=None) for p in unscaled.prefixes]
     _, wrong = _decode(unscaled, forced=tokens)
-    assert np.abs(wrong - want).max() > 1e-2
+    assert np.abs(wrong - want).max() > 3 * TOL  # 0.06 measured on the CPU
     if metal_source.compiler() is not None:
         emulate_metal_device(monkeypatch)
         monkeypatch.setattr(proof, "_warned", set())
@@ -151,7 +152,7 @@ def test_every_attention_path_multiplies_the_queries_by_the_scale(tiny64, carts,
             metal = load(path, model=tiny64, attention="fused")
         assert [type(p.backend).__name__ for p in metal.prefixes] == ["MetalInputs"] * 2
         _, got = _decode(metal, n=3, forced=tokens)
-        assert np.abs(got - want[:3]).max() < 1e-3
+        assert np.abs(got - want[:3]).max() < TOL
 
 
 def _logprobs(cart, cache, tokens):
