@@ -613,14 +613,15 @@ COST_SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}  # (n_q_h
 
 
 def scale_ops(shape, dtype, repeats):
-    """µs of the two operations a scaled layer adds per decode step: q * s (1, n_q, 1, D) and k / s (1, n_kv, 1, D)."""
+    """µs of the two operations a scaled layer adds per decode step, as `CartridgeCache` does them (the scale laid
+    out per head and cast once): q * s (1, n_q, 1, D) and k * (1 / s) (1, n_kv, 1, D)."""
     n_q, n_kv, d = shape
     s = mx.random.uniform(0.5, 2.0, (n_kv, d))
-    per_q = mx.repeat(s, n_q // n_kv, axis=0)[None, :, None, :]
-    inverse = (1.0 / s)[None, :, None, :]
+    per_q = mx.repeat(s, n_q // n_kv, axis=0)[None, :, None, :].astype(dtype)
+    inverse = (1.0 / s)[None, :, None, :].astype(dtype)
     q, k = mx.random.normal((1, n_q, 1, d)).astype(dtype), mx.random.normal((1, n_kv, 1, d)).astype(dtype)
     mx.eval(per_q, inverse, q, k)
-    return timeit(lambda: [(q * per_q).astype(dtype), (k * inverse).astype(dtype)], repeats) * 1e6
+    return timeit(lambda: [q * per_q, k * inverse], repeats) * 1e6
 
 
 def rows_for(name, shape, n_tokens, tiers, repeats):

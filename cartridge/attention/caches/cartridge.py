@@ -59,6 +59,7 @@ class CartridgeCache(_BaseCache):
         # K stored as K / s (format 1.11): the tail keeps its keys / s and the queries are multiplied by s, so that
         # every backend reads one basis, (q * s) . (k / s) = q . k
         self._inverse_scale = None if prefix.key_scale is None else (1.0 / prefix.key_scale)[None, :, None, :]
+        self._scales = {}  # (what, heads, dtype) -> the scale laid out and cast once: one multiply per call
 
     @property
     def offset(self):
@@ -92,11 +93,22 @@ class CartridgeCache(_BaseCache):
             raise CartridgeError(f"a cartridge holds one sequence; got batch size {keys.shape[0]}")
         self.written_from = min(self.written_from, self.tail_len)
         if self._inverse_scale is not None:
-            keys = (keys * self._inverse_scale).astype(keys.dtype)
+            keys = keys * self._scale_as("k", keys)
         self._write(self._k_chunks, keys, self.tail_len)
         self._write(self._v_chunks, values, self.tail_len)
         self.tail_len += keys.shape[2]
         return self.tail_chunks
+
+    def _scale_as(self, what, x):
+        """(1, heads, 1, head_dim) in x's dtype: s for queries ("q", query head i reading KV head i // group), 1 / s
+        for new keys ("k"); made once per (what, heads, dtype)."""
+        key = (what, x.shape[1], x.dtype)
+        if key not in self._scales:
+            s = self._inverse_scale[0, :, 0] if what == "k" else self.prefix.key_scale
+            s = mx.repeat(s, x.shape[1] // s.shape[0], axis=0)[None, :, None, :].astype(x.dtype)
+            mx.eval(s)
+            self._scales[key] = s
+        return self._scales[key]
 
     def tail(self):
         """The tail as the layer's backend reads it (`state.Tail`: the chunks themselves, not copies)."""
@@ -139,9 +151,7 @@ class CartridgeCache(_BaseCache):
         """
         p = self.prefix
         if p.key_scale is not None:  # before any rotation: the kernels rotate q * s into K's stored basis
-            n_q, n_kv = queries.shape[1], p.n_kv_heads
-            s = mx.repeat(p.key_scale, n_q // n_kv, axis=0)  # query head i reads KV head i // group
-            queries = (queries * s[None, :, None, :]).astype(queries.dtype)
+            queries = queries * self._scale_as("q", queries)
         if self._backend is not None and (mask is None or isinstance(mask, str)):
             tail = Tail(self._k_chunks, self._v_chunks, self.tail_len, self.chunk_size, self.written_from)
             out = self._backend.attend(p.backend, p, queries, tail, scale, sinks, self.scratch)
