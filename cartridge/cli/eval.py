@@ -69,7 +69,9 @@ def _bar():
 @click.option("--questions", "questions_path", required=True, help="JSONL: one {\"question\": ...} a line.")
 @click.option("--model", default=None, help=f"The model: {MODEL_FORMS}.")
 @click.option("--tiers", default=None, help="Comma-separated entries: TIER, TIER:bpN, k=TIER:v=TIER[:bpN], "
-              "...:pfN:plM (protected tokens), preset=NAME (e.g. fp16,mlx4g32:bp2,k=fp16:v=fp8). Default: every registered tier.")
+              "...:pfN:plM (protected tokens), preset=NAME, ...:kenc=nearest|score, ...:kscale|nokscale, "
+              "...:venc=nearest|output (build's encoders) (e.g. fp16,mlx4g32:bp2,k=fp16:v=fp8,preset=balanced:nokscale). "
+              "Default: every registered tier.")
 @click.option("--schemas", default=None, help="JSON file: label -> schema list or build keywords.")
 @click.option("--needles", default=None, help="Needle set (JSONL); default samples/needles.jsonl; none to skip.")
 @click.option("--heldout", default=None, help="Held-out text file (default: the corpus tail, see --heldout-fraction).")

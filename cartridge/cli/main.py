@@ -64,10 +64,10 @@ def cli():
 @target_options
 @click.option("--k-encoder", type=click.Choice(["nearest", "score"]), default=None,
               help="How K's codes are chosen: nearest rounding, or for the scores of the document's own queries "
-                   "(same format). Default: score with --preset balanced/compact, else nearest.")
+                   "(same format). Default: score with a calibrated --preset balanced/compact, else nearest.")
 @click.option("--k-scale/--no-k-scale", default=None,
               help="Store K divided by a per-channel scale chosen from the document's keys and queries, the query "
-                   "multiplied by it (format 1.11). Default: on with --preset balanced/compact, else off.")
+                   "multiplied by it (format 1.11). Default: on with a calibrated --preset balanced/compact, else off.")
 @click.option("--v-encoder", type=click.Choice(["nearest", "output"]), default=None,
               help="How V's codes are chosen: nearest rounding, or for the attention output through o_proj "
                    "(same format). Default: nearest.")
@@ -93,7 +93,7 @@ def build(corpus, output, model, tier, k_tier, v_tier, boundary_protect, schema,
     if parallel and (preset or target or protect_first or protect_last or k_encoder not in (None, "nearest")
                      or k_scale or v_encoder not in (None, "nearest")):
         raise InputError("--parallel builds take tier options only, not --preset, --protect-first/--protect-last, "
-                         "--k-encoder, --k-scale or --v-encoder")
+                         "--k-encoder score, --k-scale or --v-encoder output")
     group = launched_group(parallel)
     if group is None:  # under --parallel rank 0 checks it, and every rank refuses together
         check_output_path(output, force)

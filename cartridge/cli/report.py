@@ -98,6 +98,7 @@ def inspect_dict(info, path):
         "attention": _auto(info),
         "calibration": calibration(info),
         "preset": preset(info),
+        "encoders": encoders(info),
     }
 
 
@@ -107,6 +108,21 @@ def prompt_format(mode):
         return ('plain text, the model has no chat template: "Question: ...\\nAnswer:" turns; an answer ends at a '
                 'new "Question:" line')
     return "the model's chat template"
+
+
+ENCODER_WORDS = {"nearest": "nearest rounding", "score": "score-aware (the document's queries)",
+                 "output": "for the output (o_proj)"}
+
+
+def encoders(info):
+    """How the build chose K's and V's codes (`cartridge.encoders`, format 1.11): {"k", "v"}, or None if not
+    recorded (nearest rounding)."""
+    try:
+        value = json.loads(info.records.get(K.ENCODERS, b"null"))
+    except ValueError:  # informational only: a malformed value reads as not recorded
+        return None
+    ok = isinstance(value, dict) and value.get("k") in ("nearest", "score") and value.get("v") in ("nearest", "output")
+    return {"k": value["k"], "v": value["v"]} if ok else None
 
 
 def preset(info):
@@ -258,6 +274,8 @@ def inspect_table(d):
         *sources_lines(d["sources"]),
         f"protected     first {d['protected']['first']} and last {d['protected']['last']} tokens of every layer "
         f"also kept in fp16",
+        *([f"encoded       K {ENCODER_WORDS[d['encoders']['k']]}, V {ENCODER_WORDS[d['encoders']['v']]} (at build; "
+           f"tokens added later nearest)"] if d.get("encoders") else []),
         *([f"K scaled      per channel in {len(d['k_scaled_layers'])} layers (format 1.11; the queries are "
            f"multiplied by the scale)"] if d.get("k_scaled_layers") else []),
         *([f"system        {d['system'][:120]!r}"] if d.get("system") is not None else []),

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..write.build import build
-from ..write.options import check_encoders, check_k_encoder, resolve_encoders
+from ..write.options import check_encoders, resolve_encoders
 from ..errors import CartridgeError, InputError
 from ..format.container import read_manifest
 from ..calibrate import CALIBRATION_VERSION, PRESET_RATIOS
@@ -86,14 +86,14 @@ def _field(options, part, entry):
     elif part.startswith("preset="):
         key, value = "preset", part[7:]
         presets.resolve(value)  # an unknown name is refused before any build
-    elif part.startswith("kenc="):
-        key, value = "k_encoder", part[5:]
-        check_k_encoder(value)
+    elif part.startswith(("kenc=", "venc=")):
+        key, value = ("k_encoder" if part[0] == "k" else "v_encoder"), part[5:]
+        try:
+            check_encoders(**{key: value})
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
     elif part in ("kscale", "nokscale"):
         key, value = "k_scale", part == "kscale"
-    elif part.startswith("venc="):
-        key, value = "v_encoder", part[5:]
-        check_encoders("nearest", False, value)
     elif re.fullmatch(r"[A-Za-z0-9_]+(\+rot)?", part):
         key, value = "tier", _tier_name(part, where)
     else:

@@ -278,6 +278,9 @@ def parse_header(records, manifest):
     major = typed(records, K.FORMAT_MAJOR, int)
     if major != FORMAT_MAJOR or major != manifest["major"]:
         raise UnsupportedVersionError(f"cartridge file is format {major}; this cartridge reads up to {FORMAT_MAJOR}")
+    minor = typed(records, K.FORMAT_MINOR, int)
+    if minor != manifest["minor"]:  # spec section 2: a header of another minor than its MANIFEST is not one cartridge
+        raise FieldError(f"cartridge.format_minor is {minor}; the MANIFEST says {manifest['minor']}")
     n_tokens = typed(records, K.TOKENS_COUNT, int)
     ids = records.get(K.TOKENS_IDS)
     if ids is None or len(ids) != 4 * n_tokens:
@@ -294,7 +297,7 @@ def parse_header(records, manifest):
     scales = key_scale.read(records, tiered, {path: typed(records, K.layer_codec_version(path, "k"), int)
                                                for path, _ in tiered})
     return CartridgeInfo(
-        format_version=f"{major}.{typed(records, K.FORMAT_MINOR, int)}",
+        format_version=f"{major}.{minor}",
         tokens=np.frombuffer(ids, dtype="<u4").copy(),
         n_layers=n_layers, n_kv_heads=geometry[1], head_dim=geometry[2], page_size=page_size, n_pages=n_pages,
         tiers=tiers,

@@ -51,6 +51,9 @@ CALIBRATION = "cartridge.calibration"  # JSON object: target, bytes_per_token, p
 # Format 1.9: OPTIONAL; absent = no preset was named (inspect shows "-").
 PRESET = "cartridge.preset"  # JSON string: the preset the tiers and protection were resolved from
 
+# Format 1.11: OPTIONAL, informational; absent = nearest rounding (inspect shows "-").
+ENCODERS = "cartridge.encoders"  # JSON object {"k": "nearest" | "score", "v": "nearest" | "output"}: how a build chose codes
+
 # Format 1.10: OPTIONAL; present when the model came from the Hugging Face hub (by repo id, or a snapshot folder).
 MODEL_REPO_ID = "model.repo_id"  # JSON string "ORG/NAME": a reader loads the model by this id, not by model.ref
 MODEL_REVISION = "model.revision"  # JSON string: the commit hash the repo id resolved to at build

@@ -155,7 +155,7 @@ def check_kv(lm, tokens, caches, quant, name, opening=0):
             raise ModelMismatchError(
                 f"{name}: its K/V are not what model {lm.ref} computes for these tokens (layer {where} {side} differs "
                 f"by {error:.1%}, allowed {allowed:.1%}, at tokens {a}..{b - 1}): a prompt cache of another model, "
-                f"or of another text")
+                f"of another text, or exported from a compressed cartridge (import an fp16 one)")
     if not checked:
         warnings.warn(UncheckedWarning(f"{name}: no layer holds K/V that can be recomputed here (sliding windows "
                                        f"past their size, recurrent states): its K/V were not checked"), stacklevel=3)

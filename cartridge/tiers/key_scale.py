@@ -23,6 +23,7 @@ from ..errors import FieldError
 from ..format import keys as K
 
 SCALED_VERSION = 2  # K codec_version of a scaled side: version 1's encoding of K / s
+BOUND = (2.0 ** -16, 2.0 ** 16)  # what a reader takes (spec 4.5.6): q * s and k / s stay far inside float16
 MAX_SCALE = 16.0  # s within 16x of the median channel's: one no query reads (E[q_c^2] = 0) is not shrunk without bound
 
 
@@ -70,7 +71,7 @@ def read(records, units, versions):
 
     Raises:
         FieldError: a scale on a layer other than "attention", a scale without K codec_version 2 or the other
-            way round, a record of the wrong length, or a value not finite and > 0.
+            way round, a record of the wrong length, or a value outside BOUND.
     """
     out = {}
     for path, info in units:
@@ -87,7 +88,7 @@ def read(records, units, versions):
         if len(raw) != 4 * n_kv * head_dim:
             raise FieldError(f"index key {key!r}: {len(raw)} bytes, expected {4 * n_kv * head_dim}")
         s = np.frombuffer(raw, dtype="<f4").reshape(n_kv, head_dim)
-        if not (np.isfinite(s).all() and (s > 0).all()):
-            raise FieldError(f"index key {key!r}: every scale must be finite and > 0")
+        if not (np.isfinite(s).all() and (s >= BOUND[0]).all() and (s <= BOUND[1]).all()):
+            raise FieldError(f"index key {key!r}: every scale must be within [2^-16, 2^16]")
         out[path] = s.astype(np.float32)
     return out

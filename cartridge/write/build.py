@@ -154,6 +154,8 @@ def build(document, output, model=None, tier=DEFAULT_TIER, k_tier=None, v_tier=N
             (prefill(lm.model, tokens, prefill_step, progress), None)
     t1 = time.perf_counter()
     extras = header_extras(document, source_name, system) | named
+    if (k_encoder, v_encoder) != ("nearest", "nearest"):  # absent: nearest rounding (format 1.11, informational)
+        extras[K.ENCODERS] = {"k": k_encoder, "v": v_encoder}
     weights, scales = encoding_weights(lm.model, caches, plans, moments, k_encoder, k_scale, v_encoder)
     with score_aware.weighting(weights, scales):  # the calibration measures what is written
         path, schema, kept = measure_and_write(output, lm, mode, tokens, caches, schema, plans, page_size, force,

@@ -204,7 +204,7 @@ def _is_tier_key(key):
 def _header(info, rows, params):
     """The source's JSON header records (every key, known or not) with the new schema's tier keys."""
     header = {key: json.loads(raw) for key, raw in info.records.items()  # the source's choice of tiers is not kept
-              if key not in (K.TOKENS_IDS, K.PRESET, K.CALIBRATION) and not _is_tier_key(key)}
+              if key not in (K.TOKENS_IDS, K.PRESET, K.CALIBRATION, K.ENCODERS) and not _is_tier_key(key)}
     header.update({K.FORMAT_MAJOR: FORMAT_MAJOR, K.FORMAT_MINOR: FORMAT_MINOR})
     header.update(tier_keys(rows, params, info.head_dim))
     return header

@@ -102,7 +102,7 @@ def check_k_encoder(k_encoder):
         raise InputError(f"K encoder {k_encoder!r} is not one of {', '.join(K_ENCODERS)}")
 
 
-def check_encoders(k_encoder, k_scale, v_encoder):
+def check_encoders(k_encoder=None, k_scale=None, v_encoder=None):
     """Raise InputError unless `k_encoder` is one of K_ENCODERS, `k_scale` a bool and `v_encoder` one of
     V_ENCODERS (`build`'s arguments; None: the default `resolve_encoders` gives)."""
     if k_encoder is not None:

@@ -118,9 +118,12 @@ SCALE_CORRUPTIONS = {  # format 1.11 K scale (spec 4.5.6) -> exact exception cla
     "scale with codec_version 1": (lambda r: {**r, K.layer_codec_version(0, "k"): b"1"}, FieldError),
     "zero scale": (lambda r: {**r, K.layer_key_scale(0): np.array([1, 0, 1, 1], "<f4").tobytes()}, FieldError),
     "NaN scale": (lambda r: {**r, K.layer_key_scale(0): np.array([1, np.nan, 1, 1], "<f4").tobytes()}, FieldError),
+    "subnormal scale": (lambda r: {**r, K.layer_key_scale(0): np.array([1, 1e-45, 1, 1], "<f4").tobytes()}, FieldError),
+    "huge scale": (lambda r: {**r, K.layer_key_scale(0): np.array([1, 1e30, 1, 1], "<f4").tobytes()}, FieldError),
     "scale on V's codec_version": (lambda r: {**r, K.layer_codec_version(0, "v"): b"2"}, UnsupportedVersionError),
     "K codec_version beyond 2": (lambda r: {**r, K.layer_codec_version(0, "k"): b"3"}, UnsupportedVersionError),
     "scale on a dense layer": (lambda r: {**r, K.layer_kind(0): b'"dense"'}, FieldError),
+    "header minor other than the MANIFEST's": (lambda r: {**r, K.FORMAT_MINOR: b"10"}, FieldError),
 }
 
 
@@ -202,6 +205,7 @@ def _as_list(count=1, kind=b'"attention"'):
 def test_list_layer_reads_each_cache_as_its_kind(tmp_path):
     path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
     forge_records(path, _as_list())
+    redigest_manifest(path, lambda m: struct.pack_into("<H", m, 10, 5))  # the MANIFEST says the header's minor
     info, data = open_cartridge(path)
     (layer,) = info.layers
     assert layer.kind == "list" and info.format_version == "1.5"
@@ -225,6 +229,7 @@ LIST_CORRUPTIONS = {  # a "list" layer's records (spec section 5.5, format 1.5) 
 def test_list_layer_corruption_raises_field_error(tmp_path, case):
     path = Path(shutil.copytree(TINY_14, tmp_path / "v.cart"))
     forge_records(path, LIST_CORRUPTIONS[case])
+    redigest_manifest(path, lambda m: struct.pack_into("<H", m, 10, 5))
     with pytest.raises(CartridgeError) as e:
         open_cartridge(path)
     assert type(e.value) is FieldError, (case, repr(e.value))

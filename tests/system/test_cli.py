@@ -147,6 +147,7 @@ def test_build_k_scale_and_v_encoder_inspect_says_so(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     text = run("inspect", out).stdout.decode()
     assert "format 1.11" in text and "K scaled      per channel in 2 layers" in text
+    assert "encoded       K nearest rounding, V for the output (o_proj)" in text
     assert json.loads(run("inspect", out, "--json").stdout)["k_scaled_layers"] == ["0", "1"]
     assert run("ask", out, "Who?", "--max-tokens", 3).returncode == 0
     r = run("extend", out, corpus, "-o", tmp_path / "e.cart")
@@ -182,8 +183,8 @@ REAL_PROCESS_CASES = ("not utf-8", "not a cartridge", "question past context")  
     ("schema and tier", "cannot be combined with --tier"),
     ("max tokens past context", "does not fit the model's context of 512 tokens"),
     ("question past context", "the question ("),
-    ("k encoder under parallel", "not --preset, --protect-first/--protect-last, --k-encoder, --k-scale or --v-encoder"),
-    ("k scale under parallel", "not --preset, --protect-first/--protect-last, --k-encoder, --k-scale or --v-encoder"),
+    ("k encoder under parallel", "not --preset, --protect-first/--protect-last, --k-encoder score, --k-scale or --v-encoder output"),
+    ("k scale under parallel", "not --preset, --protect-first/--protect-last, --k-encoder score, --k-scale or --v-encoder output"),
 ])
 def test_bad_input_one_line_nonzero_exit(case, expect, built, tiny_dir, tmp_path):
     out, _ = built

@@ -2,6 +2,7 @@
 output through o_proj (item 4): exact where nothing is rounded, read by every attention path, carried by extend,
 save, compose and convert, and the same stored format for V."""
 
+import json
 from dataclasses import replace
 
 import cartridge  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
@@ -222,7 +223,8 @@ def test_output_v_encoder_changes_v_codes_only_same_format(tiny64, tmp_path):
         built[enc] = tmp_path / f"{enc}.cart"
         build(DOC, built[enc], model=tiny64, tier="mlx4g32", v_encoder=enc, page_size=64, reserve=0)
     a, b = (load(built[e], model=tiny64) for e in ("nearest", "output"))
-    assert set(a.info.records) == set(b.info.records) and a.info.params == b.info.params
+    assert set(a.info.records) | {K.ENCODERS} == set(b.info.records) and a.info.params == b.info.params
+    assert json.loads(b.info.records[K.ENCODERS]) == {"k": "nearest", "v": "output"}
     assert b.info.key_scales == {}
     for layer in range(2):
         pa, pb = a.prefixes[layer], b.prefixes[layer]
