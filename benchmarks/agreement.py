@@ -109,6 +109,24 @@ def compare(ref, got):
     return (np.exp(ref) * (ref - got)).sum(-1), ref.argmax(-1) == got.argmax(-1)
 
 
+def agreement(refs, gots, answers):
+    """Per question the teacher-forced log-probs `gots` against `refs` (`compare`): ({"first", "top1", "kl", "div",
+    "identical"} over the questions, each question's tokens before the first disagreement)."""
+    first = agree = n = 0
+    kls, div = [], []
+    for ref, got in zip(refs, gots):
+        kl, same = compare(ref, got)
+        kls.append(float(kl.mean()))
+        first, agree, n = first + int(same[0]), agree + int(same.sum()), n + len(same)
+        div.append(int(np.argmin(same)) if not same.all() else len(same))
+    return {"first": first, "top1": agree / n, "kl": sum(kls) / len(kls), "div": sum(div) / len(div),
+            "identical": sum(d == len(a) for d, a in zip(div, answers))}, div
+
+def kept_first(x2, x, first):
+    """x2 (1, n_kv, T, D) with its first `first` tokens put back from x (protected tokens, as calibrate.verify)."""
+    return mx.concatenate([x[:, :, :first], x2[:, :, first:]], axis=2) if first else x2
+
+
 # ---- presets ------------------------------------------------------------------------------------------------
 
 class Int5Codec(AffineCodec):
@@ -187,15 +205,7 @@ class Presets:
         """Teacher-forced agreement of `schema` (its first `first` prefix tokens kept in fp16) with fp16."""
         pairs = [tuple(kept_first(measure.round_trip(row[s], x, row["layer"], s), x, first)
                        if row[s] != "fp16" else x for s, x in zip("kv", p)) for row, p in zip(schema, self.kv)]
-        first = agree = n = 0
-        kls, div = [], []
-        for ref, got in zip(self.ref, self.log_probs_over(pairs)):
-            kl, same = compare(ref, got)
-            kls.append(float(kl.mean()))
-            first, agree, n = first + int(same[0]), agree + int(same.sum()), n + len(same)
-            div.append(int(np.argmin(same)) if not same.all() else len(same))
-        res = {"first": first, "top1": agree / n, "kl": sum(kls) / len(kls), "div": sum(div) / len(div),
-               "identical": sum(d == len(a) for d, a in zip(div, self.answers))}
+        res, div = agreement(self.ref, self.log_probs_over(pairs), self.answers)
         if bleu:
             res["bleu"] = float(np.mean([1.0 if d == len(a) else
                                          sentence_bleu(self.text(self.continued(pairs, s, a[:d])), self.text(a))
@@ -204,11 +214,6 @@ class Presets:
 
     def text(self, ids):
         return self.tok.decode([t for t in ids if t not in self.eos])
-
-
-def kept_first(x2, x, first):
-    """x2 (1, n_kv, T, D) with its first `first` tokens put back from x (protected tokens, as calibrate.verify)."""
-    return mx.concatenate([x[:, :, :first], x2[:, :, first:]], axis=2) if first else x2
 
 
 def rounded(r):
@@ -548,15 +553,7 @@ class Reference:
         """`Presets.score`'s agreement of `cart` with the fp16 cartridge: KL, top-1, first token, identical answers,
         tokens to divergence; with `bleu`, sentence BLEU of its greedy answer (the fp16 answer up to the first
         divergence, its own continuation after)."""
-        first = agree = n = 0
-        kls, div = [], []
-        for ref, got in zip(self.ref, self.forced(cart)):
-            kl, same = compare(ref, got)
-            kls.append(float(kl.mean()))
-            first, agree, n = first + int(same[0]), agree + int(same.sum()), n + len(same)
-            div.append(int(np.argmin(same)) if not same.all() else len(same))
-        res = {"first": first, "top1": agree / n, "kl": sum(kls) / len(kls), "div": sum(div) / len(div),
-               "identical": sum(d == len(a) for d, a in zip(div, self.answers))}
+        res, div = agreement(self.ref, self.forced(cart), self.answers)
         if bleu:
             res["bleu"] = float(np.mean([1.0 if d == len(a) else
                                          sentence_bleu(self.text(self.continued(cart, s, a[:d])), self.text(a))

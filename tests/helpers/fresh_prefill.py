@@ -101,3 +101,19 @@ def _cut(tokenizer, text, n):
         mid = (lo + hi) // 2
         lo, hi = (mid + 1, hi) if count(mid) <= n else (lo, mid)
     return next((text[:k].rstrip() for k in range(lo - 1, max(lo - 40, 0), -1) if count(k) == n), None)
+
+
+def decode_loop(cart, prompt, n, forced=None):
+    """The decode loop on a fresh cache of `cart`: the prompt, then n - 1 single tokens (argmax, or `forced`'s).
+
+    Returns:
+        tuple: (the n tokens chosen, (n, vocab) float32 numpy log-probabilities of each step).
+    """
+    cache, tokens, rows = cart.prompt_cache(), [], []
+    x = prompt
+    for i in range(n):
+        logits = cart.model(mx.array(x)[None], cache=cache)[0, -1].astype(mx.float32)
+        rows.append(np.array(logits - mx.logsumexp(logits)))
+        tokens.append(int(np.argmax(rows[-1])) if forced is None else forced[i])
+        x = [tokens[-1]]
+    return tokens, np.stack(rows)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from helpers.samples import SAMPLE
 from helpers.family_models import make_model
-from helpers.fresh_prefill import document_of, greedy
+from helpers.fresh_prefill import decode_loop, document_of, greedy
 from helpers import metal_source
 from helpers.metal_emulator import emulate_metal_device
 
@@ -70,21 +70,6 @@ def built(request, lm, tmp_path_factory):
     return path, document
 
 
-def _decode(cart, prompt, n, forced=None):
-    """The decode loop: the prompt, then n - 1 single tokens (argmax, or `forced`'s), on a fresh cache.
-
-    Returns:
-        tuple: (the n tokens chosen, (n, vocab) float32 numpy log-probabilities of each step)."""
-    cache, tokens, rows = cart.prompt_cache(), [], []
-    x = prompt
-    for i in range(n):
-        logits = cart.model(mx.array(x)[None], cache=cache)[0, -1].astype(mx.float32)
-        rows.append(np.array(logits - mx.logsumexp(logits)))
-        tokens.append(int(np.argmax(rows[-1])) if forced is None else forced[i])
-        x = [tokens[-1]]
-    return tokens, np.stack(rows)
-
-
 _PORTABLE = {}
 
 
@@ -93,13 +78,13 @@ def _portable(lm, path):
     if path not in _PORTABLE:
         cart = cartridge.load(path, model=lm, attention="portable")
         assert all(p.backend is None for p in cart.prefixes if isinstance(p, LayerPrefix))
-        _PORTABLE[path] = _decode(cart, cart.question_prompt(QUESTION), STEPS)
+        _PORTABLE[path] = decode_loop(cart, cart.question_prompt(QUESTION), STEPS)
     return _PORTABLE[path]
 
 
 def _check(lm, path, cart, n=STEPS):
     want_tokens, want = (x[:n] for x in _portable(lm, path))
-    _, got = _decode(cart, cart.question_prompt(QUESTION), n, want_tokens)
+    _, got = decode_loop(cart, cart.question_prompt(QUESTION), n, want_tokens)
     assert np.abs(got - want).max() < TOL
     top2 = np.sort(want, axis=-1)[:, -2:]
     decided = np.ones(n, bool) if lm.ref != RANDOM else top2[:, 1] - top2[:, 0] > 4 * TOL

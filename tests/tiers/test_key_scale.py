@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import metal_source
-from helpers.fresh_prefill import greedy
+from helpers.fresh_prefill import decode_loop, greedy
 from helpers.metal_emulator import emulate_metal_device
 from helpers.tiny_models import make_tiny
 
@@ -52,14 +52,7 @@ def carts(tiny64, tmp_path_factory):
 
 def _decode(cart, n=STEPS, forced=None):
     """(greedy or `forced` tokens, (n, vocab) float32 log-probabilities) of the question and n - 1 decode steps."""
-    cache, tokens, rows = cart.prompt_cache(), [], []
-    x = cart.question_prompt(QUESTION)
-    for i in range(n):
-        logits = cart.model(mx.array(x)[None], cache=cache)[0, -1].astype(mx.float32)
-        rows.append(np.array(logits - mx.logsumexp(logits)))
-        tokens.append(int(np.argmax(rows[-1])) if forced is None else forced[i])
-        x = [tokens[-1]]
-    return tokens, np.stack(rows)
+    return decode_loop(cart, cart.question_prompt(QUESTION), n, forced)
 
 
 def test_choose_balances_key_and_query_second_moments():
