@@ -36,7 +36,7 @@ from ..attention import route
 from ..attention.caches import SharedPrefixCache
 from ..attention.pages import encode_pages
 from ..errors import CalibrationUnsupportedError
-from ..tiers import TIERS, score_aware
+from ..tiers import TIERS, key_scale, score_aware
 from . import sequence
 from .attention_error import LEAD_TOKENS, AttentionError
 from .head import kl_mean, logits_of, walk_kl
@@ -204,14 +204,13 @@ def round_trip(name, x, layer, side):
     codec, y = TIERS[name], x[0]
     scale = score_aware.scale_of(layer, side)  # K written as K / s: measured so (`cartridge.tiers.key_scale`)
     if scale is not None:
-        scale = mx.array(scale)[:, None, :]
-        y = y.astype(mx.float32) / scale
+        y = key_scale.divided(y, scale)
     params = codec.make_params(y, layer, side)  # the codecs take statistics in float32 themselves, in blocks
     pages = codec.decode(encode_pages(codec, y, params, PAGE), params)  # (n_pages, n_kv, P, D)
     n_pages, n_kv, p, d = pages.shape
     # (n_pages, n_kv, P, D) -> (n_kv, n_pages * P, D) -> (1, n_kv, T, D)
     out = pages.transpose(1, 0, 2, 3).reshape(n_kv, n_pages * p, d)[:, :y.shape[1]]
-    return (out if scale is None else out * scale)[None].astype(x.dtype)
+    return (out if scale is None else out * mx.array(scale)[:, None, :])[None].astype(x.dtype)
 
 
 def measurable(model, caches):

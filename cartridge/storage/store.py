@@ -105,7 +105,7 @@ def write_kv(writer, layer, plan, kv, row, page_size, n_tokens, kept=(0, 0)):
         codec = get_tier(row[side])
         scale = score_aware.scale_of(layer, side) if plan.kind == "attention" else None
         if scale is not None:  # K stored as K / s, format 1.11 (`cartridge.tiers.key_scale`)
-            x = x.astype(mx.float32) / mx.array(scale)[:, None, :]
+            x = key_scale.divided(x, scale)
             writer.add_record(K.layer_key_scale(layer), key_scale.record(scale))
         params = codec.make_params(x, layer, side)
         parts = encode_pages(codec, x, params, page_size)

@@ -17,6 +17,7 @@ the keys it appends by s; a decode to the model's own K multiplies by s (`attent
 Per decode step that is one multiply of the queries (n_q_heads x head_dim) and one of the new keys per layer.
 """
 
+import mlx.core as mx
 import numpy as np
 
 from ..errors import FieldError
@@ -55,6 +56,11 @@ def scaled_moment(query_moment, scale):
     """
     s = scale.astype(np.float64)
     return query_moment * s[:, :, None] * s[:, None, :]
+
+
+def divided(x, scale):
+    """K / s: x (n_kv_heads, T, head_dim) mx array, scale (n_kv_heads, head_dim) numpy float32 -> float32 mx array."""
+    return x.astype(mx.float32) / mx.array(scale)[:, None, :]
 
 
 def record(scale):

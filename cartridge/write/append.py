@@ -158,7 +158,7 @@ def write_grown(cart, caches, ids, keep, dest, force, header):
             tail = dict(zip(SIDES, cache.tail_kv()))  # side -> (n_kv_heads, T_new, head_dim), the model's own
             scale = info.key_scales.get(layer)
             if scale is not None:  # K stored as K / s (format 1.11): the new tokens' too, under the same s
-                tail["k"] = tail["k"].astype(mx.float32) / mx.array(scale)[:, None, :]
+                tail["k"] = key_scale.divided(tail["k"], scale)
                 writer.add_record(K.layer_key_scale(layer), key_scale.record(scale))
             for side in SIDES:
                 codec, params = TIERS[info.tiers[layer][side]], info.params[(layer, side)]

@@ -34,6 +34,12 @@ def sink_partial(sinks, n_kv, L, v_dim):
     return mx.zeros((*m.shape, v_dim), dtype=mx.float32), m, mx.ones(m.shape, dtype=mx.float32)
 
 
+def per_query_head(scale, n_heads):
+    """A K scale (n_kv_heads, head_dim) laid out as (1, n_heads, 1, head_dim): head i takes KV head i // group's
+    row (mlx-lm's GQA), n_heads a multiple of n_kv_heads (n_kv_heads itself for keys)."""
+    return mx.repeat(scale, n_heads // scale.shape[0], axis=0)[None, :, None, :]
+
+
 class CartridgeCache(_BaseCache):
     """One layer's cache: frozen prefix pages + dense tail in chunks of `chunk_size` tokens.
 
@@ -58,7 +64,7 @@ class CartridgeCache(_BaseCache):
         self._backend = None if prefix.backend is None else backends.get(prefix.backend.name)
         # K stored as K / s (format 1.11): the tail keeps its keys / s and the queries are multiplied by s, so that
         # every backend reads one basis, (q * s) . (k / s) = q . k
-        self._inverse_scale = None if prefix.key_scale is None else (1.0 / prefix.key_scale)[None, :, None, :]
+        self._tail_scale = prefix.key_scale  # what the tail's keys are divided by (None: stored as computed)
         self._scales = {}  # (what, heads, dtype) -> the scale laid out and cast once: one multiply per call
 
     @property
@@ -92,7 +98,7 @@ class CartridgeCache(_BaseCache):
         if keys.shape[0] != 1:
             raise CartridgeError(f"a cartridge holds one sequence; got batch size {keys.shape[0]}")
         self.written_from = min(self.written_from, self.tail_len)
-        if self._inverse_scale is not None:
+        if self._tail_scale is not None:
             keys = keys * self._scale_as("k", keys)
         self._write(self._k_chunks, keys, self.tail_len)
         self._write(self._v_chunks, values, self.tail_len)
@@ -104,10 +110,9 @@ class CartridgeCache(_BaseCache):
         for new keys ("k"); made once per (what, heads, dtype)."""
         key = (what, x.shape[1], x.dtype)
         if key not in self._scales:
-            s = self._inverse_scale[0, :, 0] if what == "k" else self.prefix.key_scale
-            s = mx.repeat(s, x.shape[1] // s.shape[0], axis=0)[None, :, None, :].astype(x.dtype)
-            mx.eval(s)
-            self._scales[key] = s
+            s = per_query_head(1.0 / self._tail_scale if what == "k" else self.prefix.key_scale, x.shape[1])
+            self._scales[key] = s.astype(x.dtype)
+            mx.eval(self._scales[key])
         return self._scales[key]
 
     def tail(self):
@@ -128,9 +133,9 @@ class CartridgeCache(_BaseCache):
         """The tail's keys and values as the model computed them (a scaled layer's keys multiplied back), each
         (n_kv_heads, tail_len, head_dim); (None, None) when empty."""
         k, v = self.tail().kv()
-        if k is None or self._inverse_scale is None:
+        if k is None or self._tail_scale is None:
             return k, v
-        return (k * self.prefix.key_scale[:, None, :]).astype(k.dtype), v
+        return (k * self._tail_scale[:, None, :]).astype(k.dtype), v
 
     def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over prefix + tail.

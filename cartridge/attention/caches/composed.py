@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ...errors import CartridgeError
 from ..kernels import merge, tail_partial
-from .cartridge import CartridgeCache, sink_partial
+from .cartridge import CartridgeCache, per_query_head, sink_partial
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class ComposedCache(CartridgeCache):
 
     def __init__(self, parts, patches, length, rope, chunk_size=256):
         super().__init__(parts[0].prefix, chunk_size)
-        self._inverse_scale = None  # the tail holds the model's keys; each part's scale goes on its own queries
+        self._tail_scale = None  # the tail holds the model's keys; each part's scale goes on its own queries
         self.parts, self.patches, self.length, self.rope = parts, patches, length, rope
         self.record = None  # a list: each attention call appends its rows' mass on the last part (`blend.probe_mass`)
 
@@ -125,10 +125,7 @@ class ComposedCache(CartridgeCache):
     @staticmethod
     def _scaled(queries, prefix):
         """Queries (1, n_q, L, D) times the part's K scale, each query head its KV head's (format 1.11), or as given."""
-        if prefix.key_scale is None:
-            return queries
-        n_q = queries.shape[1]
-        return queries * mx.repeat(prefix.key_scale, n_q // prefix.n_kv_heads, axis=0)[None, :, None, :]
+        return queries if prefix.key_scale is None else queries * per_query_head(prefix.key_scale, queries.shape[1])
 
     def attention(self, queries, scale, mask=None, sinks=None):
         """Attention of `queries` over every part, patch and the tail (see `CartridgeCache.attention`;
