@@ -245,3 +245,30 @@ def test_calibrated_presets_encode_score_aware_and_scaled_unless_told(tiny64, tm
         info[name] = open_cartridge(tmp_path / f"{name}.cart")[0]
     assert sorted(info["preset"].key_scales) == [0, 1]
     assert info["named"].key_scales == info["fixed"].key_scales == info["tier"].key_scales == {}
+
+
+def test_generate_step_over_a_scaled_cache_across_tail_chunks_is_a_fresh_prefill(tiny64, carts):
+    """mlx-lm's own generate_step over the scaled fp16 cartridge, its tail in chunks of 4 tokens (the question and
+    12 answer tokens cross them), picks a fresh mlx-lm prefill's greedy tokens, with the log-probabilities of the same
+    loop over mlx-lm's own KVCache of the document rounded to fp16 (the harness's control, which picks them too)."""
+    from mlx_lm.generate import generate_step
+    from helpers.fresh_prefill import mlx_cache
+
+    from cartridge.attention.caches import CartridgeCache, PromptCache
+
+    cart = load(carts[("fp16", True)], model=tiny64, attention="portable")
+    prompt = full_prompt_tokens(tiny64.tokenizer, DOC, QUESTION)
+    want = greedy(tiny64.model, tiny64.tokenizer, prompt, 12)
+    n = len(cart.info.tokens)
+    assert prompt[:n] == cart.info.tokens.tolist()
+
+    def loop(cache):
+        steps = list(generate_step(mx.array(prompt[n:]), tiny64.model, max_tokens=12, prompt_cache=cache))
+        return [int(t) for t, _ in steps], np.stack([np.array(p.astype(mx.float32)) for _, p in steps])
+
+    chunked = PromptCache([CartridgeCache(p, chunk_size=4) for p in cart.prefixes], n)
+    tokens, rows = loop(chunked)
+    assert tokens == want and chunked[0].tail_len > 2 * chunked[0].chunk_size
+    control_tokens, control = loop(mlx_cache(tiny64.model, prompt[:n], stored=mx.float16))
+    assert control_tokens == want
+    assert np.abs(rows - control).max() < 2 * TOL  # the same fp16-rounded K, read through the scale
